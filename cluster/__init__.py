@@ -1,0 +1,1 @@
+"""What runs without an orchestrator: the spec, the backends, the on-cluster job and its loop helpers."""

@@ -1,0 +1,72 @@
+"""One interface for every place a Ray cluster can come from, with SkyPilot's verbs.
+
+launch(spec, name) -> handle; exec(handle, ...) -> job id; tail_logs(handle, job id, on_line) -> exit code;
+status() -> our clusters; down(name) tears a cluster down, idempotent and safe on a half-made one.
+`down` takes a name, not a handle: Prefect's cancel and crash hooks run in another process.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from cluster.spec import ExperimentSpec
+
+CLUSTER_PREFIX = "gpuflow-"
+
+
+@dataclass
+class ClusterHandle:
+    name: str
+    backend: str
+    address: str = ""  # Ray GCS address the job connects to, where known
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class ClusterStatus:
+    name: str
+    backend: str
+    status: str  # UP, INIT, STOPPED, ...
+    launched_at: float | None = None
+
+
+class Backend(Protocol):
+    name: str
+
+    def launch(self, spec: ExperimentSpec, cluster_name: str) -> ClusterHandle: ...
+
+    def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str: ...
+
+    def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int: ...
+
+    def status(self) -> list[ClusterStatus]: ...
+
+    def down(self, cluster_name: str) -> bool: ...
+
+
+def cluster_name_for(flow_run_id: str) -> str:
+    """gpuflow-<flow run id hex>: a retry of the same flow run finds its own cluster, and the reaper its owner."""
+    return CLUSTER_PREFIX + re.sub(r"[^0-9a-f]", "", str(flow_run_id).lower())
+
+
+def flow_run_id_of(cluster_name: str) -> str | None:
+    """The Prefect flow-run id a gpuflow cluster name encodes; None for a cluster that is not ours."""
+    match = re.fullmatch(CLUSTER_PREFIX + r"([0-9a-f]{32})", cluster_name)
+    if not match:
+        return None
+    h = match.group(1)
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def get_backend(name: str) -> Backend:
+    if name == "local":
+        from cluster.backends.local import LocalBackend
+
+        return LocalBackend()
+    if name == "skypilot":
+        from cluster.backends.skypilot import SkyPilotBackend
+
+        return SkyPilotBackend()
+    raise ValueError(f"compute.backend: unknown backend {name!r}; use 'local' or 'skypilot'")

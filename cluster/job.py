@@ -1,0 +1,99 @@
+"""The job that runs on the cluster: a Ray Train TorchTrainer built from the spec, fitted, result printed.
+
+    python -m cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
+
+It imports no orchestrator. Rank 0 of the loop logs to the MLflow run named by
+GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI; checkpoints go to the spec's storage URI.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# Ray Train v2's controller polls its workers every 2 s by default, and each report waits for a
+# poll: on short epochs that is most of the wall time. The driver's value propagates to workers.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+# Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+
+import ray  # noqa: E402
+import ray.train  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve  # noqa: E402
+
+RESULT_PREFIX = "[gpuflow] result "
+
+
+def loop_config(spec: ExperimentSpec) -> dict:
+    """What the per-worker loop receives: the hyper-parameters, the data locations and the precision."""
+    return {
+        **spec.train.params,
+        "epochs": spec.train.epochs,
+        "batch_size": spec.train.batch_size,
+        "lr": spec.train.lr,
+        "precision": spec.precision,
+        "train_path": absolute_uri(spec.data.train),
+        "validation_path": absolute_uri(spec.data.validation) if spec.data.validation else None,
+    }
+
+
+def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
+    compute = spec.compute
+    gpus_per_worker = 1 if compute.use_gpu else 0
+    return TorchTrainer(
+        resolve(spec.train.loop),
+        train_loop_config=loop_config(spec),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=compute.num_workers,
+            use_gpu=compute.use_gpu,
+            resources_per_worker={"CPU": compute.cpus_per_worker, "GPU": gpus_per_worker},
+            # one node's workers per node: multi-node placement is what the user asked for
+            placement_strategy="SPREAD" if compute.num_nodes > 1 else "PACK",
+        ),
+        run_config=ray.train.RunConfig(
+            name=run_name,
+            storage_path=spec.checkpoint_uri,
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.storage.num_to_keep),
+            failure_config=ray.train.FailureConfig(max_failures=0),
+        ),
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True, help="spec as JSON (ExperimentSpec.model_dump_json)")
+    parser.add_argument("--address", required=True, help="GCS address of the Ray cluster to run on")
+    parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
+    args = parser.parse_args(argv)
+
+    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text())
+    workdir = str(Path(spec.workdir).absolute())
+    env_vars = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [workdir, os.environ.get("PYTHONPATH")])),
+        **{key: os.environ[key] for key in ("MLFLOW_TRACKING_URI", "GPUFLOW_MLFLOW_RUN_ID") if key in os.environ},
+        **spec.envs,
+        **{name: os.environ[name] for name in spec.secrets if name in os.environ},
+    }
+    started = time.time()
+    ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    print(f"[gpuflow] connected to Ray at {args.address}: {len(ray.nodes())} node(s)", flush=True)
+    with on_sys_path(workdir):
+        trainer = build_trainer(spec, args.run_name)
+    result = trainer.fit()
+    summary = {
+        "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))},
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "storage": result.path,
+        "fit_seconds": round(time.time() - started, 2),
+    }
+    print(RESULT_PREFIX + json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

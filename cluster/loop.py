@@ -1,0 +1,102 @@
+"""What a Ray Train per-worker loop needs from gpuflow: data, precision, per-epoch reports, the final model.
+
+Rank 0 logs to the flow's MLflow run (GPUFLOW_MLFLOW_RUN_ID) and writes the checkpoints;
+every rank calls `report` so that Ray Train's workers stay in step.
+"""
+
+import contextlib
+import os
+import sys
+import tempfile
+import time
+
+import pyarrow.dataset as ds
+import ray.train
+import torch
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def read_table(uri: str):
+    """A Parquet file, folder or URI (s3://, gs://, local) as one pyarrow Table."""
+    return ds.dataset(uri, format="parquet").to_table()
+
+
+def rank() -> int:
+    return ray.train.get_context().get_world_rank()
+
+
+def autocast(precision: str, device: torch.device):
+    """fp32 runs as is; bf16/fp16 run the forward pass under torch autocast."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    # fp16 underflows small gradients without loss scaling; bf16 has fp32's range and needs none.
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+def restore(model, optimizer, scaler=None) -> int:
+    """Loads Ray Train's latest checkpoint, if any; returns the epoch to start from."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as folder:
+        state = torch.load(os.path.join(folder, CHECKPOINT_FILE), weights_only=False)
+    unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    return state["epoch"] + 1
+
+
+def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
+    """Ends an epoch: rank 0 checkpoints, logs metrics to MLflow (step = epoch) and prints progress."""
+    metrics = {key: float(value) for key, value in metrics.items()}
+    if rank() != 0:
+        ray.train.report(metrics)
+        return
+    log_metrics(metrics, step=epoch)
+    print(f"[gpuflow] epoch {epoch}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        state = {"epoch": epoch, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+        if scaler is not None and scaler.is_enabled():
+            state["scaler"] = scaler.state_dict()
+        torch.save(state, os.path.join(folder, CHECKPOINT_FILE))
+        # report() copies the folder to storage before it returns: the checkpoint survives a later failure.
+        ray.train.report({**metrics, "epoch": epoch}, checkpoint=ray.train.Checkpoint.from_directory(folder))
+
+
+def log_metrics(metrics: dict, step: int) -> None:
+    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    if not run_id:
+        return
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True)
+
+
+def log_model(model, input_example=None) -> None:
+    """Rank 0 logs the trained model to the flow's MLflow run; other ranks do nothing."""
+    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    if rank() != 0 or not run_id:
+        return
+    import mlflow.pytorch
+
+    # The logged model belongs to the run's experiment, not to whatever experiment is active here.
+    mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
+    # Stating the requirement skips MLflow's inference of them, which re-imports the loop (~7 s).
+    requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+    mlflow.pytorch.log_model(unwrap(model).cpu(), name="model", input_example=input_example, run_id=run_id,
+                             pip_requirements=requirements)
+    print("[gpuflow] model logged to MLflow", file=sys.stderr, flush=True)
+
+
+def unwrap(model):
+    """The plain module inside DistributedDataParallel."""
+    return getattr(model, "module", model)

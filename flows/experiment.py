@@ -1,0 +1,92 @@
+"""One experiment as one unit: the Prefect flow run, the cluster and the MLflow run live and die together.
+
+    gpuflow run experiments/digits.yaml            # or: python -m flows.experiment experiments/digits.yaml
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from prefect import flow, get_run_logger, runtime
+
+from cluster.backends import cluster_name_for, get_backend
+from cluster.spec import ExperimentSpec, parse_spec
+from tasks.compute import RunStopped, deadline_check, provision, teardown, train
+from tasks.prepare import stage_data, validate
+from tasks.tracking import (
+    close_mlflow_run, close_runs_of_flow_run, mlflow_status_for, open_mlflow_run, publish_summary, register_model,
+)
+
+
+def run_name() -> str:
+    """Says what ran and when, e.g. digits-mlp-2026-11-21-0300."""
+    spec = runtime.flow_run.parameters.get("spec") or {}
+    name = spec.name if isinstance(spec, ExperimentSpec) else spec.get("name", "experiment")
+    return f"{name}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M%S}"
+
+
+def release(flow, flow_run, state) -> None:
+    """Cancel and crash hooks: may run in another process, so they find the cluster and MLflow run by flow-run id."""
+    spec = parse_spec(flow_run.parameters["spec"])
+    get_backend(spec.compute.backend).down(cluster_name_for(flow_run.id))
+    close_runs_of_flow_run(spec, str(flow_run.id), "KILLED" if state.is_cancelled() else "FAILED")
+
+
+@flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
+def run_experiment(spec: ExperimentSpec) -> dict:
+    """Validate → stage data + open the MLflow run + provision (side by side) → train → register → teardown."""
+    logger = get_run_logger()
+    spec = validate(spec)
+    cluster_name = cluster_name_for(runtime.flow_run.id)
+    this_run = {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
+                "url": runtime.flow_run.ui_url, "deployment": runtime.deployment.name}
+    started = time.time()
+    phases: dict[str, float] = {}
+    run_id, failure = None, None
+
+    # Data, tracking and the cluster have no order between them: start them together.
+    data = stage_data.submit(spec)
+    mlflow_run = open_mlflow_run.submit(spec, cluster_name, this_run)
+    cluster = provision.submit(spec, cluster_name)
+    try:
+        run_id = mlflow_run.result()
+        data.result()
+        handle = cluster.result()
+        phases["provision_seconds"] = time.time() - started
+
+        env = {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
+        result = train(spec, handle, run_name=runtime.flow_run.name, env=env,
+                       stop_checks=[deadline_check(spec, started)])
+        phases["train_seconds"] = result.train_seconds
+        if result.first_epoch_seconds:
+            phases["first_epoch_seconds"] = result.first_epoch_seconds
+        if spec.tracking.register_model:
+            register_model(spec, run_id)
+    except BaseException as exc:
+        failure = exc
+        raise
+    finally:
+        cluster.wait()  # a provision still in flight must finish (or fail) before we can down what it made
+        phases["teardown_seconds"] = teardown(spec, cluster_name)
+        phases["wall_seconds"] = time.time() - started
+        if run_id:
+            close_mlflow_run(spec, run_id, mlflow_status_for(failure),
+                             {f"gpuflow.{key}": value for key, value in phases.items()},
+                             tags={"stopped_by": failure.reason} if isinstance(failure, RunStopped) else None)
+        elif failure is not None:
+            close_runs_of_flow_run(spec, this_run["id"], mlflow_status_for(failure))
+
+    summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": phases,
+               "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name}
+    publish_summary(spec, run_id, summary)
+    logger.info(f"done in {phases['wall_seconds']:.1f}s: {result.metrics}")
+    return summary
+
+
+if __name__ == "__main__":
+    import sys
+
+    from cluster.spec import load_spec
+
+    run_experiment(load_spec(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,1 @@
+"""Prefect tasks: one step of an experiment each (validate, stage data, track, provision, train, teardown)."""

@@ -1,0 +1,164 @@
+"""The MLflow side of a flow run: open the run, close it with the flow's outcome, link the two both ways."""
+
+from __future__ import annotations
+
+import json
+import time
+from urllib.parse import quote
+
+import yaml
+from mlflow import MlflowClient
+from mlflow.entities import RunStatus
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+
+from cluster.spec import ExperimentSpec, state_dir
+from tasks.compute import RunStopped
+
+FLOW_RUN_TAG = "prefect.flow_run_id"
+
+
+def client_for(spec: ExperimentSpec) -> MlflowClient:
+    return MlflowClient(tracking_uri=spec.tracking_uri)
+
+
+def experiment_id(client: MlflowClient, spec: ExperimentSpec) -> str:
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    if experiment:
+        return experiment.experiment_id
+    # A local store keeps artifacts beside it under .gpuflow/, not in the working directory.
+    location = None if spec.tracking.uri else (state_dir() / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(spec.experiment_name, artifact_location=location)
+    except Exception:  # created concurrently by another run
+        return client.get_experiment_by_name(spec.experiment_name).experiment_id
+
+
+def flat_params(spec: ExperimentSpec) -> dict[str, str]:
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, item)
+        else:
+            flat[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+    walk("", spec.model_dump(exclude={"secrets", "envs"}))
+    return {key: value[:6000] for key, value in flat.items()}
+
+
+@task(name="open-mlflow-run", retries=2, retry_delay_seconds=[2, 5])
+def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> str:
+    """Creates the run the job will log into: params, the spec, and tags linking it to the Prefect run."""
+    client = client_for(spec)
+    tags = {
+        FLOW_RUN_TAG: flow_run["id"],
+        "prefect.flow_run_name": flow_run["name"],
+        "prefect.flow_run_url": flow_run.get("url") or "",
+        "prefect.deployment": flow_run.get("deployment") or "",
+        "gpuflow.backend": spec.compute.backend,
+        "gpuflow.cluster": cluster_name,
+        "mlflow.runName": flow_run["name"],
+    }
+    run = client.create_run(experiment_id(client, spec), run_name=flow_run["name"], tags=tags)
+    run_id = run.info.run_id
+    client.log_batch(run_id, params=[_param(k, v) for k, v in flat_params(spec).items()], synchronous=True)
+    client.log_text(run_id, yaml.safe_dump(spec.model_dump(mode="json", exclude={"secrets"}), sort_keys=False), "spec.yaml")
+    get_run_logger().info(f"MLflow run {run_id} in experiment {spec.experiment_name!r} ({spec.tracking_uri})")
+    return run_id
+
+
+def _param(key, value):
+    from mlflow.entities import Param
+
+    return Param(key, value)
+
+
+def close_mlflow_run(spec: ExperimentSpec, run_id: str, status: str, metrics: dict[str, float] | None = None,
+                     tags: dict[str, str] | None = None) -> None:
+    """Ends the run FINISHED, FAILED or KILLED, logging the phase timings first; a run already ended is left as is."""
+    client = client_for(spec)
+    for key, value in (tags or {}).items():
+        client.set_tag(run_id, key, value)
+    if metrics:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status)
+
+
+def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) -> list[str]:
+    """For hooks in another process: finds the flow run's MLflow runs still RUNNING and ends them."""
+    client = client_for(spec)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    if not experiment:
+        return []
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}' and attributes.status = 'RUNNING'",
+    )
+    for run in runs:
+        client.set_tag(run.info.run_id, "gpuflow.closed_by", "hook")
+        client.set_terminated(run.info.run_id, status)
+    return [run.info.run_id for run in runs]
+
+
+def mlflow_status_for(exc: BaseException | None) -> str:
+    """An exception fails the run; an interruption (cancel, SIGTERM, Ctrl-C) kills it."""
+    if exc is None:
+        return RunStatus.to_string(RunStatus.FINISHED)
+    # stopped on purpose (timeout, budget, cancel) or interrupted (SIGTERM, Ctrl-C) is KILLED, not a bug
+    return "FAILED" if isinstance(exc, Exception) and not isinstance(exc, RunStopped) else "KILLED"
+
+
+def run_url(spec: ExperimentSpec, run_id: str) -> str:
+    client = client_for(spec)
+    experiment = client.get_run(run_id).info.experiment_id
+    base = spec.tracking_uri if spec.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def open_command(spec: ExperimentSpec) -> str | None:
+    """The command that serves a local store's UI; None when tracking already goes to a server."""
+    if spec.tracking_uri.startswith("http"):
+        return None
+    return f"mlflow ui --backend-store-uri {spec.tracking_uri} --port 5000"
+
+
+@task(name="register-model")
+def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
+    """Registers the model that rank 0 logged as a new version of the model named after the spec."""
+    client = client_for(spec)
+    experiment = client.get_run(run_id).info.experiment_id
+    models = client.search_logged_models([experiment], filter_string=f"source_run_id = '{run_id}'")
+    if not models:
+        get_run_logger().warning("the training loop logged no model (cluster.loop.log_model): nothing to register")
+        return None
+    import mlflow
+
+    mlflow.set_tracking_uri(spec.tracking_uri)
+    version = mlflow.register_model(f"models:/{models[0].model_id}", spec.name)
+    client.set_tag(run_id, "gpuflow.registered_model", f"{spec.name}/{version.version}")
+    get_run_logger().info(f"registered model {spec.name!r} version {version.version}")
+    return version.version
+
+
+@task(name="publish-summary")
+def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
+    """A markdown artifact on the Prefect run: the MLflow run, its link, final metrics and timings."""
+    lines = [
+        f"# {spec.name}",
+        f"**MLflow run** `{run_id}`: [{run_url(spec, run_id)}]({run_url(spec, run_id)})",
+        f"(tracking URI `{spec.tracking_uri}`" + (f"; open with `{open_command(spec)}`)" if open_command(spec) else ")"),
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        *[f"| {key} | {value:.4g} |" for key, value in summary.get("metrics", {}).items()],
+        *[f"| {key} | {value:.1f} s |" for key, value in summary.get("phases", {}).items()],
+        "",
+        f"Checkpoints: `{summary.get('checkpoint')}`",
+    ]
+    create_markdown_artifact("\n".join(lines), key=quote(f"mlflow-{spec.name}", safe="-").lower(), description="MLflow run of this flow run")
