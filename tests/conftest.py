@@ -1,0 +1,53 @@
+"""Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+@pytest.fixture
+def gpuflow_home(tmp_path, monkeypatch) -> Path:
+    """GPUFLOW_HOME in a temp folder: MLflow store, checkpoints, cluster records of this test only."""
+    home = tmp_path / "gpuflow-home"
+    monkeypatch.setenv("GPUFLOW_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def digits_spec(gpuflow_home):
+    """The shipped digits spec, its data and state redirected under the test's GPUFLOW_HOME."""
+    from cluster.spec import load_spec
+
+    return load_spec(REPO / "experiments" / "digits.yaml", [
+        f"workdir={REPO}",
+        f"data.train={gpuflow_home}/data/train.parquet",
+        f"data.validation={gpuflow_home}/data/validation.parquet",
+    ])
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real Prefect API (temporary server and database) for every flow run of the session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def alive(pids) -> list[int]:
+    """The pids that are still running (zombies count as gone: they hold no resources)."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            running.append(pid)
+    return running

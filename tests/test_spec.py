@@ -1,0 +1,104 @@
+"""Bad specs fail before any cluster exists, with the field, the bad value and the fix."""
+
+import pytest
+
+from cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
+from tests.conftest import REPO
+
+DIGITS = REPO / "experiments" / "digits.yaml"
+
+BAD_SPECS = [
+    # (overrides, field named in the message, a word of the fix or the value)
+    ({"name": "Digits MLP"}, "name", "lowercase"),
+    ({"name": 7}, "name", "7"),
+    ({"colour": "blue"}, "colour", "unknown field"),
+    ({"train": {"loop": "experiments.digits"}}, "train.loop", "module:function"),
+    ({"train": {"loop": "not a path:fn"}}, "train.loop", "module:function"),
+    ({"train": {"epochs": 0}}, "train.epochs", "greater than or equal to 1"),
+    ({"train": {"epochs": "ten"}}, "train.epochs", "ten"),
+    ({"train": {"lr": -0.1}}, "train.lr", "greater than 0"),
+    ({"train": {"batch_size": 2.5}}, "train.batch_size", "2.5"),
+    ({"train": {"learning_rate": 0.1}}, "train.learning_rate", "unknown field"),
+    ({"data": {"generate": "write"}}, "data.generate", "module:function"),
+    ({"compute": {"num_nodes": 0}}, "compute.num_nodes", "greater than or equal to 1"),
+    ({"compute": {"workers_per_node": 0}}, "compute.workers_per_node", "greater than or equal to 1"),
+    ({"compute": {"backend": "kubernetes"}}, "compute.backend", "'local' or 'skypilot'"),
+    ({"compute": {"num_nodes": 2, "num_workers": 3}}, "compute", "multiple of num_nodes"),
+    ({"compute": {"accelerators": "H100:8"}}, "compute", "backend: skypilot"),
+    ({"compute": {"backend": "skypilot", "accelerators": "H100 x8"}}, "compute.accelerators", "H100:8"),
+    ({"compute": {"cpus_per_worker": 0}}, "compute.cpus_per_worker", "greater than 0"),
+    ({"compute": {"gpus": 1}}, "compute.gpus", "unknown field"),
+    ({"precision": "fp8"}, "precision", "'fp32', 'bf16' or 'fp16'"),
+    ({"limits": {"max_runtime_minutes": 0}}, "limits.max_runtime_minutes", "greater than 0"),
+    ({"limits": {"max_cost_usd": -5}}, "limits.max_cost_usd", "greater than 0"),
+    ({"limits": {"idle_minutes_to_autostop": 0}}, "limits.idle_minutes_to_autostop", "greater than or equal to 1"),
+    ({"storage": {"num_to_keep": 0}}, "storage.num_to_keep", "greater than or equal to 1"),
+    ({"tracking": {"uri": 5, "experiment": []}}, "tracking.uri", "5"),
+    ({"compute": {"backend": "skypilot", "accelerators": "H100:1"}}, "tracking.uri", "mlflow server"),
+]
+
+
+@pytest.mark.parametrize("fields, field, fix", BAD_SPECS, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD_SPECS)])
+def test_bad_spec_names_field_and_fix(fields, field, fix):
+    with pytest.raises(SpecError) as error:
+        parse_spec(fields)
+    message = str(error.value)
+    assert field in message and fix in message, message
+
+
+def test_the_shipped_spec_is_valid():
+    spec = load_spec(DIGITS)
+    assert spec.compute.num_workers == 2 and spec.compute.backend == "local"
+    assert check_spec(spec) == []
+
+
+def test_overrides_apply_and_are_validated():
+    spec = load_spec(DIGITS, ["train.lr=0.01", "compute.num_workers=4"])
+    assert spec.train.lr == 0.01
+    assert (spec.compute.num_workers, spec.compute.workers_per_node) == (4, 4)
+    with pytest.raises(SpecError, match="train.lr"):
+        load_spec(DIGITS, ["train.lr=-1"])
+    with pytest.raises(SpecError, match="field.path=value"):
+        load_spec(DIGITS, ["train.lr"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("name: [unclosed")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="mapping"):
+        load_spec(tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"train": {"loop": "experiments.nope:train_loop"}}, "train.loop"),
+    ({"train": {"loop": "experiments.digits:no_such_loop"}}, "train.loop"),
+    ({"data": {"generate": "experiments.digits:missing"}}, "data.generate"),
+    ({"data": {"train": "/nonexistent/train.parquet"}}, "data.train"),
+    ({"data": {"validation": "/nonexistent/val.parquet"}}, "data.validation"),
+    ({"workdir": "/nonexistent-folder"}, "workdir"),
+    ({"secrets": ["GPUFLOW_TEST_UNSET_TOKEN"]}, "secrets[0]"),
+])
+def test_checks_beyond_the_model(fields, field):
+    spec = parse_spec({"workdir": str(REPO), **fields})
+    problems = check_spec(spec)
+    assert any(problem.startswith(field) for problem in problems), problems
+
+
+def test_unreadable_data_file_is_refused(tmp_path):
+    junk = tmp_path / "train.parquet"
+    junk.write_text("not parquet")
+    problems = check_spec(parse_spec({"workdir": str(REPO), "data": {"train": str(junk), "validation": None}}))
+    assert any("data.train" in p and "Parquet" in p for p in problems), problems
+
+
+def test_skypilot_accepts_remote_stores():
+    spec = ExperimentSpec.model_validate({
+        "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},
+        "tracking": {"uri": "https://mlflow.example.com"},
+        "storage": {"checkpoints": "s3://bucket/ckpt"},
+    })
+    assert spec.compute.use_gpu and spec.compute.num_workers == 4
