@@ -1,0 +1,93 @@
+"""End to end under a real Prefect API: local Ray cluster → Ray Train DDP → MLflow → teardown."""
+
+import asyncio
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+from cluster.backends import cluster_name_for
+from flows.experiment import run_experiment
+from tests.conftest import alive
+
+
+def processes_of(cluster_name: str) -> list[int]:
+    """Live processes whose command line names the cluster's Ray temp dir or its state folder."""
+    marker = f"gf-{cluster_name[-8:]}-"
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (marker in (entry / "cmdline").read_text() or cluster_name in (entry / "cmdline").read_text()):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return alive(found)
+
+
+def flow_logs(flow_run_id) -> str:
+    async def read():
+        async with get_client() as client:
+            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+            return "\n".join(log.message for log in logs)
+    return asyncio.run(read())
+
+
+def mlflow_run_of(spec, flow_run_id):
+    client = MlflowClient(spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    [run] = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    return client, run
+
+
+def test_digits_trains_tracks_and_tears_down(prefect_server, digits_spec):
+    state = run_experiment(digits_spec, return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    assert state.is_completed(), state.message
+    summary = state.result()
+
+    client, run = mlflow_run_of(digits_spec, flow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["val_accuracy"] >= 0.95
+    assert run.data.tags["gpuflow.backend"] == "local"
+    assert run.data.tags["gpuflow.cluster"] == cluster_name_for(flow_run_id) == summary["cluster"]
+    assert run.data.tags["prefect.flow_run_name"].startswith("digits-mlp-")
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == list(range(digits_spec.train.epochs))
+    assert run.data.params["train.lr"] == str(digits_spec.train.lr)
+
+    # the registered model loads and predicts digits from the held-out split
+    mlflow.set_tracking_uri(digits_spec.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{digits_spec.name}/latest")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(digits_spec.data.validation)
+    pixels = torch.tensor(np.stack(table.column("pixels").to_numpy(zero_copy_only=False)))
+    predictions = model(pixels).argmax(dim=1).numpy()
+    assert (predictions == table.column("label").to_numpy()).mean() >= 0.95
+
+    checkpoints = list(Path(summary["checkpoint"]).parent.glob("checkpoint_*/checkpoint.pt"))
+    assert len(checkpoints) == digits_spec.train.epochs
+    assert processes_of(summary["cluster"]) == []
+
+
+def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, digits_spec):
+    spec = digits_spec.model_copy(update={"train": digits_spec.train.model_copy(update={
+        "epochs": 4, "params": {**digits_spec.train.params, "fail_at_epoch": 2}})})
+    state = run_experiment(spec, return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    assert state.is_failed()
+
+    _, run = mlflow_run_of(spec, flow_run_id)
+    assert run.info.status == "FAILED"
+    logs = flow_logs(flow_run_id)
+    assert "Traceback" in logs and "fail_at_epoch=2: failing on purpose" in logs
+
+    storage = Path(spec.checkpoint_uri) / run.data.tags["prefect.flow_run_name"]
+    saved = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
+    assert [torch.load(path, weights_only=False)["epoch"] for path in saved] == [0, 1]
+    assert processes_of(cluster_name_for(flow_run_id)) == []

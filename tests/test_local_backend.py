@@ -1,0 +1,63 @@
+"""The local backend starts real Ray processes on 127.0.0.1 and leaves none behind."""
+
+import json
+import subprocess
+import sys
+
+from cluster.backends import cluster_name_for, flow_run_id_of
+from cluster.backends.local import LocalBackend, ray_env
+from cluster.spec import parse_spec
+from tests.conftest import alive
+
+NAME = cluster_name_for("0d5f6a0e-1b1c-4c2e-9a55-2f2d1c3b4a59")
+
+
+def test_cluster_names_encode_the_flow_run():
+    assert NAME == "gpuflow-0d5f6a0e1b1c4c2e9a552f2d1c3b4a59"
+    assert flow_run_id_of(NAME) == "0d5f6a0e-1b1c-4c2e-9a55-2f2d1c3b4a59"
+    assert flow_run_id_of("my-own-cluster") is None
+
+
+def test_up_down_leaves_no_ray_process(gpuflow_home):
+    backend = LocalBackend()
+    spec = parse_spec({"compute": {"workers_per_node": 1}})
+    handle = backend.launch(spec, NAME)
+    pids = backend.pids(NAME)
+    try:
+        assert handle.address.startswith("127.0.0.1:")
+        assert len(alive(pids)) >= 3  # supervisor, gcs_server, raylet at least
+        assert [c.status for c in backend.status() if c.name == NAME] == ["UP"]
+        assert backend.launch(spec, NAME).address == handle.address  # same name: same cluster
+    finally:
+        assert backend.down(NAME) is True
+    assert alive(pids) == []
+    assert backend.down(NAME) is False  # twice is fine
+    assert backend.status() == []
+
+
+def test_two_nodes_are_two_ray_nodes(gpuflow_home):
+    backend = LocalBackend()
+    handle = backend.launch(parse_spec({"compute": {"num_nodes": 2, "workers_per_node": 1}}), NAME)
+    pids = backend.pids(NAME)
+    # A driver in its own process, as the job is: Ray reads its address settings at import.
+    driver = ("import json, ray; ray.init(address='%s', logging_level='ERROR'); "
+              "print(json.dumps([n for n in ray.nodes() if n['Alive']]))" % handle.address)
+    try:
+        out = subprocess.run([sys.executable, "-c", driver], env=ray_env(), capture_output=True, text=True, timeout=120)
+        nodes = json.loads(out.stdout.strip().splitlines()[-1])
+        assert len(nodes) == 2
+        assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
+        assert [n["Resources"]["CPU"] for n in nodes] == [1.0, 1.0]
+    finally:
+        backend.down(NAME)
+    assert alive(pids) == []
+
+
+def test_down_of_a_half_made_cluster(gpuflow_home):
+    """A record whose processes never started (a crash mid-launch) is cleaned up without error."""
+    backend = LocalBackend()
+    folder = backend.root / NAME
+    folder.mkdir(parents=True)
+    (folder / "cluster.json").write_text('{"pgid": 999999, "temp_dir": "/tmp/does-not-exist", "jobs": {}}')
+    assert backend.down(NAME) is True
+    assert not folder.exists()
