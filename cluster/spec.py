@@ -88,6 +88,8 @@ class ComputeSpec(Strict):
     cloud: str | None = Field(None, description="Cloud name, e.g. 'aws', 'gcp' (or use infra).")
     region: str | None = Field(None, description="Cloud region, e.g. 'us-east-1'.")
     disk_size_gb: int | None = Field(None, ge=10, description="Boot disk per node in GB.")
+    memory_gb_per_node: float | None = Field(None, gt=0, description="Memory per node in GB; the cloud's default when unset.")
+    max_hourly_cost_usd: float | None = Field(None, gt=0, description="Only consider instances up to this price per hour (per node).")
 
     @field_validator("accelerators")
     @classmethod

@@ -9,9 +9,11 @@ import time
 from datetime import datetime, timezone
 
 from prefect import flow, get_run_logger, runtime
+from prefect.states import Cancelled
 
 from cluster.backends import cluster_name_for, get_backend
 from cluster.spec import ExperimentSpec, parse_spec
+from tasks.cancel import CancelWatcher
 from tasks.compute import RunStopped, deadline_check, provision, teardown, train
 from tasks.prepare import stage_data, validate
 from tasks.tracking import (
@@ -34,16 +36,22 @@ def release(flow, flow_run, state) -> None:
 
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
-def run_experiment(spec: ExperimentSpec) -> dict:
+def run_experiment(spec: ExperimentSpec):
     """Validate → stage data + open the MLflow run + provision (side by side) → train → register → teardown."""
     logger = get_run_logger()
     spec = validate(spec)
     cluster_name = cluster_name_for(runtime.flow_run.id)
     this_run = {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
                 "url": runtime.flow_run.ui_url, "deployment": runtime.deployment.name}
+    backend = get_backend(spec.compute.backend)
     started = time.time()
     phases: dict[str, float] = {}
     run_id, failure = None, None
+
+    # A cancel from the UI reaches a `gpuflow run` process only through the API: downing the
+    # cluster ends whatever step is running (launch or job), and the flow then ends Cancelled.
+    cancel_watcher = CancelWatcher(runtime.flow_run.id, on_cancel=lambda: backend.down(cluster_name))
+    cancel_watcher.start()
 
     # Data, tracking and the cluster have no order between them: start them together.
     data = stage_data.submit(spec)
@@ -64,19 +72,25 @@ def run_experiment(spec: ExperimentSpec) -> dict:
         if spec.tracking.register_model:
             register_model(spec, run_id)
     except BaseException as exc:
-        failure = exc
-        raise
+        failure = RunStopped("cancelled", "cancelled from Prefect") if cancel_watcher.cancelled else exc
+        if not cancel_watcher.cancelled:
+            raise
     finally:
-        cluster.wait()  # a provision still in flight must finish (or fail) before we can down what it made
-        phases["teardown_seconds"] = teardown(spec, cluster_name)
+        cancel_watcher.stop()
+        phases["teardown_seconds"] = teardown(spec, cluster_name)  # also cancels a launch still in flight
+        if not cluster.state.is_final():
+            cluster.wait()  # a launch that outran the first teardown must not outlive the flow
+            teardown(spec, cluster_name)
         phases["wall_seconds"] = time.time() - started
+        status = mlflow_status_for(failure)
         if run_id:
-            close_mlflow_run(spec, run_id, mlflow_status_for(failure),
-                             {f"gpuflow.{key}": value for key, value in phases.items()},
+            close_mlflow_run(spec, run_id, status, {f"gpuflow.{key}": value for key, value in phases.items()},
                              tags={"stopped_by": failure.reason} if isinstance(failure, RunStopped) else None)
         elif failure is not None:
-            close_runs_of_flow_run(spec, this_run["id"], mlflow_status_for(failure))
+            close_runs_of_flow_run(spec, this_run["id"], status)
 
+    if cancel_watcher.cancelled:
+        return Cancelled(message="cancelled from Prefect: cluster torn down, MLflow run KILLED")
     summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": phases,
                "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name}
     publish_summary(spec, run_id, summary)

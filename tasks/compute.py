@@ -50,7 +50,7 @@ def provision(spec: ExperimentSpec, cluster_name: str) -> ClusterHandle:
     logger = get_run_logger()
     logger.info(f"provisioning {spec.compute.backend} cluster {cluster_name}: {spec.compute.num_nodes} node(s)")
     started = time.time()
-    handle = get_backend(spec.compute.backend).launch(spec, cluster_name)
+    handle = get_backend(spec.compute.backend).launch(spec, cluster_name, on_line=lambda line: logger.info(line))
     logger.info(f"cluster {cluster_name} is up in {time.time() - started:.1f}s at {handle.address or 'remote'}")
     return handle
 

@@ -31,7 +31,7 @@ class LocalBackend:
         self.root = root or state_dir() / "clusters"
 
     # -- launch -----------------------------------------------------------------------------------
-    def launch(self, spec: ExperimentSpec, cluster_name: str) -> ClusterHandle:
+    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle:
         """Starts the cluster, or returns it if a cluster of that name is already up (SkyPilot's semantics)."""
         folder = self.root / cluster_name
         record = self._record(cluster_name)
@@ -62,6 +62,7 @@ class LocalBackend:
             time.sleep(0.05)
         record["address"] = address_file.read_text().strip()
         self._write(cluster_name, record)
+        on_line(f"local Ray cluster {cluster_name}: {spec.compute.num_nodes} node(s) at {record['address']}")
         return ClusterHandle(cluster_name, self.name, record["address"], record)
 
     # -- run the job ------------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Runs on every node of a SkyPilot cluster: joins one Ray cluster, and on rank 0 runs the job.
+
+    run: python -m cluster.node          (the whole `run:` of gpuflow's SkyPilot task)
+
+Topology comes from SkyPilot's SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES; the
+spec and run name from GPUFLOW_SPEC_JSON / GPUFLOW_RUN_NAME, set by the flow.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
+RAY_PORT = 6390
+JOIN_TIMEOUT_S = 300
+
+
+def ray(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ray.scripts.scripts", *args]
+
+
+def wait_for_nodes(address: str, count: int) -> None:
+    probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+             "print(sum(1 for n in ray.nodes() if n['Alive']))")
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True)
+        joined = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
+        print(f"[gpuflow] {joined}/{count} Ray nodes joined", flush=True)
+        if joined >= count:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"only some of {count} nodes joined the Ray cluster within {JOIN_TIMEOUT_S}s")
+
+
+def main() -> int:
+    rank = int(os.environ.get("SKYPILOT_NODE_RANK", "0"))
+    num_nodes = int(os.environ.get("SKYPILOT_NUM_NODES", "1"))
+    head_ip = os.environ.get("SKYPILOT_NODE_IPS", "127.0.0.1").split()[0]
+    address = f"{head_ip}:{RAY_PORT}"
+    # Ray 2.60 turns on token auth for `ray start`; a driver that names the address must opt in too.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    temp_dir = tempfile.mkdtemp(prefix="gf-ray-")
+    common = ["--disable-usage-stats", f"--temp-dir={temp_dir}", "--include-dashboard=false"]
+    if rank != 0:
+        return subprocess.call(ray("start", f"--address={address}", "--block", *common))
+
+    subprocess.check_call(ray("start", "--head", f"--port={RAY_PORT}", *common))
+    try:
+        wait_for_nodes(address, num_nodes)
+        spec_file = Path(temp_dir) / "spec.json"
+        spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
+        return subprocess.call([sys.executable, "-u", "-m", "cluster.job", "--spec", str(spec_file),
+                                "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"]])
+    finally:
+        subprocess.call(ray("stop", "--force"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
