@@ -24,6 +24,7 @@ import ray  # noqa: E402
 import ray.train  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
+from cluster.data import ensure_data  # noqa: E402
 from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve  # noqa: E402
 
 RESULT_PREFIX = "[gpuflow] result "
@@ -80,6 +81,7 @@ def main(argv=None) -> int:
         **{name: os.environ[name] for name in spec.secrets if name in os.environ},
     }
     started = time.time()
+    ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {len(ray.nodes())} node(s)", flush=True)
     with on_sys_path(workdir):

@@ -172,6 +172,11 @@ class ExperimentSpec(Strict):
                     "tracking.uri must be a server a cloud cluster can reach (http(s)://..., or databricks); "
                     f"got {self.tracking.uri!r}. Start `mlflow server` somewhere reachable and set tracking.uri"
                 )
+            if not self.data.generate and not is_remote_uri(self.data.train):
+                raise ValueError(
+                    f"data.train {self.data.train!r} is on this machine, which a cloud cluster cannot read; "
+                    "upload it to a bucket (s3://, gs://) or set data.generate to make it on the cluster"
+                )
             if not is_remote_uri(self.storage.checkpoints or ""):
                 raise ValueError(
                     "storage.checkpoints must be a bucket a cloud cluster can write (s3://, gs://, ...); "

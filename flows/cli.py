@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -18,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpuflow", description="Run ML experiments on cloud GPUs as one unit of work.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run an experiment: provision, train, track, tear down"),
-                            ("validate", "check a spec without running anything")):
+                            ("validate", "check a spec without running anything"),
+                            ("plan", "show the cluster a spec would launch (SkyPilot task, resources) without launching")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("spec", help="experiment spec (YAML)")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -30,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             validate_spec(spec)
             print(f"{args.spec}: valid. {describe(spec)}")
             return 0
+        if args.command == "plan":
+            return plan(spec)
         return run(spec)
     except SpecError as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
@@ -42,13 +46,43 @@ def describe(spec) -> str:
             f"{c.accelerators or 'CPU'}, {spec.precision}, {spec.train.epochs} epochs, tracked at {spec.tracking_uri}")
 
 
+def plan(spec) -> int:
+    """Prints what would be launched and billed; launches nothing."""
+    validate_spec(spec)
+    print(f"# {describe(spec)}")
+    if spec.compute.backend == "local":
+        print("# local backend: a Ray cluster on this machine; nothing is billed.")
+        return 0
+    from cluster.backends.skypilot import resources_for, task_yaml
+
+    print(f"# launched with autostop after {spec.limits.idle_minutes_to_autostop} idle min and down=True (autodown)")
+    for rank, resources in enumerate(resources_for(spec), 1):
+        print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")
+    print(task_yaml(spec), end="")
+    return 0
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM (a scheduler, `kill`) ends the run like Ctrl-C: teardown runs before the process exits."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def run(spec) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.experiment import run_experiment
     from tasks.tracking import open_command, run_url
 
+    interrupt_on_sigterm()
     started = time.time()
-    state = run_experiment(spec, return_state=True)
+    try:
+        state = run_experiment(spec, return_state=True)
+    except KeyboardInterrupt:
+        print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
+              file=sys.stderr)
+        return 130
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 
 from prefect import get_run_logger, task
 
-from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, readable, resolve, validate_spec
+from cluster.data import ensure_data
+from cluster.spec import ExperimentSpec, validate_spec
 
 
 @task(name="validate")
@@ -19,16 +20,6 @@ def validate(spec: ExperimentSpec) -> ExperimentSpec:
 @task(name="stage-data", retries=2, retry_delay_seconds=[2, 10])
 def stage_data(spec: ExperimentSpec) -> dict[str, str | None]:
     """Writes the Parquet data with data.generate when it is missing; returns the resolved locations."""
-    logger = get_run_logger()
-    uris = {"train": absolute_uri(spec.data.train),
-            "validation": absolute_uri(spec.data.validation) if spec.data.validation else None}
-    missing = [uri for uri in uris.values() if uri and not readable(uri)]
-    if missing and spec.data.generate:
-        logger.info(f"writing data with {spec.data.generate} to {', '.join(missing)}")
-        with on_sys_path(spec.workdir):
-            resolve(spec.data.generate)(uris["train"], uris["validation"])
-        missing = [uri for uri in uris.values() if uri and not readable(uri)]
-    if missing:
-        raise FileNotFoundError(f"data: cannot read Parquet at {', '.join(missing)}")
-    logger.info(f"data ready: {uris}")
+    uris = ensure_data(spec)
+    get_run_logger().info(f"data ready: {uris}")
     return uris

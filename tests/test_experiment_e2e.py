@@ -10,6 +10,7 @@ import torch
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.logging.handlers import APILogWorker
 
 from cluster.backends import cluster_name_for
 from flows.experiment import run_experiment
@@ -30,10 +31,19 @@ def processes_of(cluster_name: str) -> list[int]:
 
 
 def flow_logs(flow_run_id) -> str:
+    """Every log line of the flow run, as the Prefect UI shows them."""
+    APILogWorker.drain_all(timeout=10)  # logs reach the API in batches
+
     async def read():
+        lines, offset = [], 0
         async with get_client() as client:
-            logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
-            return "\n".join(log.message for log in logs)
+            while True:
+                page = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                              limit=200, offset=offset)
+                lines += [log.message for log in page]
+                offset += len(page)
+                if len(page) < 200:
+                    return "\n".join(lines)
     return asyncio.run(read())
 
 

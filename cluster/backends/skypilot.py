@@ -87,14 +87,19 @@ class LineWriter(io.TextIOBase):
             self.buffer = ""
 
 
+def load_sdk():
+    """The SkyPilot SDK module: the one boundary tests replace where no cloud can be reached."""
+    import sky
+    import sky.exceptions  # noqa: F401  (makes sky.exceptions available)
+
+    return sky
+
+
 class SkyPilotBackend:
     name = "skypilot"
 
     def __init__(self, sdk=None):
-        if sdk is None:
-            import sky as sdk
-            import sky.exceptions  # noqa: F401  (makes sdk.exceptions available)
-        self.sky = sdk
+        self.sky = sdk or load_sdk()
 
     def _wait(self, request_id, on_line: Callable[[str], None] = print):
         """Streams a request to completion; if we are interrupted, the request is cancelled on the server too."""

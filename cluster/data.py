@@ -1,0 +1,17 @@
+"""Makes sure the spec's Parquet data exists where this process runs (the flow's machine, or a cloud node)."""
+
+from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, readable, resolve
+
+
+def ensure_data(spec: ExperimentSpec) -> dict[str, str | None]:
+    """Runs data.generate when the data is missing; returns the resolved locations or says what is unreadable."""
+    uris = {"train": absolute_uri(spec.data.train),
+            "validation": absolute_uri(spec.data.validation) if spec.data.validation else None}
+    missing = [uri for uri in uris.values() if uri and not readable(uri)]
+    if missing and spec.data.generate:
+        with on_sys_path(spec.workdir):
+            resolve(spec.data.generate)(uris["train"], uris["validation"])
+        missing = [uri for uri in uris.values() if uri and not readable(uri)]
+    if missing:
+        raise FileNotFoundError(f"data: cannot read Parquet at {', '.join(missing)}")
+    return uris

@@ -1,0 +1,166 @@
+"""A stand-in for SkyPilot's SDK where no cloud can be reached: it behaves as SkyPilot 0.14 does.
+
+Calls return request ids; results and errors come out of `stream_and_get`/`get`; a request takes
+time and can be cancelled (`api_cancel`) while in flight; a failed setup leaves the cluster UP
+(SkyPilot does this on purpose, even with down=True); `down` of an unknown cluster raises
+ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import sky.exceptions
+from sky.skylet.job_lib import JobStatus
+
+
+@dataclass
+class Request:
+    request_id: str
+    name: str
+    cluster_name: str
+    run: object  # callable(request) -> result, may raise
+    duration_s: float
+    status: str = "RUNNING"
+    result: object = None
+    error: BaseException | None = None
+    lines: list[str] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class FakeSky:
+    exceptions = sky.exceptions
+
+    def __init__(self, scenario: str = "ok", launch_s: float = 0.5, job_s: float = 0.5, job_log: list[str] = ()):
+        self.scenario, self.launch_s, self.job_s = scenario, launch_s, job_s
+        self.job_log = list(job_log) or ["[gpuflow] epoch 0: train_loss=1.0 val_accuracy=0.9"]
+        self.clusters: dict[str, dict] = {}
+        self.requests: dict[str, Request] = {}
+        self.calls: list[tuple] = []
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # -- requests -------------------------------------------------------------------------------
+    def _submit(self, name, cluster_name, run, duration_s=0.05) -> str:
+        request = Request(f"req-{next(self._ids)}", name, cluster_name, run, duration_s)
+        self.requests[request.request_id] = request
+        threading.Thread(target=self._execute, args=(request,), daemon=True).start()
+        return request.request_id
+
+    def _execute(self, request: Request) -> None:
+        deadline = time.monotonic() + request.duration_s
+        while time.monotonic() < deadline and request.status == "RUNNING":
+            time.sleep(0.01)
+        if request.status == "RUNNING":
+            try:
+                request.result = request.run(request)
+                request.status = "SUCCEEDED"
+            except BaseException as exc:  # noqa: BLE001  the request carries the error to the client
+                request.error, request.status = exc, "FAILED"
+        request.done.set()
+
+    def stream_and_get(self, request_id, output_stream=None, **_):
+        request = self.requests[request_id]
+        request.done.wait()
+        for line in request.lines:
+            if output_stream is not None:
+                output_stream.write(line + "\n")
+        return self.get(request_id)
+
+    def get(self, request_id):
+        request = self.requests[request_id]
+        request.done.wait()
+        if request.status == "CANCELLED":
+            raise sky.exceptions.RequestCancelled(f"Request {request_id} cancelled")
+        if request.error is not None:
+            raise request.error
+        return request.result
+
+    def api_cancel(self, request_ids, silent=False, **_):
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        cancelled = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request and request.status == "RUNNING":
+                request.status = "CANCELLED"
+                cancelled.append(request_id)
+        self.calls.append(("api_cancel", tuple(cancelled)))
+        return self._submit("api_cancel", "", lambda r: cancelled, 0)
+
+    def api_status(self, cluster_name=None, **_):
+        return [SimpleNamespace(request_id=r.request_id, name=f"sky.{r.name}", status=r.status)
+                for r in self.requests.values() if r.status == "RUNNING" and r.cluster_name == cluster_name]
+
+    # -- verbs ------------------------------------------------------------------------------------
+    def launch(self, task, cluster_name=None, idle_minutes_to_autostop=None, down=False, **_):
+        self.calls.append(("launch", cluster_name, idle_minutes_to_autostop, down, task.to_yaml_config()))
+
+        def run(request):
+            if self.scenario == "capacity":
+                request.lines.append("Failed to acquire resources in all zones")
+                raise sky.exceptions.ResourcesUnavailableError(
+                    f"Failed to provision all possible launchable resources. Relax the task's resource requirements: {task.num_nodes}x {list(task.resources)}")
+            with self._lock:
+                self.clusters[cluster_name] = {"name": cluster_name, "status": sky.ClusterStatus.UP,
+                                               "launched_at": int(time.time()), "autostop": idle_minutes_to_autostop,
+                                               "to_down": down, "jobs": {}}
+            request.lines.append(f"Cluster {cluster_name} is up; running setup")
+            if self.scenario == "setup":
+                request.lines.append("ERROR: No matching distribution found for torch==9.9")
+                raise sky.exceptions.CommandError(1, task.setup, "Failed to setup with return code 1.", None)
+            return None, SimpleNamespace(cluster_name=cluster_name)
+
+        return self._submit("launch", cluster_name, run, self.launch_s)
+
+    def exec(self, task, cluster_name=None, **_):
+        self.calls.append(("exec", cluster_name, task.to_yaml_config()))
+
+        def run(request):
+            cluster = self._cluster(cluster_name)
+            job_id = len(cluster["jobs"]) + 1
+            failed = self.scenario == "job"
+            cluster["jobs"][job_id] = {"status": JobStatus.RUNNING, "finish_at": time.time() + self.job_s,
+                                       "final": JobStatus.FAILED if failed else JobStatus.SUCCEEDED,
+                                       "log": self.job_log + (["Traceback (most recent call last):",
+                                                               "RuntimeError: fail_at_epoch=1: failing on purpose"] if failed else [])}
+            return job_id, SimpleNamespace(cluster_name=cluster_name)
+
+        return self._submit("exec", cluster_name, run)
+
+    def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **_):
+        job = self._cluster(cluster_name)["jobs"][job_id]
+        while time.time() < job["finish_at"] and cluster_name in self.clusters:
+            time.sleep(0.01)
+        for line in job["log"]:
+            output_stream.write(line + "\n")
+        job["status"] = job["final"] if cluster_name in self.clusters else JobStatus.FAILED
+        return 0 if job["status"] == JobStatus.SUCCEEDED else 100
+
+    def job_status(self, cluster_name, job_ids=None):
+        def run(request):
+            jobs = self._cluster(cluster_name)["jobs"]
+            return {job_id: jobs[job_id]["status"] for job_id in job_ids}
+
+        return self._submit("job_status", cluster_name, run, 0)
+
+    def status(self, cluster_names=None, **_):
+        return self._submit("status", "", lambda r: [dict(c) for c in self.clusters.values()], 0)
+
+    def down(self, cluster_name, **_):
+        self.calls.append(("down", cluster_name))
+
+        def run(request):
+            with self._lock:
+                if self.clusters.pop(cluster_name, None) is None:
+                    raise sky.exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+
+        return self._submit("down", cluster_name, run)
+
+    def _cluster(self, cluster_name):
+        if cluster_name not in self.clusters:
+            raise sky.exceptions.ClusterNotUpError(f"Cluster {cluster_name!r} is not up.", cluster_status=None)
+        return self.clusters[cluster_name]

@@ -1,0 +1,142 @@
+"""The SkyPilot backend: the spec → sky.Task mapping (SkyPilot's own objects, offline) and the lifecycle
+against an SDK double that behaves like SkyPilot where no cloud can be reached."""
+
+import threading
+import time
+
+import pytest
+import sky
+import yaml
+
+from cluster.backends import cluster_name_for
+from cluster.backends.skypilot import RUN, SkyPilotBackend, build_task, resources_for, task_yaml
+from cluster.spec import parse_spec
+from flows.experiment import run_experiment
+from tests.sky_double import FakeSky
+from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+
+NAME = cluster_name_for("6f1e0c52-61d4-4a4b-8a0e-5a3b9d2c7e11")
+
+
+def gpu_spec(**compute):
+    return parse_spec({
+        "name": "digits-gpu",
+        "compute": {"backend": "skypilot", "num_nodes": 2, "workers_per_node": 1,
+                    "accelerators": ["H100:1", "A100:1"], "use_spot": True, "region": "us-east-1", "cloud": "aws",
+                    "disk_size_gb": 100, "max_hourly_cost_usd": 9.5, **compute},
+        "precision": "bf16",
+        "tracking": {"uri": "https://mlflow.example.com"},
+        "storage": {"checkpoints": "s3://bucket/ckpt"},
+        "data": {"train": "s3://bucket/train.parquet", "validation": "s3://bucket/val.parquet"},
+        "secrets": ["HF_TOKEN"], "envs": {"NCCL_DEBUG": "WARN"},
+    })
+
+
+def test_task_from_spec(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    spec = gpu_spec()
+    task = build_task(spec, run_name="digits-gpu-2026", env={"GPUFLOW_MLFLOW_RUN_ID": "abc"})
+    assert task.num_nodes == 2 and task.run == RUN
+    assert "pip install -e ." in task.setup
+    assert task.envs["GPUFLOW_MLFLOW_RUN_ID"] == "abc" and task.envs["NCCL_DEBUG"] == "WARN"
+    assert parse_spec(yaml.safe_load(task.envs["GPUFLOW_SPEC_JSON"])) == spec
+    [h100, a100] = resources_for(spec)
+    assert (h100.accelerators, a100.accelerators) == ({"H100": 1}, {"A100": 1})
+    assert h100.use_spot and h100.region == "us-east-1" and str(h100.cloud).lower() == "aws"
+    assert h100.disk_size == 100 and h100.max_hourly_cost == 9.5
+    # the YAML round-trips through SkyPilot's own parser
+    again = sky.Task.from_yaml_config(yaml.safe_load(task_yaml(spec)))
+    assert again.num_nodes == 2 and again.run == RUN
+
+
+def test_plan_never_shows_secrets(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_value")
+    text = task_yaml(gpu_spec())
+    assert "hf_secret_value" not in text and "HF_TOKEN: <redacted>" in text
+
+
+def test_capacity_error_leaves_nothing():
+    fake = FakeSky("capacity")
+    with pytest.raises(sky.exceptions.ResourcesUnavailableError, match="Relax"):
+        SkyPilotBackend(fake).launch(gpu_spec(), NAME, on_line=lambda line: None)
+    assert fake.clusters == {}
+
+
+def test_setup_failure_leaves_a_cluster_that_down_removes():
+    fake, lines = FakeSky("setup"), []
+    backend = SkyPilotBackend(fake)
+    with pytest.raises(sky.exceptions.CommandError):
+        backend.launch(gpu_spec(), NAME, on_line=lines.append)
+    assert NAME in fake.clusters  # as SkyPilot does, even with down=True
+    assert any("No matching distribution" in line for line in lines)  # the setup log is shown
+    assert backend.down(NAME) is True and fake.clusters == {}
+    assert backend.down(NAME) is False  # idempotent
+
+
+def test_every_launch_sets_autostop_and_autodown():
+    fake = FakeSky()
+    spec = gpu_spec()
+    SkyPilotBackend(fake).launch(spec, NAME, on_line=lambda line: None)
+    [(verb, name, idle_minutes, down, _)] = [c for c in fake.calls if c[0] == "launch"]
+    assert (name, idle_minutes, down) == (NAME, spec.limits.idle_minutes_to_autostop, True)
+    assert fake.clusters[NAME]["autostop"] == spec.limits.idle_minutes_to_autostop
+
+
+def test_down_cancels_a_launch_in_flight():
+    fake = FakeSky(launch_s=5)
+    backend = SkyPilotBackend(fake)
+    failure = []
+    launcher = threading.Thread(target=lambda: failure.append(_launch_error(backend)))
+    launcher.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    backend.down(NAME)
+    launcher.join(timeout=10)
+    assert time.monotonic() - started < 5  # did not wait for the launch to finish
+    assert isinstance(failure[0], sky.exceptions.RequestCancelled)
+    assert any(call[0] == "api_cancel" and call[1] for call in fake.calls)
+    assert fake.clusters == {}
+
+
+def _launch_error(backend):
+    try:
+        backend.launch(gpu_spec(), NAME, on_line=lambda line: None)
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+@pytest.fixture
+def sky_flow(monkeypatch, gpuflow_home, prefect_server):
+    """Runs the real flow with the SkyPilot backend on the SDK double; stores on this machine count as shared."""
+    monkeypatch.setenv("GPUFLOW_REACHABLE_PREFIX", str(gpuflow_home))
+
+    def run(scenario):
+        fake = FakeSky(scenario)
+        monkeypatch.setattr("cluster.backends.skypilot.load_sdk", lambda: fake)
+        spec = parse_spec({
+            "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},
+            "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+            "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
+            "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),
+                     "generate": "experiments.digits:write_parquet"},
+        })
+        state = run_experiment(spec, return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        _, mlflow_run = mlflow_run_of(spec, flow_run_id)
+        return fake, state, mlflow_run, flow_logs(flow_run_id)
+
+    return run
+
+
+@pytest.mark.parametrize("scenario, status, evidence", [
+    ("ok", "FINISHED", "SkyPilot job 1"),
+    ("capacity", "FAILED", "Relax the task's resource requirements"),
+    ("setup", "FAILED", "No matching distribution found"),
+    ("job", "FAILED", "fail_at_epoch=1: failing on purpose"),
+])
+def test_flow_lifecycle_on_skypilot(sky_flow, scenario, status, evidence):
+    fake, state, mlflow_run, logs = sky_flow(scenario)
+    assert state.is_completed() == (scenario == "ok"), state.message
+    assert mlflow_run.info.status == status
+    assert evidence in logs
+    assert fake.clusters == {}  # whatever happened, nothing is left billing
