@@ -1,0 +1,96 @@
+"""A `gpuflow run` that is cancelled from Prefect or sent SIGTERM leaves no cluster and no RUNNING MLflow run."""
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Cancelling
+
+from cluster.backends import cluster_name_for
+from tests.conftest import REPO
+from tests.test_experiment_e2e import mlflow_run_of, processes_of
+
+FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
+
+
+class GpuflowRun:
+    """`gpuflow run` as a user starts it, in its own process, its output read line by line."""
+
+    def __init__(self, spec, gpuflow_home):
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_HOME": str(gpuflow_home)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", str(REPO / "experiments" / "digits.yaml"),
+             "--set", "train.epochs=400", "--set", f"data.train={spec.data.train}",
+             "--set", f"data.validation={spec.data.validation}"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+        self.lines, self.flow_run_id = [], None
+        self.training = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append(line)
+            found = FLOW_RUN_URL.search(line)
+            if found and not self.flow_run_id:
+                self.flow_run_id = found.group(1)
+            if "[gpuflow] epoch" in line:
+                self.training.set()
+
+    def wait_for_training(self):
+        assert self.training.wait(300), "".join(self.lines[-30:])
+        return self.flow_run_id
+
+    def wait(self):
+        try:
+            return self.process.wait(timeout=180)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
+def flow_run_state(flow_run_id):
+    async def read():
+        async with get_client() as client:
+            return (await client.read_flow_run(flow_run_id)).state
+    return asyncio.run(read())
+
+
+def cancel(flow_run_id):
+    async def request():
+        async with get_client() as client:
+            await client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"), force=True)
+    asyncio.run(request())
+
+
+def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, gpuflow_home):
+    run = GpuflowRun(digits_spec, gpuflow_home)
+    flow_run_id = run.wait_for_training()
+    cancel(flow_run_id)
+    assert run.wait() != 0, "".join(run.lines[-30:])
+
+    assert flow_run_state(flow_run_id).is_cancelled()
+    _, mlflow_run = mlflow_run_of(digits_spec, flow_run_id)
+    assert mlflow_run.info.status == "KILLED"
+    assert mlflow_run.data.tags["stopped_by"] == "cancelled"
+    assert processes_of(cluster_name_for(flow_run_id)) == []
+
+
+def test_sigterm_tears_down_before_exit(prefect_server, digits_spec, gpuflow_home):
+    run = GpuflowRun(digits_spec, gpuflow_home)
+    flow_run_id = run.wait_for_training()
+    run.process.send_signal(signal.SIGTERM)
+    assert run.wait() != 0
+
+    _, mlflow_run = mlflow_run_of(digits_spec, flow_run_id)
+    assert mlflow_run.info.status == "KILLED"
+    assert not flow_run_state(flow_run_id).is_running()
+    assert processes_of(cluster_name_for(flow_run_id)) == []
+    assert list(digits_spec.checkpoint_uri and (gpuflow_home / "checkpoints").glob("*/checkpoint_*")), "checkpoints kept"
