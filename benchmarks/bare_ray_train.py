@@ -21,7 +21,7 @@ from cluster.job import loop_config  # noqa: E402
 from cluster.spec import load_spec, resolve  # noqa: E402
 
 spec = load_spec(sys.argv[1], sys.argv[2:])
-temp_dir = tempfile.mkdtemp(prefix="gf-bare0000-", dir="/tmp")
+temp_dir = tempfile.mkdtemp(prefix="gf-bare-", dir="/tmp")
 ray.init(num_cpus=spec.compute.num_workers, include_dashboard=False, _temp_dir=temp_dir,
          runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
 print(f"[bench] cluster up {time.time():.3f}", flush=True)
@@ -32,5 +32,5 @@ trainer = TorchTrainer(
     run_config=ray.train.RunConfig(name="bare", storage_path=tempfile.mkdtemp()),
 )
 result = trainer.fit()
-print(f"[bench] val_accuracy {result.metrics['val_accuracy']:.4f}", flush=True)
 ray.shutdown()
+print(f"[bench] val_accuracy {result.metrics['val_accuracy']:.4f}", flush=True)

@@ -21,52 +21,58 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "experiments" / "digits.yaml"
 EPOCH = re.compile(r"\[gpuflow\] epoch \d+:")
-CLUSTER = re.compile(r"(gpuflow-[0-9a-f]{32})|(gf-bare0000-)")
 
 
-def ray_processes(marker: str) -> bool:
+def ray_processes(home: Path, exclude: int) -> list[int]:
+    """Live Ray processes (daemons, workers, drivers, the job) started for this gpuflow home."""
+    marker = f"GPUFLOW_HOME={home}\0".encode()
+    found = []
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == exclude:
+            continue
         try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_text():
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if state != "Z":
-                    return True
+            if marker not in (entry / "environ").read_bytes():
+                continue
+            command = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-    return False
+        if state != "Z" and (b"ray" in command or b"cluster.job" in command):
+            found.append(int(entry.name))
+    return found
 
 
-def measure(command: list[str], env: dict) -> dict:
+def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> dict:
     """Runs one command, timestamping its output lines; watches its Ray processes until the last is gone."""
     started = time.time()
     marks: dict[str, float] = {}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-    marker = None
+    exclude = -1 if driver_is_ray else process.pid
     gone_at = [None]
+    training_over = threading.Event()
 
     def watch():
-        while marker is None and process.poll() is None:
-            time.sleep(0.02)
-        while marker and ray_processes(marker):
+        training_over.wait()
+        while ray_processes(home, exclude):
             time.sleep(0.02)
         gone_at[0] = time.time()
 
-    watcher = threading.Thread(target=watch)
+    watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     output = []
     for line in process.stdout:
         now = time.time()
         output.append(line)
-        found = CLUSTER.search(line)
-        if found and marker is None:
-            marker = f"gf-{found.group(1)[-8:]}-" if found.group(1) else found.group(2)
-        if "cluster up" in line or ("is up in" in line and "cluster" in line):
+        if "[bench] cluster up" in line or "local Ray cluster" in line:
             marks.setdefault("cluster_up", now - started)
         if EPOCH.search(line):
             marks.setdefault("first_step", now - started)
             marks["last_step_at"] = now
+        if "[gpuflow] result" in line or "val_accuracy " in line:
+            training_over.set()
     process.wait()
     ended = time.time()
+    training_over.set()
     watcher.join(timeout=60)
     if process.returncode != 0:
         sys.exit("".join(output[-40:]) + f"\nbenchmark run failed: {command}")
@@ -89,11 +95,11 @@ def main() -> None:
                "--set", f"data.validation={home}/data/validation.parquet"]
     bare = [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC),
             f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
-    measure(gpuflow, env)  # warm-up: writes the data, creates the MLflow store and Prefect's database
+    measure(gpuflow, env, home, False)  # warm-up: writes the data, creates the MLflow store and Prefect's database
     results = {"gpuflow": [], "bare": []}
     for i in range(args.repeats):
         for name, command in (("bare", bare), ("gpuflow", gpuflow)):
-            results[name].append(measure(command, env))
+            results[name].append(measure(command, env, home, driver_is_ray=name == "bare"))
             print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()), flush=True)
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     print(f"\nmedians over {args.repeats} runs each (seconds)")

@@ -10,6 +10,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 import time
 
 from cluster.spec import SpecError, load_spec, validate_spec
@@ -70,19 +71,52 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def start_side_by_side(spec) -> str | None:
+    """Prefect's temporary API and a local Ray cluster each take seconds to start: start them together.
+
+    Returns the name of the pre-started local cluster (the flow's provision step adopts it), if any."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    api = None
+    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        from prefect.server.api.server import SubprocessASGIServer
+
+        api = threading.Thread(target=SubprocessASGIServer().start, daemon=True)
+        api.start()
+    warm = None
+    if spec.compute.backend == "local":
+        from cluster.backends.local import LocalBackend
+
+        warm = LocalBackend().prewarm(spec)
+    import flows.experiment  # noqa: F401  (its imports take a second or two: meanwhile, both start)
+
+    if api:
+        api.join()
+    return warm
+
+
 def run(spec) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.experiment import run_experiment
-    from tasks.tracking import open_command, run_url
-
     interrupt_on_sigterm()
     started = time.time()
+    warm_cluster = None
     try:
+        validate_spec(spec)  # before anything starts
+        warm_cluster = start_side_by_side(spec)
+        from flows.experiment import run_experiment
+
         state = run_experiment(spec, return_state=True)
     except KeyboardInterrupt:
         print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
               file=sys.stderr)
         return 130
+    finally:
+        if warm_cluster:  # not adopted if the flow never reached provisioning: ours to remove
+            from cluster.backends.local import LocalBackend
+
+            LocalBackend().down(warm_cluster)
+    from tasks.tracking import open_command, run_url
+
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)
         return 1

@@ -51,3 +51,20 @@ def alive(pids) -> list[int]:
         if state != "Z":
             running.append(pid)
     return running
+
+
+def processes_of(home: Path) -> list[int]:
+    """Live processes started for one gpuflow home: Ray's daemons and workers and the job inherit GPUFLOW_HOME."""
+    marker = f"GPUFLOW_HOME={home}\0".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    running = alive(found)
+    for pid in running:  # say what is left, for the failure message
+        print(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:300])
+    return running

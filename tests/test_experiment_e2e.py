@@ -5,7 +5,6 @@ from pathlib import Path
 
 import mlflow
 import numpy as np
-import pytest
 import torch
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
@@ -14,20 +13,7 @@ from prefect.logging.handlers import APILogWorker
 
 from cluster.backends import cluster_name_for
 from flows.experiment import run_experiment
-from tests.conftest import alive
-
-
-def processes_of(cluster_name: str) -> list[int]:
-    """Live processes whose command line names the cluster's Ray temp dir or its state folder."""
-    marker = f"gf-{cluster_name[-8:]}-"
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and (marker in (entry / "cmdline").read_text() or cluster_name in (entry / "cmdline").read_text()):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return alive(found)
+from tests.conftest import processes_of
 
 
 def flow_logs(flow_run_id) -> str:
@@ -54,7 +40,7 @@ def mlflow_run_of(spec, flow_run_id):
     return client, run
 
 
-def test_digits_trains_tracks_and_tears_down(prefect_server, digits_spec):
+def test_digits_trains_tracks_and_tears_down(prefect_server, digits_spec, gpuflow_home):
     state = run_experiment(digits_spec, return_state=True)
     flow_run_id = state.state_details.flow_run_id
     assert state.is_completed(), state.message
@@ -82,10 +68,10 @@ def test_digits_trains_tracks_and_tears_down(prefect_server, digits_spec):
 
     checkpoints = list(Path(summary["checkpoint"]).parent.glob("checkpoint_*/checkpoint.pt"))
     assert len(checkpoints) == digits_spec.train.epochs
-    assert processes_of(summary["cluster"]) == []
+    assert processes_of(gpuflow_home) == []
 
 
-def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, digits_spec):
+def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, digits_spec, gpuflow_home):
     spec = digits_spec.model_copy(update={"train": digits_spec.train.model_copy(update={
         "epochs": 4, "params": {**digits_spec.train.params, "fail_at_epoch": 2}})})
     state = run_experiment(spec, return_state=True)
@@ -100,4 +86,4 @@ def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, d
     storage = Path(spec.checkpoint_uri) / run.data.tags["prefect.flow_run_name"]
     saved = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
     assert [torch.load(path, weights_only=False)["epoch"] for path in saved] == [0, 1]
-    assert processes_of(cluster_name_for(flow_run_id)) == []
+    assert processes_of(gpuflow_home) == []

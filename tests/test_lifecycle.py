@@ -7,16 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
-import pytest
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from cluster.backends import cluster_name_for
-from tests.conftest import REPO
-from tests.test_experiment_e2e import mlflow_run_of, processes_of
+from tests.conftest import REPO, processes_of
+from tests.test_experiment_e2e import mlflow_run_of
 
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
@@ -80,7 +77,7 @@ def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, g
     _, mlflow_run = mlflow_run_of(digits_spec, flow_run_id)
     assert mlflow_run.info.status == "KILLED"
     assert mlflow_run.data.tags["stopped_by"] == "cancelled"
-    assert processes_of(cluster_name_for(flow_run_id)) == []
+    assert processes_of(gpuflow_home) == []
 
 
 def test_sigterm_tears_down_before_exit(prefect_server, digits_spec, gpuflow_home):
@@ -92,5 +89,5 @@ def test_sigterm_tears_down_before_exit(prefect_server, digits_spec, gpuflow_hom
     _, mlflow_run = mlflow_run_of(digits_spec, flow_run_id)
     assert mlflow_run.info.status == "KILLED"
     assert not flow_run_state(flow_run_id).is_running()
-    assert processes_of(cluster_name_for(flow_run_id)) == []
-    assert list(digits_spec.checkpoint_uri and (gpuflow_home / "checkpoints").glob("*/checkpoint_*")), "checkpoints kept"
+    assert processes_of(gpuflow_home) == []
+    assert list((gpuflow_home / "checkpoints").glob("*/checkpoint_*")), "the checkpoints made before SIGTERM are kept"

@@ -58,6 +58,6 @@ def test_down_of_a_half_made_cluster(gpuflow_home):
     backend = LocalBackend()
     folder = backend.root / NAME
     folder.mkdir(parents=True)
-    (folder / "cluster.json").write_text('{"pgid": 999999, "temp_dir": "/tmp/does-not-exist", "jobs": {}}')
+    (folder / "cluster.json").write_text('{"session": 999999, "temp_dir": "/tmp/does-not-exist", "jobs": {}}')
     assert backend.down(NAME) is True
     assert not folder.exists()

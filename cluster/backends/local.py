@@ -14,14 +14,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
-from cluster.backends import ClusterHandle, ClusterStatus
+from cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus
 from cluster.spec import ExperimentSpec, state_dir
 
 LAUNCH_TIMEOUT_S = 120
-STOP_GRACE_S = 2.0
+WARM_CLUSTER_ENV = "GPUFLOW_WARM_CLUSTER"
 
 
 class LocalBackend:
@@ -29,41 +30,68 @@ class LocalBackend:
 
     def __init__(self, root: Path | None = None):
         self.root = root or state_dir() / "clusters"
+        self._children: dict[str, subprocess.Popen] = {}  # ours to reap
 
     # -- launch -----------------------------------------------------------------------------------
     def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle:
         """Starts the cluster, or returns it if a cluster of that name is already up (SkyPilot's semantics)."""
-        folder = self.root / cluster_name
         record = self._record(cluster_name)
-        if record and group_alive(record["pgid"]) and record.get("address"):
-            return ClusterHandle(cluster_name, self.name, record["address"], record)
-        self.down(cluster_name)  # a half-made cluster of that name: start clean
+        if not (record and session_alive(record["session"])):
+            if not self._adopt_warm(spec, cluster_name):
+                self.down(cluster_name)  # a half-made cluster of that name: start clean
+                self.start(spec, cluster_name)
+        address = self.wait_until_up(cluster_name)
+        on_line(f"local Ray cluster {cluster_name}: {spec.compute.num_nodes} node(s) at {address}")
+        return ClusterHandle(cluster_name, self.name, address, self._record(cluster_name))
+
+    def start(self, spec: ExperimentSpec, cluster_name: str) -> None:
+        """Starts the cluster's processes and returns at once; `wait_until_up` waits for them."""
+        folder = self.root / cluster_name
         folder.mkdir(parents=True)
         # Unix socket paths are limited to 107 bytes: Ray's temp dir must be short.
-        temp_dir = tempfile.mkdtemp(prefix=f"gf-{cluster_name[-8:]}-", dir="/tmp")
-        address_file = folder / "address"
-        log = open(folder / "ray.log", "wb")
+        temp_dir = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
         cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),
-             "--cpus-per-node", str(cpus), "--temp-dir", temp_dir, "--address-file", str(address_file)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
-        )
-        self._children = {**getattr(self, "_children", {}), f"cluster:{cluster_name}": process}
-        record = {"pgid": process.pid, "temp_dir": temp_dir, "launched_at": time.time(), "jobs": {},
-                  "num_nodes": spec.compute.num_nodes}
-        self._write(cluster_name, record)
+        with open(folder / "ray.log", "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),
+                 "--cpus-per-node", str(cpus), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
+            )
+        self._children[f"cluster:{process.pid}"] = process
+        self._write(cluster_name, {"session": process.pid, "temp_dir": temp_dir, "launched_at": time.time(),
+                                   "jobs": {}, "shape": shape_of(spec)})
+
+    def wait_until_up(self, cluster_name: str) -> str:
+        record = self._record(cluster_name)
+        address_file = Path(record["temp_dir"]) / "address"
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while not address_file.exists():
-            if process.poll() is not None or time.monotonic() > deadline:
+            if not session_alive(record["session"]) or time.monotonic() > deadline:
+                log = self.root / cluster_name / "ray.log"
+                tail = log.read_text()[-2000:] if log.exists() else ""
                 self.down(cluster_name)
-                tail = (folder / "ray.log").read_text()[-2000:] if folder.exists() else ""
                 raise RuntimeError(f"local Ray cluster {cluster_name} did not start:\n{tail}")
             time.sleep(0.05)
         record["address"] = address_file.read_text().strip()
         self._write(cluster_name, record)
-        on_line(f"local Ray cluster {cluster_name}: {spec.compute.num_nodes} node(s) at {record['address']}")
-        return ClusterHandle(cluster_name, self.name, record["address"], record)
+        return record["address"]
+
+    def prewarm(self, spec: ExperimentSpec) -> str:
+        """Starts a cluster for a flow run that has no id yet; `launch` adopts it when the shape matches.
+
+        `gpuflow run` starts one while Prefect's API starts, so the two start side by side."""
+        name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
+        self.start(spec, name)
+        os.environ[WARM_CLUSTER_ENV] = name
+        return name
+
+    def _adopt_warm(self, spec: ExperimentSpec, cluster_name: str) -> bool:
+        warm = os.environ.pop(WARM_CLUSTER_ENV, None)
+        record = self._record(warm) if warm else None
+        if not record or record.get("shape") != shape_of(spec) or not session_alive(record["session"]):
+            return False
+        (self.root / warm).rename(self.root / cluster_name)  # the rename is the claim: one adopter only
+        return True
 
     # -- run the job ------------------------------------------------------------------------------
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
@@ -82,7 +110,6 @@ class LocalBackend:
         record = self._record(handle.name)
         record["jobs"][str(process.pid)] = {"log": str(log), "run_name": run_name}
         self._write(handle.name, record)
-        self._children = getattr(self, "_children", {})
         self._children[str(process.pid)] = process
         return str(process.pid)
 
@@ -90,7 +117,7 @@ class LocalBackend:
         """Follows the job's log until it exits; returns its exit code."""
         record = self._record(handle.name) or {}
         log = Path(record.get("jobs", {}).get(job_id, {}).get("log", ""))
-        process = getattr(self, "_children", {}).get(job_id)
+        process = self._children.get(job_id)
         position = 0
         buffered = b""
         while True:
@@ -117,7 +144,7 @@ class LocalBackend:
         found = []
         for folder in sorted(self.root.glob("*")) if self.root.exists() else []:
             record = self._record(folder.name) or {}
-            up = bool(record) and group_alive(record.get("pgid", -1))
+            up = bool(record) and session_alive(record.get("session", -1))
             found.append(ClusterStatus(folder.name, self.name, "UP" if up else "INIT", record.get("launched_at")))
         return found
 
@@ -129,9 +156,9 @@ class LocalBackend:
             if folder.exists():
                 shutil.rmtree(folder, ignore_errors=True)
             return False
-        groups = [int(pid) for pid in record.get("jobs", {})] + [record["pgid"]]
-        stop_groups(groups)
-        for process in getattr(self, "_children", {}).values():
+        sessions = [int(pid) for pid in record.get("jobs", {})] + [record["session"]]
+        stop_sessions(sessions)
+        for process in self._children.values():
             if process.poll() is None:
                 process.wait(timeout=5)
         shutil.rmtree(record.get("temp_dir", ""), ignore_errors=True)
@@ -141,8 +168,8 @@ class LocalBackend:
     def pids(self, cluster_name: str) -> set[int]:
         """Every live process of the cluster (for tests and the reaper's report)."""
         record = self._record(cluster_name) or {}
-        groups = [int(pid) for pid in record.get("jobs", {})] + ([record["pgid"]] if record else [])
-        return {pid for group in groups for pid in group_members(group)}
+        sessions = [int(pid) for pid in record.get("jobs", {})] + ([record["session"]] if record else [])
+        return {pid for session in sessions for pid in session_members(session)}
 
     def _record(self, cluster_name: str) -> dict | None:
         try:
@@ -156,6 +183,10 @@ class LocalBackend:
         os.replace(path.with_suffix(".tmp"), path)
 
 
+def shape_of(spec: ExperimentSpec) -> dict:
+    return {"num_nodes": spec.compute.num_nodes, "cpus": spec.compute.workers_per_node * spec.compute.cpus_per_worker}
+
+
 def ray_env() -> dict[str, str]:
     env = dict(os.environ)
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes and drivers on 127.0.0.1 (see library facts)
@@ -164,28 +195,27 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def stop_groups(groups: list[int]) -> None:
-    """SIGTERM each process group, then SIGKILL what is still there after a short grace."""
-    for group in groups:
-        signal_group(group, signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for group in groups:
-        signal_group(group, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while any(group_alive(g) for g in groups) and time.monotonic() < deadline:
-        time.sleep(0.05)
+def stop_sessions(sessions: list[int]) -> None:
+    """SIGKILLs every process of each session and waits until they are gone.
+
+    Sessions, not process groups: Ray puts each worker in a process group of its own, but all
+    stay in the session we started. Nothing in a throwaway local cluster needs a graceful stop:
+    checkpoints and metrics are persisted before teardown, and Ray's own shutdown takes seconds."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        members = [pid for session in sessions for pid in session_members(session)]
+        if not members:
+            return
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
 
 
-def signal_group(group: int, sig: int) -> None:
-    try:
-        os.killpg(group, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def group_members(group: int) -> list[int]:
+def session_members(session: int) -> list[int]:
+    """Live (not zombie) processes of a session: the supervisor or job we started and all they started."""
     members = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -193,13 +223,13 @@ def group_members(group: int) -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
-            if int(fields[2]) == group and fields[0] != "Z":
+            if int(fields[3]) == session and fields[0] != "Z":
                 members.append(int(entry.name))
     return members
 
 
-def group_alive(group: int) -> bool:
-    return bool(group_members(group))
+def session_alive(session: int) -> bool:
+    return bool(session_members(session))
 
 
 def pid_alive(pid: int) -> bool:
