@@ -11,8 +11,10 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger, runtime
 
 from cluster.backends import cluster_name_for, get_backend
+from cluster.cost import hourly_cost
 from cluster.spec import ExperimentSpec, parse_spec
-from tasks.compute import RunStopped, deadline_check, provision, teardown, train
+from tasks.compute import RunStopped, cost_check, deadline_check, provision, teardown, train
+from tasks.cost import cost_metrics, idle_gpu_check, record_estimate
 from tasks.prepare import stage_data, validate
 from tasks.tracking import (
     close_mlflow_run, close_runs_of_flow_run, mlflow_status_for, open_mlflow_run, publish_summary, register_model,
@@ -37,13 +39,15 @@ def release(flow, flow_run, state) -> None:
 def run_experiment(spec: ExperimentSpec) -> dict:
     """Validate → stage data + open the MLflow run + provision (side by side) → train → register → teardown."""
     logger = get_run_logger()
-    spec = validate(spec)
+    spec = validate(spec)  # refuses a run over budget (tasks/cost.py check_budget)
+    estimate = hourly_cost(spec)
     cluster_name = cluster_name_for(runtime.flow_run.id)
     this_run = {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
                 "url": runtime.flow_run.ui_url, "deployment": runtime.deployment.name}
     started = time.time()
     phases: dict[str, float] = {}
     run_id, failure = None, None
+    last_line_at = teardown_requested_at = None
 
     # Data, tracking and the cluster have no order between them: start them together.
     data = stage_data.submit(spec)
@@ -51,16 +55,23 @@ def run_experiment(spec: ExperimentSpec) -> dict:
     cluster = provision.submit(spec, cluster_name)
     try:
         run_id = mlflow_run.result()
+        record_estimate(spec, run_id, estimate)
         data.result()
         handle = cluster.result()
         phases["provision_seconds"] = time.time() - started
 
         env = {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
-        result = train(spec, handle, run_name=runtime.flow_run.name, env=env,
-                       stop_checks=[deadline_check(spec, started)])
+        # The bill runs from the provision request; max_runtime_minutes bounds the job itself.
+        hourly_usd = handle.info.get("hourly_cost_usd", estimate.hourly_usd)  # what launched, where the backend knows
+        stop_checks = [cost_check(spec, hourly_usd, started), deadline_check(spec, time.time()),
+                       idle_gpu_check(spec, run_id)]
+        result = train(spec, handle, run_name=runtime.flow_run.name, env=env, stop_checks=stop_checks)
         phases["train_seconds"] = result.train_seconds
         if result.first_epoch_seconds:
             phases["first_epoch_seconds"] = result.first_epoch_seconds
+        # The cluster is idle from the job's end: down it before registering, which needs only MLflow.
+        last_line_at, teardown_requested_at = result.last_line_at or None, time.time()
+        phases["teardown_seconds"] = teardown(spec, cluster_name)
         if spec.tracking.register_model:
             register_model(spec, run_id)
     except BaseException as exc:
@@ -68,17 +79,24 @@ def run_experiment(spec: ExperimentSpec) -> dict:
         raise
     finally:
         cluster.wait()  # a provision still in flight must finish (or fail) before we can down what it made
-        phases["teardown_seconds"] = teardown(spec, cluster_name)
+        if "teardown_seconds" not in phases:
+            if isinstance(failure, RunStopped):  # the watchdog already asked for the teardown
+                last_line_at, teardown_requested_at = failure.last_line_at, failure.teardown_requested_at
+            teardown_requested_at = teardown_requested_at or time.time()
+            phases["teardown_seconds"] = teardown(spec, cluster_name)
         phases["wall_seconds"] = time.time() - started
+        costs = cost_metrics(estimate, started, time.time(), phases.get("provision_seconds"),
+                             last_line_at, teardown_requested_at)
         if run_id:
             close_mlflow_run(spec, run_id, mlflow_status_for(failure),
-                             {f"gpuflow.{key}": value for key, value in phases.items()},
+                             {**{f"gpuflow.{key}": value for key, value in phases.items()}, **costs},
                              tags={"stopped_by": failure.reason} if isinstance(failure, RunStopped) else None)
         elif failure is not None:
             close_runs_of_flow_run(spec, this_run["id"], mlflow_status_for(failure))
 
     summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": phases,
-               "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name}
+               "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name,
+               "cost": costs, "price": estimate.describe()}
     publish_summary(spec, run_id, summary)
     logger.info(f"done in {phases['wall_seconds']:.1f}s: {result.metrics}")
     return summary

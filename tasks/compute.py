@@ -29,8 +29,11 @@ class JobFailed(RuntimeError):
 class RunStopped(RuntimeError):
     """The job was stopped on purpose (timeout, budget, idle GPU, cancel); `reason` says which."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, last_line_at: float | None = None,
+                 teardown_requested_at: float | None = None):
         self.reason = reason
+        # for the run's bill: how long the cluster sat idle before the stop downed it
+        self.last_line_at, self.teardown_requested_at = last_line_at, teardown_requested_at
         super().__init__(detail)
 
 
@@ -87,7 +90,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     result.train_seconds = time.time() - started
     if watchdog.fired:
         reason, detail = watchdog.fired
-        raise RunStopped(reason, detail)
+        raise RunStopped(reason, detail, result.last_line_at or None, watchdog.fired_at)
     if exit_code != 0:
         raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above")
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
@@ -113,6 +116,7 @@ class Watchdog(threading.Thread):
         super().__init__(daemon=True, name="gpuflow-watchdog")
         self.checks, self.stop, self.interval_s = list(checks), stop, interval_s
         self.fired: tuple[str, str] | None = None
+        self.fired_at: float | None = None
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -120,7 +124,7 @@ class Watchdog(threading.Thread):
             for check in self.checks:
                 verdict = check()
                 if verdict:
-                    self.fired = verdict
+                    self.fired, self.fired_at = verdict, time.time()
                     self.stop()
                     return
 
@@ -134,7 +138,22 @@ def deadline_check(spec: ExperimentSpec, started: float) -> Callable[[], tuple[s
     def check():
         elapsed = time.time() - started
         if elapsed >= limit_s:
-            return "timeout", f"stopped after {elapsed / 60:.1f} min: limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}"
+            return "timeout", f"stopped by timeout: ran {elapsed / 60:.1f} min: limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}"
+        return None
+
+    return check
+
+
+def cost_check(spec: ExperimentSpec, hourly_usd: float, started: float) -> Callable[[], tuple[str, str] | None]:
+    """Fires when the cluster's cost since `started` (the provision request) reaches limits.max_cost_usd."""
+    limit = spec.limits.max_cost_usd
+
+    def check():
+        if limit is None or hourly_usd <= 0:
+            return None
+        spent = hourly_usd * (time.time() - started) / 3600
+        if spent >= limit:
+            return "budget", f"stopped by budget: ${spent:.2f} spent of max_cost_usd={limit:.2f} (${hourly_usd:.4g}/h)"
         return None
 
     return check
