@@ -130,8 +130,9 @@ class LocalBackend:
             return False
         groups = [int(pid) for pid in record.get("jobs", {})] + [record["pgid"]]
         stop_groups(groups)
+        # reap only this cluster's children: this object may also hold other clusters that stay up
         for process in getattr(self, "_children", {}).values():
-            if process.poll() is None:
+            if process.pid in groups and process.poll() is None:
                 process.wait(timeout=5)
         shutil.rmtree(record.get("temp_dir", ""), ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)
