@@ -8,7 +8,7 @@ No Prefect here: `gpuflow plan`, the validate task and the watchdog all call the
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cluster.spec import ExperimentSpec
@@ -86,6 +86,12 @@ def hourly_cost(spec: ExperimentSpec) -> Estimate:
             "check the accelerator name and count (`sky show-gpus`), or set limits.hourly_rate_usd")
     # SkyPilot's optimizer launches the cheapest option first; the watchdog prices what actually launched.
     return min(priced, key=lambda estimate: estimate.hourly_usd)
+
+
+def launched_price(estimate: Estimate, hourly_usd: float) -> Estimate:
+    """The estimate with the price of the cluster that actually launched (the optimizer may have fallen back)."""
+    return replace(estimate, hourly_usd=hourly_usd, per_node_hourly_usd=hourly_usd / estimate.num_nodes,
+                   source="launched")
 
 
 def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelerator: str | None) -> Estimate | None:

@@ -27,12 +27,12 @@ class RunCost:
     name: str
     status: str
     started_at: float
-    cost_usd: float  # logged at the end; for a run still RUNNING, its hourly price × time so far
+    cost_usd: float  # logged at the end; else (still running, or died) its hourly price × its duration
     gpu_hours: float
     cluster_hours: float
     spot: str
     stopped_by: str
-    estimated: bool  # True while the run is still going (cost from its hourly price)
+    estimated: bool  # cost from the hourly price, not from the run's own cost_usd
 
 
 def run_costs(tracking_uri: str, since: float) -> list[RunCost]:
@@ -53,11 +53,13 @@ def run_costs(tracking_uri: str, since: float) -> list[RunCost]:
 
 def row_of(run, experiments: dict[str, str]) -> RunCost:
     metrics, tags, info = run.data.metrics, run.data.tags, run.info
-    estimated = "cost_usd" not in metrics and info.status == "RUNNING"
+    # No cost_usd: the run is still going, or its flow died before logging it (closed by a hook or the reaper).
+    estimated = "cost_usd" not in metrics
     if estimated:
-        cost = metrics.get(HOURLY_METRIC, 0.0) * max(0.0, time.time() - info.start_time / 1000) / 3600
+        ended_s = info.end_time / 1000 if info.end_time else time.time()
+        cost = metrics.get(HOURLY_METRIC, 0.0) * max(0.0, ended_s - info.start_time / 1000) / 3600
     else:
-        cost = metrics.get("cost_usd", 0.0)
+        cost = metrics["cost_usd"]
     return RunCost(info.run_id, experiments.get(info.experiment_id, info.experiment_id), info.run_name or "",
                    info.status, info.start_time / 1000, cost, metrics.get("gpu_hours", 0.0),
                    metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get("stopped_by", ""), estimated)

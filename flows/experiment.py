@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger, runtime
 
 from cluster.backends import cluster_name_for, get_backend
-from cluster.cost import hourly_cost
+from cluster.cost import hourly_cost, launched_price
 from cluster.spec import ExperimentSpec, parse_spec
 from tasks.compute import RunStopped, cost_check, deadline_check, provision, teardown, train
 from tasks.cost import cost_metrics, idle_gpu_check, record_estimate
@@ -62,8 +62,9 @@ def run_experiment(spec: ExperimentSpec) -> dict:
 
         env = {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
         # The bill runs from the provision request; max_runtime_minutes bounds the job itself.
-        hourly_usd = handle.info.get("hourly_cost_usd", estimate.hourly_usd)  # what launched, where the backend knows
-        stop_checks = [cost_check(spec, hourly_usd, started), deadline_check(spec, time.time()),
+        if handle.info.get("hourly_cost_usd") is not None:  # what actually launched, where the backend knows it
+            estimate = launched_price(estimate, handle.info["hourly_cost_usd"])
+        stop_checks = [cost_check(spec, estimate.hourly_usd, started), deadline_check(spec, time.time()),
                        idle_gpu_check(spec, run_id)]
         result = train(spec, handle, run_name=runtime.flow_run.name, env=env, stop_checks=stop_checks)
         phases["train_seconds"] = result.train_seconds

@@ -133,12 +133,14 @@ class Watchdog(threading.Thread):
 
 
 def deadline_check(spec: ExperimentSpec, started: float) -> Callable[[], tuple[str, str] | None]:
+    """Fires when limits.max_runtime_minutes have passed since `started` (the flow passes the job's start)."""
     limit_s = spec.limits.max_runtime_minutes * 60
 
     def check():
         elapsed = time.time() - started
         if elapsed >= limit_s:
-            return "timeout", f"stopped by timeout: ran {elapsed / 60:.1f} min: limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}"
+            return "timeout", (f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
+                               f"limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}")
         return None
 
     return check

@@ -240,3 +240,19 @@ def test_watchdog_stops_on_idle_gpu(gpu_run, digits_spec):
 def test_spec_budget_check_allows_exactly_the_cap():
     spec = parse_spec({"limits": {"hourly_rate_usd": 6.0, "max_runtime_minutes": 10, "max_cost_usd": 1.0}})
     check_run_budget(spec, hourly_cost(spec))  # $1.00 of $1.00
+
+
+def test_runs_without_cost_are_priced_from_their_hourly_rate(digits_spec, gpuflow_home):
+    client = MlflowClient(tracking_uri=digits_spec.tracking_uri)
+    experiment = client.create_experiment("unfinished", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    tags = {"gpuflow.backend": "local"}
+    started_ms = int((time.time() - 100) * 1000)
+    running = client.create_run(experiment, start_time=started_ms, tags=tags).info.run_id
+    client.log_metric(running, "hourly_cost_usd", 36.0)  # $1 per 100 s
+    killed = client.create_run(experiment, start_time=started_ms, tags=tags).info.run_id
+    client.log_metric(killed, "hourly_cost_usd", 36.0)
+    client.set_terminated(killed, "KILLED", end_time=started_ms + 50_000)  # its flow died after 50 s
+
+    rows = {row.run_id: row for row in run_costs(digits_spec.tracking_uri, time.time() - 3600)}
+    assert rows[running].estimated and rows[running].cost_usd >= 1.0
+    assert rows[killed].estimated and rows[killed].cost_usd == pytest.approx(0.5)
