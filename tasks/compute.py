@@ -26,6 +26,10 @@ class JobFailed(RuntimeError):
     """The training job exited non-zero; the message holds the end of its log (the traceback)."""
 
 
+class JobReported(Exception):
+    """The job printed its result, its last act: the flow stops tailing instead of waiting for it to exit."""
+
+
 class RunStopped(RuntimeError):
     """The job was stopped on purpose (timeout, budget, idle GPU, cancel); `reason` says which."""
 
@@ -79,12 +83,17 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
         (logger.debug if any(noise in line for noise in NOISE) else logger.info)(line)
+        if line.startswith(RESULT_PREFIX):
+            raise JobReported
 
     job_id = backend.exec(handle, spec, run_name, env)
     watchdog = Watchdog(stop_checks, lambda: backend.down(handle.name))
     watchdog.start()
     try:
         exit_code = backend.tail_logs(handle, job_id, on_line)
+    except JobReported:
+        # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
+        exit_code = 0
     finally:
         watchdog.finish()
     result.train_seconds = time.time() - started
