@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -61,6 +62,7 @@ def one_run(epochs: int) -> dict:
     requested = times.last(lambda m: m.startswith("tearing down cluster"))
     down = times.last(lambda m: m.startswith("cluster ") and ("is down" in m or "already gone" in m))
     metrics = MlflowClient(tracking_uri=spec.tracking_uri).get_run(summary["run_id"]).data.metrics
+    shutil.rmtree(home, ignore_errors=True)
     return {"last_step_to_teardown_s": requested - last_step, "last_line_to_teardown_s": requested - last_line,
             "teardown_s": down - requested, "idle_seconds_before_teardown": metrics["idle_seconds_before_teardown"],
             "cost_usd": metrics["cost_usd"]}
