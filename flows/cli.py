@@ -2,6 +2,7 @@
 
     gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
     gpuflow validate my.yaml
+    gpuflow cost --since 7d
 """
 
 from __future__ import annotations
@@ -26,12 +27,27 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("spec", help="experiment spec (YAML)")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
+    from flows import cost_command
+
+    cost_command.add_parser(commands)
     args = parser.parse_args(argv)
     try:
+        if args.command == "cost":
+            return cost_command.run(args)
         spec = load_spec(args.spec, args.overrides)
         if args.command == "validate":
             validate_spec(spec)
+            from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
+            from tasks.cost import check_budget
+
+            try:
+                price = check_budget(spec)
+            except (BudgetExceeded, PriceUnknown, CatalogMissing) as exc:
+                print(f"gpuflow: {args.spec}: {exc}", file=sys.stderr)
+                return 2
             print(f"{args.spec}: valid. {describe(spec)}")
+            print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} "
+                  f"in limits.max_runtime_minutes")
             return 0
         if args.command == "plan":
             return plan(spec)

@@ -26,11 +26,18 @@ class JobFailed(RuntimeError):
     """The training job exited non-zero; the message holds the end of its log (the traceback)."""
 
 
+class JobReported(Exception):
+    """The job printed its result, its last act: the flow stops tailing instead of waiting for it to exit."""
+
+
 class RunStopped(RuntimeError):
     """The job was stopped on purpose (timeout, budget, idle GPU, cancel); `reason` says which."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str, last_line_at: float | None = None,
+                 teardown_requested_at: float | None = None):
         self.reason = reason
+        # for the run's bill: how long the cluster sat idle before the stop downed it
+        self.last_line_at, self.teardown_requested_at = last_line_at, teardown_requested_at
         super().__init__(detail)
 
 
@@ -76,18 +83,23 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
         (logger.debug if any(noise in line for noise in NOISE) else logger.info)(line)
+        if line.startswith(RESULT_PREFIX):
+            raise JobReported
 
     job_id = backend.exec(handle, spec, run_name, env)
     watchdog = Watchdog(stop_checks, lambda: backend.down(handle.name))
     watchdog.start()
     try:
         exit_code = backend.tail_logs(handle, job_id, on_line)
+    except JobReported:
+        # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
+        exit_code = 0
     finally:
         watchdog.finish()
     result.train_seconds = time.time() - started
     if watchdog.fired:
         reason, detail = watchdog.fired
-        raise RunStopped(reason, detail)
+        raise RunStopped(reason, detail, result.last_line_at or None, watchdog.fired_at)
     if exit_code != 0:
         raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above")
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
@@ -113,6 +125,7 @@ class Watchdog(threading.Thread):
         super().__init__(daemon=True, name="gpuflow-watchdog")
         self.checks, self.stop, self.interval_s = list(checks), stop, interval_s
         self.fired: tuple[str, str] | None = None
+        self.fired_at: float | None = None
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -120,7 +133,7 @@ class Watchdog(threading.Thread):
             for check in self.checks:
                 verdict = check()
                 if verdict:
-                    self.fired = verdict
+                    self.fired, self.fired_at = verdict, time.time()
                     self.stop()
                     return
 
@@ -129,12 +142,29 @@ class Watchdog(threading.Thread):
 
 
 def deadline_check(spec: ExperimentSpec, started: float) -> Callable[[], tuple[str, str] | None]:
+    """Fires when limits.max_runtime_minutes have passed since `started` (the flow passes the job's start)."""
     limit_s = spec.limits.max_runtime_minutes * 60
 
     def check():
         elapsed = time.time() - started
         if elapsed >= limit_s:
-            return "timeout", f"stopped after {elapsed / 60:.1f} min: limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}"
+            return "timeout", (f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
+                               f"limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}")
+        return None
+
+    return check
+
+
+def cost_check(spec: ExperimentSpec, hourly_usd: float, started: float) -> Callable[[], tuple[str, str] | None]:
+    """Fires when the cluster's cost since `started` (the provision request) reaches limits.max_cost_usd."""
+    limit = spec.limits.max_cost_usd
+
+    def check():
+        if limit is None or hourly_usd <= 0:
+            return None
+        spent = hourly_usd * (time.time() - started) / 3600
+        if spent >= limit:
+            return "budget", f"stopped by budget: ${spent:.2f} spent of max_cost_usd={limit:.2f} (${hourly_usd:.4g}/h)"
         return None
 
     return check

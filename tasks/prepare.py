@@ -4,15 +4,18 @@ from prefect import get_run_logger, task
 
 from cluster.data import ensure_data
 from cluster.spec import ExperimentSpec, validate_spec
+from tasks.cost import check_budget
 
 
 @task(name="validate")
 def validate(spec: ExperimentSpec) -> ExperimentSpec:
     """Fails with every problem listed (field, value, fix) before anything is started or billed."""
     spec = validate_spec(spec)
+    estimate = check_budget(spec)  # refuses here, before any cluster exists
     get_run_logger().info(
         f"spec {spec.name!r} is valid: backend={spec.compute.backend} nodes={spec.compute.num_nodes} "
-        f"workers={spec.compute.num_workers} precision={spec.precision}"
+        f"workers={spec.compute.num_workers} precision={spec.precision}; "
+        f"price {estimate.describe()}, at most ${estimate.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes"
     )
     return spec
 

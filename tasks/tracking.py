@@ -158,7 +158,9 @@ def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
         "| --- | --- |",
         *[f"| {key} | {value:.4g} |" for key, value in summary.get("metrics", {}).items()],
         *[f"| {key} | {value:.1f} s |" for key, value in summary.get("phases", {}).items()],
+        *[f"| {key} | {value:.4g} |" for key, value in summary.get("cost", {}).items()],
         "",
+        f"Price: {summary['price']}" if summary.get("price") else "",
         f"Checkpoints: `{summary.get('checkpoint')}`",
     ]
     create_markdown_artifact("\n".join(lines), key=quote(f"mlflow-{spec.name}", safe="-").lower(), description="MLflow run of this flow run")

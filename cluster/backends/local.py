@@ -158,8 +158,9 @@ class LocalBackend:
             return False
         sessions = [int(pid) for pid in record.get("jobs", {})] + [record["session"]]
         stop_sessions(sessions)
+        # reap only this cluster's children: this object may also hold other clusters that stay up
         for process in self._children.values():
-            if process.poll() is None:
+            if process.pid in sessions and process.poll() is None:
                 process.wait(timeout=5)
         shutil.rmtree(record.get("temp_dir", ""), ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,225 @@
+"""What a cluster costs: the hourly price from SkyPilot's catalog (or limits.hourly_rate_usd), and the budget checks.
+
+    gpuflow cost --estimate experiments/digits.yaml      # hourly price and the most a run may cost
+
+No Prefect here: `gpuflow plan`, the validate task and the watchdog all call these plain functions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from cluster.spec import ExperimentSpec
+
+DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
+
+
+class CatalogMissing(RuntimeError):
+    """SkyPilot has no price catalog on this machine; without one it would try to download it."""
+
+
+class PriceUnknown(ValueError):
+    """No catalog row matches the requested compute."""
+
+
+class BudgetExceeded(ValueError):
+    """The run could cost more than a limit allows; the message gives both figures and what to change."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The hourly price of the whole cluster and where it came from."""
+
+    hourly_usd: float  # all nodes together
+    per_node_hourly_usd: float
+    num_nodes: int
+    use_spot: bool
+    source: str  # "catalog", "limits.hourly_rate_usd" or "free" (local, no rate given)
+    cloud: str | None = None
+    region: str | None = None
+    instance_type: str | None = None
+    accelerators: str | None = None  # per node, e.g. "H100:8"
+    gpus_per_node: float = 0
+
+    def cost_usd(self, seconds: float) -> float:
+        return self.hourly_usd * seconds / 3600
+
+    def max_runtime_cost_usd(self, spec: ExperimentSpec) -> float:
+        """The bill if the job runs to limits.max_runtime_minutes."""
+        return self.hourly_usd * spec.limits.max_runtime_minutes / 60
+
+    def describe(self) -> str:
+        if self.source == "free":
+            return "local cluster, no price (set limits.hourly_rate_usd to price it)"
+        what = f"{self.num_nodes} × {self.instance_type or 'node'}"
+        where = "/".join(filter(None, [self.cloud, self.region]))
+        kind = "spot" if self.use_spot else "on-demand"
+        return (f"{what} ({self.accelerators or 'CPU'}, {kind}{', ' + where if where else ''}): "
+                f"${self.per_node_hourly_usd:.4g}/h per node, ${self.hourly_usd:.4g}/h in all [{self.source}]")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def hourly_cost(spec: ExperimentSpec) -> Estimate:
+    """The cluster's price per hour: limits.hourly_rate_usd when set, else SkyPilot's catalog (skypilot backend)."""
+    compute, nodes = spec.compute, spec.compute.num_nodes
+    gpus = gpus_per_node(compute.accelerators)
+    if spec.limits.hourly_rate_usd is not None:
+        rate = spec.limits.hourly_rate_usd
+        return Estimate(rate, rate / nodes, nodes, compute.use_spot, "limits.hourly_rate_usd",
+                        accelerators=first_accelerator(compute.accelerators), gpus_per_node=gpus)
+    if compute.backend == "local":
+        return Estimate(0.0, 0.0, nodes, False, "free")
+    cloud, region = cloud_and_region(spec)
+    options = [catalog_price(spec, candidate, region, accelerator)
+               for candidate in ([cloud] if cloud else catalog_clouds())
+               for accelerator in accelerator_options(compute.accelerators)]
+    priced = [option for option in options if option]
+    if not priced:
+        raise PriceUnknown(
+            f"compute.accelerators: no instance with {compute.accelerators or 'CPU only'} "
+            f"({'spot' if compute.use_spot else 'on-demand'}) in the SkyPilot catalog for "
+            f"{cloud or ', '.join(catalog_clouds())}{'/' + region if region else ''}; "
+            "check the accelerator name and count (`sky show-gpus`), or set limits.hourly_rate_usd")
+    # SkyPilot's optimizer launches the cheapest option first; the watchdog prices what actually launched.
+    return min(priced, key=lambda estimate: estimate.hourly_usd)
+
+
+def launched_price(estimate: Estimate, hourly_usd: float) -> Estimate:
+    """The estimate with the price of the cluster that actually launched (the optimizer may have fallen back)."""
+    return replace(estimate, hourly_usd=hourly_usd, per_node_hourly_usd=hourly_usd / estimate.num_nodes,
+                   source="launched")
+
+
+def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelerator: str | None) -> Estimate | None:
+    """One cloud's cheapest instance for one accelerator option, priced with SkyPilot's own catalog functions."""
+    import sky.catalog
+    from sky.utils import registry
+
+    compute = spec.compute
+    require_catalog(cloud)
+    cloud_object = registry.CLOUD_REGISTRY.from_str(cloud)
+    accelerators = None
+    try:
+        if accelerator:
+            name, count = split_accelerator(accelerator)
+            instance_types, _ = sky.catalog.get_instance_type_for_accelerator(
+                name, count, use_spot=compute.use_spot, region=region, clouds=cloud)
+            if not instance_types:
+                return None
+            instance_type, accelerators = instance_types[0], {name: count}
+        else:
+            instance_type = sky.catalog.get_default_instance_type(region=region, use_spot=compute.use_spot, clouds=cloud)
+            if not instance_type:
+                return None
+        # GCP bills attached GPUs apart from the VM; other clouds return 0 for the accelerator part.
+        per_node = cloud_object.instance_type_to_hourly_cost(instance_type, compute.use_spot, region, None)
+        if accelerators:
+            per_node += cloud_object.accelerators_to_hourly_cost(accelerators, compute.use_spot, region, None)
+    except (ValueError, AssertionError):  # not offered there (e.g. spot on a cloud without spot)
+        return None
+    return Estimate(per_node * compute.num_nodes, per_node, compute.num_nodes, compute.use_spot, "catalog",
+                    cloud=cloud, region=region, instance_type=instance_type, accelerators=accelerator,
+                    gpus_per_node=gpus_per_node(accelerator))
+
+
+def catalog_dir() -> Path:
+    """Where this SkyPilot reads its catalog: ~/.sky/catalogs/<schema>/ under $SKY_RUNTIME_DIR or $HOME."""
+    from sky.catalog import common
+
+    return Path(common.get_catalog_path(""))
+
+
+def catalog_clouds() -> list[str]:
+    """Clouds whose price list is on this machine."""
+    folder = catalog_dir()
+    clouds = sorted(p.parent.name for p in folder.glob("*/vms.csv")) if folder.is_dir() else []
+    if not clouds:
+        raise CatalogMissing(missing_message(folder))
+    return clouds
+
+
+def require_catalog(cloud: str) -> None:
+    # SkyPilot downloads a missing catalog with no timeout: offline, that is a hang or a late traceback.
+    path = catalog_dir() / cloud / "vms.csv"
+    if not path.is_file():
+        raise CatalogMissing(missing_message(path))
+
+
+def missing_message(path: Path) -> str:
+    return (f"no SkyPilot price catalog at {path}: SkyPilot downloads it on first use and this machine did not. "
+            "Run `sky show-gpus` once where the internet is reachable (or copy the catalog there), "
+            "or set limits.hourly_rate_usd to price the cluster yourself")
+
+
+def cloud_and_region(spec: ExperimentSpec) -> tuple[str | None, str | None]:
+    """compute.infra ('aws/us-east-1') or compute.cloud + compute.region."""
+    compute = spec.compute
+    if compute.infra:
+        cloud, _, rest = compute.infra.partition("/")
+        return cloud.lower(), (rest.split("/")[0] or None) if rest else None
+    return (compute.cloud.lower() if compute.cloud else None), compute.region
+
+
+def accelerator_options(accelerators: str | list[str] | None) -> list[str | None]:
+    if not accelerators:
+        return [None]
+    return [accelerators] if isinstance(accelerators, str) else list(accelerators)
+
+
+def first_accelerator(accelerators: str | list[str] | None) -> str | None:
+    return accelerator_options(accelerators)[0]
+
+
+def split_accelerator(accelerator: str) -> tuple[str, float]:
+    name, _, count = accelerator.partition(":")
+    value = float(count or 1)
+    return name, int(value) if value.is_integer() else value
+
+
+def gpus_per_node(accelerators: str | list[str] | None) -> float:
+    first = first_accelerator(accelerators)
+    return split_accelerator(first)[1] if first else 0
+
+
+# -- budgets ---------------------------------------------------------------------------------------
+
+def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
+    """Refuses a run whose hourly price × limits.max_runtime_minutes exceeds limits.max_cost_usd."""
+    limit = spec.limits.max_cost_usd
+    worst = estimate.max_runtime_cost_usd(spec)
+    if limit is None or worst <= limit:
+        return
+    affordable_minutes = limit / estimate.hourly_usd * 60
+    raise BudgetExceeded(
+        f"limits.max_cost_usd: this run may cost ${worst:.2f} (${estimate.hourly_usd:.4g}/h × "
+        f"{spec.limits.max_runtime_minutes:g} min of limits.max_runtime_minutes), more than max_cost_usd=${limit:.2f}. "
+        f"Lower limits.max_runtime_minutes to {affordable_minutes:.0f} or less, raise limits.max_cost_usd to "
+        f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})")
+
+
+def daily_budget_usd() -> float | None:
+    value = os.environ.get(DAILY_BUDGET_ENV)
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise BudgetExceeded(f"{DAILY_BUDGET_ENV}={value!r} is not a number of dollars; write e.g. 50") from None
+
+
+def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd: float,
+                       budget_usd: float | None) -> None:
+    """Refuses a run that could take today's spend (runs started since 00:00 UTC) past the daily budget."""
+    if budget_usd is None:
+        return
+    worst = estimate.max_runtime_cost_usd(spec)
+    if spent_today_usd + worst <= budget_usd:
+        return
+    raise BudgetExceeded(
+        f"{DAILY_BUDGET_ENV}=${budget_usd:.2f}: runs started today (UTC) cost ${spent_today_usd:.2f} and this one "
+        f"may cost ${worst:.2f}, ${spent_today_usd + worst:.2f} in all. Lower limits.max_runtime_minutes, "
+        f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC")

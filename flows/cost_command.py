@@ -1,0 +1,54 @@
+"""`gpuflow cost`: what gpuflow runs cost (from MLflow), or what one spec would cost before it runs.
+
+    gpuflow cost --since 7d                               # runs of the last 7 days and their totals
+    gpuflow cost --estimate experiments/digits.yaml       # hourly price, most a run may cost, budget verdict
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
+from cluster.spec import load_spec, state_dir
+from cluster.spend import format_table, parse_since, run_costs
+
+
+def add_parser(commands) -> None:
+    command = commands.add_parser("cost", help="what runs cost (from MLflow), or what a spec would cost")
+    command.add_argument("--since", default="7d", help="how far back: 30m, 12h, 7d, 2w (default 7d)")
+    command.add_argument("--tracking-uri", help="MLflow tracking URI (default: the local store under GPUFLOW_HOME)")
+    command.add_argument("--estimate", metavar="SPEC", help="price this spec instead of listing runs")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a field of the --estimate spec (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.estimate:
+        return estimate(args)
+    try:
+        since_s = parse_since(args.since)
+    except ValueError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return 2
+    uri = args.tracking_uri or f"sqlite:///{state_dir() / 'mlflow.db'}"
+    rows = run_costs(uri, time.time() - since_s)
+    print(f"gpuflow runs since {args.since} ago in {uri}")
+    print(format_table(rows))
+    return 0
+
+
+def estimate(args: argparse.Namespace) -> int:
+    from tasks.cost import check_budget
+
+    spec = load_spec(args.estimate, args.overrides)
+    try:
+        price = check_budget(spec)
+    except (BudgetExceeded, PriceUnknown, CatalogMissing) as exc:
+        print(f"gpuflow: {args.estimate}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.estimate}: {price.describe()}")
+    print(f"  at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes="
+          f"{spec.limits.max_runtime_minutes:g}; max_cost_usd={spec.limits.max_cost_usd}")
+    return 0

@@ -1,0 +1,110 @@
+"""The reaper against real local Ray clusters and a real Prefect API: orphans downed, live and foreign clusters kept."""
+
+import time
+import uuid
+
+import pytest
+from mlflow import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.states import Running
+
+from cluster.backends import ClusterStatus, cluster_name_for
+from cluster.backends.local import LocalBackend
+from flows.reaper import close_stale_mlflow_runs, reap, reap_clusters
+from tests.conftest import alive
+
+
+@flow
+def finished_experiment():
+    return "done"
+
+
+def finished_flow_run_id() -> str:
+    return str(finished_experiment(return_state=True).state_details.flow_run_id)
+
+
+def running_flow_run_id() -> str:
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(finished_experiment)
+        client.set_flow_run_state(flow_run.id, Running(), force=True)
+        return str(flow_run.id)
+
+
+class CloudDouble:
+    """Stands in for a cloud backend (SkyPilot) that cannot run here: status() and an idempotent down()."""
+
+    def __init__(self, clusters: dict[str, float], name: str = "cloud"):
+        self.name = name
+        self.clusters = dict(clusters)  # name -> launched_at
+        self.downed = []
+
+    def status(self):
+        return [ClusterStatus(name, self.name, "UP", launched_at) for name, launched_at in self.clusters.items()]
+
+    def down(self, cluster_name):
+        self.downed.append(cluster_name)
+        return self.clusters.pop(cluster_name, None) is not None
+
+
+def test_reaper_downs_orphans_keeps_live_and_foreign_clusters(prefect_server, digits_spec, gpuflow_home):
+    spec = digits_spec.model_copy(update={"compute": digits_spec.compute.model_copy(update={"workers_per_node": 1})})
+    finished, live = finished_flow_run_id(), running_flow_run_id()
+    names = {"orphan": cluster_name_for(finished), "live": cluster_name_for(live), "foreign": "team-notebook"}
+    backend = LocalBackend()
+    client = MlflowClient(tracking_uri=spec.tracking_uri)
+    experiment = client.create_experiment("reaper", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    runs = {key: client.create_run(experiment, tags={"prefect.flow_run_id": run_id}).info.run_id
+            for key, run_id in (("orphan", finished), ("live", live))}
+    pids = {}
+    try:
+        for key, name in names.items():
+            backend.launch(spec, name)
+            pids[key] = backend.pids(name)
+            assert alive(pids[key]), key
+
+        verdicts = {v["cluster"]: v for v in reap_clusters(ttl_hours=24, backends=["local"])}
+
+        assert verdicts[names["orphan"]]["downed"] and "COMPLETED" in verdicts[names["orphan"]]["reason"]
+        assert not verdicts[names["live"]]["downed"] and verdicts[names["live"]]["action"] == "keep"
+        assert names["foreign"] not in verdicts  # not ours: not even judged
+        assert alive(pids["orphan"]) == []
+        assert alive(pids["live"]) and alive(pids["foreign"])
+        assert {s.name for s in backend.status()} == {names["live"], names["foreign"]}
+        assert client.get_run(runs["orphan"]).info.status == "FINISHED"
+        assert client.get_run(runs["orphan"]).data.tags["gpuflow.closed_by"] == "reaper"
+        assert client.get_run(runs["live"]).info.status == "RUNNING"
+    finally:
+        for name in names.values():
+            backend.down(name)
+    assert alive(set().union(*pids.values())) == []
+
+
+def test_reaper_on_any_backend_missing_run_and_ttl(prefect_server, gpuflow_home):
+    live = running_flow_run_id()
+    now = time.time()
+    cloud = CloudDouble({
+        cluster_name_for(str(uuid.uuid4())): now,  # its flow run never existed (or was deleted)
+        cluster_name_for(live): now - 3600,  # running for an hour: kept
+        "gpuflow-" + "0" * 31: now - 10**6,  # 31 hex digits: not a gpuflow name, never touched
+    })
+    stuck = CloudDouble({cluster_name_for(live): now - 30 * 3600}, name="cloud-b")  # same live run, up 30 h
+
+    verdicts = reap([cloud, stuck], ttl_seconds=24 * 3600)
+
+    assert [v.reason for v in verdicts if v.downed and v.backend == "cloud"] == [
+        f"flow run {verdicts[0].flow_run_id} does not exist"]
+    assert cloud.downed == [verdicts[0].cluster] and len(cloud.clusters) == 2
+    assert stuck.downed == [cluster_name_for(live)] and "TTL" in verdicts[-1].reason
+    assert reap([CloudDouble({cluster_name_for(live): now})], 24 * 3600, dry_run=True)[0].action == "keep"
+
+
+def test_stale_mlflow_runs_closed_by_state(prefect_server, digits_spec, gpuflow_home):
+    client = MlflowClient(tracking_uri=digits_spec.tracking_uri)
+    experiment = client.create_experiment("stale", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    missing = client.create_run(experiment, tags={"prefect.flow_run_id": str(uuid.uuid4())}).info.run_id
+    untagged = client.create_run(experiment).info.run_id
+
+    assert close_stale_mlflow_runs(digits_spec.tracking_uri) == [missing]
+    assert client.get_run(missing).info.status == "KILLED"
+    assert client.get_run(untagged).info.status == "RUNNING"  # not a gpuflow flow's run: left alone

@@ -1,0 +1,77 @@
+"""The watchdog stops a real running job (local Ray) on budget and on timeout: run KILLED, tagged, checkpoint kept."""
+
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from cluster.backends.local import LocalBackend
+from tests.conftest import alive
+
+
+def long_job(spec, **limits):
+    """A job far longer than its limits; one worker keeps the shared 2-core machine usable."""
+    return spec.model_copy(update={
+        "train": spec.train.model_copy(update={"epochs": 5000}),
+        "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
+        "limits": spec.limits.model_copy(update=limits),
+        "tracking": spec.tracking.model_copy(update={"register_model": False}),
+    })
+
+
+def processes_under(folder: Path) -> list[int]:
+    """Live processes whose command line names the test's state folder (cluster, job, Ray's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(folder) in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+    return alive(found)
+
+
+def stopped_run(spec, state):
+    client = MlflowClient(tracking_uri=spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    flow_run_id = str(state.state_details.flow_run_id)
+    [run] = client.search_runs([experiment.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    return run
+
+
+def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
+    assert state.is_failed(), state
+    run = stopped_run(spec, state)
+    assert run.info.status == "KILLED"
+    assert run.data.tags["stopped_by"] == reason
+    for metric in ("cost_usd", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown"):
+        assert metric in run.data.metrics, metric
+    assert "train_loss" in run.data.metrics  # it trained: the stop came mid-run
+    assert list(gpuflow_home.glob("checkpoints/**/checkpoint.pt")), "the last checkpoint must be kept"
+    assert LocalBackend().status() == []
+    assert processes_under(gpuflow_home) == []
+    return run
+
+
+@pytest.mark.timeout(900)
+def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
+    from flows.experiment import run_experiment
+
+    # $1 per second; the budget allows 150 s: the estimate (rate × max runtime) passes, but the bill also counts
+    # provisioning, so the budget runs out before the job's own 150 s do.
+    spec = long_job(digits_spec, hourly_rate_usd=3600.0, max_runtime_minutes=2.5, max_cost_usd=150.0)
+    state = run_experiment(spec, return_state=True)
+    assert "stopped by budget: $" in state.message and "of max_cost_usd=150.00" in state.message, state.message
+    run = assert_stopped_and_clean(spec, state, gpuflow_home, "budget")
+    assert run.data.metrics["cost_usd"] >= 150.0
+
+
+@pytest.mark.timeout(900)
+def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
+    from flows.experiment import run_experiment
+
+    spec = long_job(digits_spec, max_runtime_minutes=2.0)
+    state = run_experiment(spec, return_state=True)
+    assert "stopped by timeout" in state.message and "max_runtime_minutes is 2.0" in state.message, state.message
+    assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")
