@@ -3,7 +3,6 @@
 import time
 import uuid
 
-import pytest
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client

@@ -115,6 +115,7 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
         monkeypatch.setattr("cluster.backends.skypilot.load_sdk", lambda: fake)
         spec = parse_spec({
             "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},
+            "limits": {"hourly_rate_usd": 2.5},  # no price catalog offline: price it as a user may
             "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
             "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
             "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),

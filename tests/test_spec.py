@@ -100,5 +100,12 @@ def test_skypilot_accepts_remote_stores():
         "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},
         "tracking": {"uri": "https://mlflow.example.com"},
         "storage": {"checkpoints": "s3://bucket/ckpt"},
+        "data": {"train": "s3://bucket/train.parquet", "validation": None},
     })
     assert spec.compute.use_gpu and spec.compute.num_workers == 4
+
+
+def test_skypilot_refuses_data_only_this_machine_has():
+    with pytest.raises(SpecError, match="data.train .* cannot read"):
+        parse_spec({"compute": {"backend": "skypilot", "accelerators": "H100:1"},
+                    "tracking": {"uri": "https://mlflow.example.com"}, "storage": {"checkpoints": "s3://b/c"}})
