@@ -2,6 +2,7 @@
 
     gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
     gpuflow validate my.yaml
+    gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
 """
 
 from __future__ import annotations
@@ -23,7 +24,18 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("spec", help="experiment spec (YAML)")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
+    # -- deployments (flows/deploy.py, flows/serve.py): prefect.yaml's deployments, served here or registered
+    serve = commands.add_parser("serve", help="serve prefect.yaml's deployments from this machine (no work pool)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                       help="override a field of the deployments' default spec, e.g. --set tracking.uri=http://...")
+    serve.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="serve only this one (repeatable)")
+    serve.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1)")
+    deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with a work pool")
+    deploy.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="deploy only this one (repeatable)")
+    deploy.add_argument("--pool", default="gpuflow-process", help="work pool, created as a process pool if missing")
     args = parser.parse_args(argv)
+    if args.command in ("serve", "deploy"):
+        return deployments(args)
     try:
         spec = load_spec(args.spec, args.overrides)
         if args.command == "validate":
@@ -31,6 +43,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.spec}: valid. {describe(spec)}")
             return 0
         return run(spec)
+    except SpecError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return 2
+
+
+def deployments(args) -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.deploy import deploy
+    from flows.serve import serve
+
+    try:
+        if args.command == "deploy":
+            return deploy(args.only, args.pool)
+        serve(args.overrides, args.only, args.limit)
+        return 0
     except SpecError as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
