@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -127,3 +130,72 @@ def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names:
                     raise TimeoutError(f"deployments {names} not registered; found {found}:\n{log.read_text()[-3000:]}")
                 time.sleep(0.5)
         yield process
+
+
+RUN_TIMEOUT_S = 900  # a full digits run takes 1-2 min alone; the machine is shared
+
+
+@dataclass
+class ServedDeployments:
+    api_url: str
+    mlflow_url: str
+    home: Path
+
+    @property
+    def ui_url(self) -> str:
+        return self.api_url.removesuffix("/api")
+
+    @contextlib.contextmanager
+    def client(self):
+        """A sync Prefect client for the test's server (not the session's temporary test harness)."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.api_url}), get_client(sync_client=True) as client:
+            yield client
+
+    def deployment(self, name: str):
+        with self.client() as client:
+            return client.read_deployment_by_name(f"run-experiment/{name}")
+
+    def wait_until_final(self, flow_run_id, timeout_s: float = RUN_TIMEOUT_S):
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while True:
+                flow_run = client.read_flow_run(flow_run_id)
+                if flow_run.state and flow_run.state.is_final():
+                    return flow_run
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flow run {flow_run_id} still {flow_run.state_name} after {timeout_s}s:\n"
+                                       + (self.home / "serve.log").read_text()[-3000:])
+                time.sleep(1)
+
+
+def run_on_a_schedule_a_minute_away(served: ServedDeployments, name: str, overrides: dict):
+    """Adds a once-a-year cron schedule for the next whole minute (+1) to a deployment; waits for the run it makes.
+
+    Nobody starts the run: the server's scheduler makes it and the `gpuflow serve` process picks it up.
+    """
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.schedules import CronSchedule
+
+    deployment = served.deployment(name)
+    spec = copy.deepcopy(deployment.parameters["spec"])
+    spec["train"].update(overrides)
+    at = datetime.now(timezone.utc).replace(second=0, microsecond=0) + timedelta(minutes=2)
+    cron = f"{at.minute} {at.hour} {at.day} {at.month} *"  # fires once (a year from now next)
+    with served.client() as client:
+        client.create_deployment_schedules(deployment.id, [DeploymentScheduleCreate(
+            schedule=CronSchedule(cron=cron, timezone="UTC"), active=True, parameters={"spec": spec})])
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            runs = [run for run in client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+                if run.auto_scheduled and run.expected_start_time and abs((run.expected_start_time - at).total_seconds()) < 1]
+            if runs:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no run of {name} scheduled for {at}")
+            time.sleep(2)
+    return served.wait_until_final(runs[0].id)
