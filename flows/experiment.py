@@ -11,7 +11,7 @@ from prefect import flow, get_run_logger, runtime
 
 from cluster.backends import cluster_name_for, get_backend
 from cluster.spec import ExperimentSpec
-from flows.run_info import run_name_for, spec_from, tag_flow_run
+from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from tasks.compute import RunStopped, deadline_check, provision, teardown, train
 from tasks.prepare import stage_data, validate
 from tasks.tracking import (
@@ -45,7 +45,7 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None) -> dict:
     spec = validate(spec)
     cluster_name = cluster_name_for(runtime.flow_run.id)
     this_run = {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
-                "url": runtime.flow_run.ui_url, "deployment": runtime.deployment.name}
+                "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name}
     started = time.time()
     phases: dict[str, float] = {}
     run_id, failure = None, None

@@ -40,3 +40,14 @@ def tag_flow_run(flow_run_id, existing_tags, spec: ExperimentSpec) -> list[str]:
     with get_client(sync_client=True) as client:
         client.update_flow_run(flow_run_id, tags=tags)
     return tags
+
+
+def flow_run_ui_url(flow_run_id) -> str | None:
+    """The flow run's page in the Prefect UI (PREFECT_UI_URL).
+
+    Not runtime.flow_run.ui_url: in Prefect 3.8.8 it gives Cloud's /flow-runs/flow-run/<id>, a 404 on a
+    self-hosted server; url_for knows each UI's path.
+    """
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=flow_run_id)

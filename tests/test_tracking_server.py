@@ -49,6 +49,7 @@ def test_the_mlflow_run_links_to_the_prefect_run(served, scheduled_run):
     assert tags["prefect.flow_run_name"] == scheduled_run.name == run.info.run_name
     assert tags["prefect.deployment"] == "nightly-digits"
     url = tags["prefect.flow_run_url"]
-    assert url.startswith(served.ui_url) and str(scheduled_run.id) in url
-    with urllib.request.urlopen(url, timeout=30) as response:  # the Prefect server serves its UI there
+    assert url == f"{served.ui_url}/runs/flow-run/{scheduled_run.id}"
+    page = urllib.request.Request(url, headers={"Accept": "text/html"})  # as a browser asks for it
+    with urllib.request.urlopen(page, timeout=30) as response:  # a wrong path is a 404 from Prefect's server
         assert response.status == 200
