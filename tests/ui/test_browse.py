@@ -3,12 +3,14 @@
     apt-get install -y chromium && .venv/bin/python -m pytest -m browser tests/ui   # screenshots: test-artifacts/ui/
 """
 
+import contextlib
 import re
 
 import pytest
 from mlflow import MlflowClient
 
 pytestmark = pytest.mark.browser
+PlaywrightTimeout = pytest.importorskip("playwright.sync_api").TimeoutError
 
 RUN_TIMEOUT_MS = 900_000  # a full run on a shared 2-core machine; never a timing assertion
 UI_RUN: dict = {}  # the flow run the first test starts from the UI, for the MLflow tests after it
@@ -70,7 +72,10 @@ def test_the_run_in_the_mlflow_ui(served, page):
     page.get_by_text(re.compile(r"Metrics \(\d+\)")).first.wait_for()
     shot("run-overview")
     page.get_by_role("link", name="val_accuracy", exact=True).first.click()
-    chart = page.locator('[data-testid="experiment-view-compare-runs-card"] .js-plotly-plot').first
+    # "Model metrics" shows every metric's card; the per-epoch line chart is the val_accuracy one.
+    card = page.locator('[data-testid="experiment-view-compare-runs-card"]', has_text=re.compile(r"^\s*val_accuracy"))
+    card.first.scroll_into_view_if_needed()
+    chart = card.first.locator(".js-plotly-plot").first
     chart.wait_for()
     shot("val-accuracy-chart")
     points = chart.evaluate("plot => plot.data.map(trace => trace.x.length)")
@@ -79,10 +84,14 @@ def test_the_run_in_the_mlflow_ui(served, page):
     version = client.search_model_versions(f"run_id = '{run.info.run_id}'")[0]
     page.goto(f"{served.mlflow_url}/#/experiments")
     page.get_by_role("link", name="Model registry").first.click()
-    close = page.get_by_role("button", name="Close")
-    if close.count():  # a first-visit modal
-        close.first.click()
-    page.get_by_role("link", name="digits-mlp", exact=True).first.click()
+    model = page.locator("a[href$='/models/digits-mlp']").first
+    model.wait_for()
+    with contextlib.suppress(PlaywrightTimeout):  # a first-visit modal about the new registry UI, shown late
+        page.get_by_role("dialog").wait_for(timeout=10_000)
+        page.get_by_role("dialog").get_by_role("button", name="Close").first.click()
+        page.get_by_role("dialog").wait_for(state="hidden")
+    shot("model-registry")
+    model.click()
     page.get_by_role("link", name=f"Version {version.version}", exact=True).first.click()
     source_run = page.get_by_role("link", name=re.compile(run.info.run_name)).first
     source_run.wait_for()
