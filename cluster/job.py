@@ -65,6 +65,22 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
     )
 
 
+def system_metrics_monitor():
+    """MLflow's own CPU/memory/disk/network (and GPU, with pynvml) sampling of this node, into the flow's run.
+
+    It runs here, in the job on the cluster's head node, so it measures the cluster and not the flow's machine.
+    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (seconds, default 10) sets how often it samples.
+    """
+    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    if not run_id:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, samples_before_logging=1)
+    monitor.start()
+    return monitor
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="spec as JSON (ExperimentSpec.model_dump_json)")
@@ -87,7 +103,12 @@ def main(argv=None) -> int:
     monitor = start_system_metrics(spec)
     with on_sys_path(workdir):
         trainer = build_trainer(spec, args.run_name)
-    result = trainer.fit()
+    monitor = system_metrics_monitor()
+    try:
+        result = trainer.fit()
+    finally:
+        if monitor:
+            monitor.finish()
     summary = {
         "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))},
         "checkpoint": result.checkpoint.path if result.checkpoint else None,

@@ -3,6 +3,7 @@
     gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
     gpuflow validate my.yaml
     gpuflow cost --since 7d
+    gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
 """
 
 from __future__ import annotations
@@ -30,7 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     from flows import cost_command
 
     cost_command.add_parser(commands)
+    # -- deployments (flows/deploy.py, flows/serve.py): prefect.yaml's deployments, served here or registered
+    serve = commands.add_parser("serve", help="serve prefect.yaml's deployments from this machine (no work pool)")
+    serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                       help="override a field of the deployments' default spec, e.g. --set tracking.uri=http://...")
+    serve.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="serve only this one (repeatable)")
+    serve.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1)")
+    deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with a work pool")
+    deploy.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="deploy only this one (repeatable)")
+    deploy.add_argument("--pool", default="gpuflow-process", help="work pool, created as a process pool if missing")
     args = parser.parse_args(argv)
+    if args.command in ("serve", "deploy"):
+        return deployments(args)
     try:
         if args.command == "cost":
             return cost_command.run(args)
@@ -57,6 +69,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def deployments(args) -> int:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.deploy import deploy
+    from flows.serve import serve
+
+    try:
+        if args.command == "deploy":
+            return deploy(args.only, args.pool)
+        serve(args.overrides, args.only, args.limit)
+        return 0
+    except SpecError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return 2
+
+
 def describe(spec) -> str:
     c = spec.compute
     return (f"{spec.name}: {c.backend} backend, {c.num_nodes} node(s) × {c.workers_per_node} worker(s), "
@@ -72,6 +99,14 @@ def plan(spec) -> int:
         return 0
     from cluster.backends.skypilot import resources_for, task_yaml
 
+    from cluster.cost import hourly_cost
+
+    try:
+        price = hourly_cost(spec)
+        print(f"# price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} "
+              f"in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
+    except Exception as exc:  # a plan is still worth showing without a price
+        print(f"# price unknown: {exc}")
     print(f"# launched with autostop after {spec.limits.idle_minutes_to_autostop} idle min and down=True (autodown)")
     for rank, resources in enumerate(resources_for(spec), 1):
         print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")

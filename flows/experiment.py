@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
 
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
 from cluster.backends import cluster_name_for, get_backend
 from cluster.cost import hourly_cost, launched_price
-from cluster.spec import ExperimentSpec, parse_spec
+from cluster.spec import ExperimentSpec
+from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from tasks.cancel import CancelWatcher
 from tasks.compute import RunStopped, cost_check, deadline_check, provision, teardown, train
 from tasks.cost import cost_metrics, idle_gpu_check, record_estimate
@@ -25,27 +25,32 @@ from tasks.tracking import (
 
 def run_name() -> str:
     """Says what ran and when, e.g. digits-mlp-2026-11-21-0300."""
-    spec = runtime.flow_run.parameters.get("spec") or {}
-    name = spec.name if isinstance(spec, ExperimentSpec) else spec.get("name", "experiment")
-    return f"{name}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M%S}"
+    return run_name_for(runtime.flow_run.parameters)
 
 
 def release(flow, flow_run, state) -> None:
     """Cancel and crash hooks: may run in another process, so they find the cluster and MLflow run by flow-run id."""
-    spec = parse_spec(flow_run.parameters["spec"])
+    spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
     get_backend(spec.compute.backend).down(cluster_name_for(flow_run.id))
     close_runs_of_flow_run(spec, str(flow_run.id), "KILLED" if state.is_cancelled() else "FAILED")
 
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
-def run_experiment(spec: ExperimentSpec):
-    """Validate → stage data + open the MLflow run + provision (side by side) → train → teardown → register."""
+def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
+    """Validate → stage data + open the MLflow run + provision (side by side) → train → teardown → register.
+
+    Args:
+        spec: The experiment: what to train, on what data and compute, tracked where, within which limits.
+        spec_file: Path of a YAML spec on the machine that runs the flow; when set, it is used instead of spec.
+    """
     logger = get_run_logger()
+    spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
+    tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     estimate = hourly_cost(spec)
     cluster_name = cluster_name_for(runtime.flow_run.id)
     this_run = {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
-                "url": runtime.flow_run.ui_url, "deployment": runtime.deployment.name}
+                "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name}
     backend = get_backend(spec.compute.backend)
     started = time.time()
     phases: dict[str, float] = {}

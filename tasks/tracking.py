@@ -65,6 +65,8 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
     run_id = run.info.run_id
     client.log_batch(run_id, params=[_param(k, v) for k, v in flat_params(spec).items()], synchronous=True)
     client.log_text(run_id, yaml.safe_dump(spec.model_dump(mode="json", exclude={"secrets"}), sort_keys=False), "spec.yaml")
+    # TODO(skypilot): log the resolved SkyPilot task YAML beside spec.yaml (client.log_text(run_id, ..., "sky-task.yaml"))
+    # once the SkyPilot backend can render it; the local backend has none.
     get_run_logger().info(f"MLflow run {run_id} in experiment {spec.experiment_name!r} ({spec.tracking_uri})")
     return run_id
 
@@ -158,9 +160,19 @@ def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
         "| --- | --- |",
         *[f"| {key} | {value:.4g} |" for key, value in summary.get("metrics", {}).items()],
         *[f"| {key} | {value:.1f} s |" for key, value in summary.get("phases", {}).items()],
-        *[f"| {key} | {value:.4g} |" for key, value in summary.get("cost", {}).items()],
+        *[f"| cost | ${value:.2f} |" for value in [cost_of(summary)] if value is not None],
         "",
         f"Price: {summary['price']}" if summary.get("price") else "",
         f"Checkpoints: `{summary.get('checkpoint')}`",
     ]
     create_markdown_artifact("\n".join(lines), key=quote(f"mlflow-{spec.name}", safe="-").lower(), description="MLflow run of this flow run")
+
+
+def cost_of(summary: dict) -> float | None:
+    """The run's cost in dollars: summary["cost"] (a number or {"cost_usd": ...}), else the cost_usd metric."""
+    cost = summary.get("cost")
+    if isinstance(cost, dict):
+        cost = cost.get("cost_usd")
+    if cost is None:
+        cost = summary.get("metrics", {}).get("cost_usd")
+    return None if cost is None else float(cost)

@@ -68,3 +68,42 @@ def processes_of(home: Path) -> list[int]:
     for pid in running:  # say what is left, for the failure message
         print(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:300])
     return running
+
+
+# -- real servers for the deployment, tracking-server and browser tests (tests/servers.py) ------------------
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> str:
+    """`prefect server start` on a free 127.0.0.1 port; its API URL (the UI is at the same origin)."""
+    from tests.servers import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as api_url:
+        yield api_url
+
+
+@pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory) -> str:
+    """`mlflow server` with proxied artifacts on a free 127.0.0.1 port."""
+    from tests.servers import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def served(prefect_api, mlflow_url, tmp_path_factory):
+    """`gpuflow serve` of prefect.yaml's deployments, tracking to the MLflow server, state in a temp folder."""
+    from tests.servers import ServedDeployments, gpuflow_serve
+
+    home = tmp_path_factory.mktemp("served-home")
+    overrides = [f"tracking.uri={mlflow_url}", f"workdir={REPO}",
+                 f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
+    with gpuflow_serve(prefect_api, home, overrides, ("run-experiment", "nightly-digits")):
+        yield ServedDeployments(prefect_api, mlflow_url, home)
+
+
+@pytest.fixture(scope="session")
+def scheduled_run(served):
+    """The flow run that a schedule one minute away makes of nightly-digits (2 epochs), once it has ended."""
+    from tests.servers import run_on_a_schedule_a_minute_away
+
+    return run_on_a_schedule_a_minute_away(served, "nightly-digits", overrides={"epochs": 2})

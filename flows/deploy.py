@@ -1,0 +1,115 @@
+"""gpuflow's Prefect deployments, read from prefect.yaml: built for `serve`, or registered with a work pool.
+
+    gpuflow deploy                 # = prefect deploy of every deployment whose code is here, pool gpuflow-process
+    gpuflow deploy --pool my-pool  # another work pool (created as a process pool if missing)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import yaml
+
+from cluster.spec import SpecError, apply_override, parse_spec
+
+PREFECT_YAML = Path("prefect.yaml")
+DEFAULT_POOL = "gpuflow-process"
+
+
+def declared(prefect_yaml: Path = PREFECT_YAML) -> list[dict]:
+    """The `deployments:` entries of prefect.yaml, anchors resolved."""
+    return yaml.safe_load(Path(prefect_yaml).read_text())["deployments"]
+
+
+def runnable(entries: list[dict], only: list[str] = ()) -> tuple[list[dict], list[str]]:
+    """The entries to use (all, or those named in `only`), and why any others are skipped."""
+    chosen, skipped = [], []
+    names = {entry["name"] for entry in entries}
+    for name in only:
+        if name not in names:
+            raise SpecError([f"deployment {name!r} is not in prefect.yaml; choose from {sorted(names)}"])
+    for entry in entries:
+        if only and entry["name"] not in only:
+            continue
+        path = entry["entrypoint"].split(":")[0]
+        if not Path(path).is_file():
+            skipped.append(f"{entry['name']}: {path} does not exist here yet")
+            continue
+        chosen.append(entry)
+    return chosen, skipped
+
+
+def with_overrides(parameters: dict, overrides: list[str]) -> dict:
+    """Applies `field=value` overrides to a deployment's spec parameter, and validates the result."""
+    if "spec" not in parameters or not overrides:
+        return parameters
+    spec = yaml.safe_load(yaml.safe_dump(parameters["spec"]))  # a deep copy: anchors share one dict
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError([f"--set {item!r}: write it as field.path=value, e.g. train.epochs=3"])
+        apply_override(spec, key.strip(), yaml.safe_load(value))
+    parse_spec(spec)  # a bad override is refused here, naming the field, before anything is served
+    return {**parameters, "spec": spec}
+
+
+def schedules_of(entry: dict) -> list:
+    from prefect.schedules import Cron, Interval
+
+    made = []
+    for schedule in entry.get("schedules") or []:
+        options = {"timezone": schedule.get("timezone"), "active": schedule.get("active", True),
+                   "parameters": schedule.get("parameters")}
+        if "cron" in schedule:
+            made.append(Cron(schedule["cron"], **options))
+        elif "interval" in schedule:
+            made.append(Interval(timedelta(seconds=schedule["interval"]), **options))
+        else:
+            raise ValueError(f"deployment {entry['name']}: only cron and interval schedules are supported here")
+    return made
+
+
+def runner_deployments(overrides: list[str] = (), only: list[str] = (), prefect_yaml: Path = PREFECT_YAML):
+    """RunnerDeployments (flow.to_deployment) for `prefect.serve`, one per runnable entry of prefect.yaml."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    entries, skipped = runnable(declared(prefect_yaml), only)
+    for reason in skipped:
+        print(f"gpuflow: skipping deployment {reason}", file=sys.stderr)
+    deployments = []
+    for entry in entries:
+        flow = load_flow_from_entrypoint(entry["entrypoint"])
+        deployments.append(flow.to_deployment(
+            name=entry["name"], description=entry.get("description"), tags=entry.get("tags"),
+            parameters=with_overrides(entry.get("parameters") or {}, overrides), schedules=schedules_of(entry),
+        ))
+    return deployments
+
+
+def ensure_process_pool(name: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+        except ObjectNotFound:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            print(f"gpuflow: created process work pool {name!r}")
+
+
+def deploy(only: list[str] = (), pool: str = DEFAULT_POOL, prefect_yaml: Path = PREFECT_YAML) -> int:
+    """Registers the deployments with the Prefect server (PREFECT_API_URL) through `prefect deploy`."""
+    entries, skipped = runnable(declared(prefect_yaml), only)
+    for reason in skipped:
+        print(f"gpuflow: skipping deployment {reason}", file=sys.stderr)
+    ensure_process_pool(pool)
+    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml),
+               "--pool", pool]
+    for entry in entries:
+        command += ["--name", entry["name"]]
+    return subprocess.call(command)

@@ -1,0 +1,201 @@
+"""Real servers for tests, on 127.0.0.1 and free ports: Prefect API + UI, MLflow tracking server, `gpuflow serve`.
+
+    used by the fixtures in tests/conftest.py; each context manager stops its whole process group on exit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+READY_TIMEOUT_S = 240  # generous: the machine is shared with Ray jobs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:3]} exited {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s:\n{log.read_text()[-3000:]}")
+
+
+def stop_group(process: subprocess.Popen, grace_s: float = 15) -> None:
+    """SIGTERM the process group, then SIGKILL what is left: no server outlives its test."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO):
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                   start_new_session=True)
+    try:
+        yield process
+    finally:
+        stop_group(process)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+            "RAY_USAGE_STATS_ENABLED": "0", "NO_PROXY": "127.0.0.1,localhost", **extra}
+
+
+@contextlib.contextmanager
+def prefect_server(home: Path):
+    """`prefect server start` with its own database; yields the API URL (the UI is the same origin)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    home.mkdir(parents=True, exist_ok=True)
+    env = base_env(
+        PREFECT_HOME=str(home), PREFECT_API_URL=f"{url}/api", PREFECT_UI_API_URL=f"{url}/api", PREFECT_UI_URL=url,
+        PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
+        # the scheduler makes runs of a new schedule within seconds, not within its default minute
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
+    )
+    with started([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                 home / "server.log", env) as process:
+        wait_for_http(f"{url}/api/health", process, home / "server.log")
+        yield f"{url}/api"
+
+
+@contextlib.contextmanager
+def mlflow_server(home: Path):
+    """`mlflow server` with a sqlite store and proxied artifacts; yields its URL."""
+    port = free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    env = base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+               "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination", str(home / "artifacts")]
+    with started(command, home / "mlflow.log", env) as process:
+        url = f"http://127.0.0.1:{port}"
+        wait_for_http(f"{url}/health", process, home / "mlflow.log")
+        yield url
+
+
+@contextlib.contextmanager
+def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names: tuple[str, ...]):
+    """`gpuflow serve` against the test's Prefect server; yields once every named deployment is registered."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    gpuflow_home.mkdir(parents=True, exist_ok=True)
+    env = base_env(PREFECT_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"), GPUFLOW_HOME=str(gpuflow_home),
+                   PREFECT_RUNNER_POLL_FREQUENCY="1", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+    command = [str(BIN / "gpuflow"), "serve", *[f"--set={item}" for item in overrides]]
+    log = gpuflow_home / "serve.log"
+    with started(command, log, env) as process, temporary_settings({PREFECT_API_URL: api_url}):
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        with get_client(sync_client=True) as client:
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"gpuflow serve exited {process.returncode}:\n{log.read_text()[-3000:]}")
+                found = {d.name for d in client.read_deployments()}
+                if set(names) <= found:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"deployments {names} not registered; found {found}:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield process
+
+
+RUN_TIMEOUT_S = 900  # a full digits run takes 1-2 min alone; the machine is shared
+
+
+@dataclass
+class ServedDeployments:
+    api_url: str
+    mlflow_url: str
+    home: Path
+
+    @property
+    def ui_url(self) -> str:
+        return self.api_url.removesuffix("/api")
+
+    @contextlib.contextmanager
+    def client(self):
+        """A sync Prefect client for the test's server (not the session's temporary test harness)."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.api_url}), get_client(sync_client=True) as client:
+            yield client
+
+    def deployment(self, name: str):
+        with self.client() as client:
+            return client.read_deployment_by_name(f"run-experiment/{name}")
+
+    def wait_until_final(self, flow_run_id, timeout_s: float = RUN_TIMEOUT_S):
+        deadline = time.monotonic() + timeout_s
+        with self.client() as client:
+            while True:
+                flow_run = client.read_flow_run(flow_run_id)
+                if flow_run.state and flow_run.state.is_final():
+                    return flow_run
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flow run {flow_run_id} still {flow_run.state_name} after {timeout_s}s:\n"
+                                       + (self.home / "serve.log").read_text()[-3000:])
+                time.sleep(1)
+
+
+def run_on_a_schedule_a_minute_away(served: ServedDeployments, name: str, overrides: dict):
+    """Adds a once-a-year cron schedule for the next whole minute (+1) to a deployment; waits for the run it makes.
+
+    Nobody starts the run: the server's scheduler makes it and the `gpuflow serve` process picks it up.
+    """
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.schedules import CronSchedule
+
+    deployment = served.deployment(name)
+    spec = copy.deepcopy(deployment.parameters["spec"])
+    spec["train"].update(overrides)
+    at = datetime.now(timezone.utc).replace(second=0, microsecond=0) + timedelta(minutes=2)
+    cron = f"{at.minute} {at.hour} {at.day} {at.month} *"  # fires once (a year from now next)
+    with served.client() as client:
+        client.create_deployment_schedules(deployment.id, [DeploymentScheduleCreate(
+            schedule=CronSchedule(cron=cron, timezone="UTC"), active=True, parameters={"spec": spec})])
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while True:
+            runs = [run for run in client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+                if run.auto_scheduled and run.expected_start_time and abs((run.expected_start_time - at).total_seconds()) < 1]
+            if runs:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no run of {name} scheduled for {at}")
+            time.sleep(2)
+    return served.wait_until_final(runs[0].id)

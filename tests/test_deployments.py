@@ -1,0 +1,85 @@
+"""prefect.yaml's deployments: declared right, served by `gpuflow serve`, run by a schedule, bad values refused.
+
+    .venv/bin/python -m pytest tests/test_deployments.py
+"""
+
+
+import pytest
+
+from cluster.spec import SpecError, parse_spec
+from flows.deploy import declared, runner_deployments
+from tests.conftest import REPO
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # prefect.yaml's entrypoints are relative to the project folder
+
+
+def test_prefect_yaml_declares_the_deployments():
+    deployments = {entry["name"]: entry for entry in declared()}
+    assert set(deployments) == {"run-experiment", "nightly-digits", "reap-clusters"}
+    assert deployments["run-experiment"]["entrypoint"] == "flows/experiment.py:run_experiment"
+    assert deployments["nightly-digits"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC"}]
+    assert deployments["reap-clusters"]["entrypoint"] == "flows/reaper.py:reap_clusters"
+    assert deployments["reap-clusters"]["schedules"] == [{"interval": 600}]
+    for name in ("run-experiment", "nightly-digits"):
+        spec = parse_spec(deployments[name]["parameters"]["spec"])
+        assert spec.name == "digits-mlp" and spec.data.generate, name
+
+
+def test_served_deployments_carry_the_form_schema_and_overrides():
+    deployments = {d.name: d for d in runner_deployments(["train.epochs=3"])}
+    assert set(deployments) == {"run-experiment", "nightly-digits", "reap-clusters"}
+    assert deployments["reap-clusters"].schedules[0].schedule.interval.total_seconds() == 600
+    run_experiment = deployments["run-experiment"]
+    assert run_experiment.parameters["spec"]["train"]["epochs"] == 3
+    schema = run_experiment._parameter_openapi_schema.model_dump()
+    assert {"spec", "spec_file"} <= set(schema["properties"])
+    train = schema["definitions"]["TrainSpec"]["properties"]
+    assert train["epochs"]["description"] == "Passes over the training data." and train["epochs"]["default"] == 10
+    assert [s.schedule.cron for s in deployments["nightly-digits"].schedules] == ["0 3 * * *"]
+    with pytest.raises(SpecError, match="train.epochs"):
+        runner_deployments(["train.epochs=0"])
+
+
+def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run):
+    assert scheduled_run.auto_scheduled
+    assert scheduled_run.state.is_completed(), scheduled_run.state.message
+    assert scheduled_run.name.startswith("digits-mlp-20")
+    assert {"gpuflow", "nightly", "experiment:digits-mlp", "backend:local"} <= set(scheduled_run.tags)
+    assert scheduled_run.parameters["spec"]["train"]["epochs"] == 2
+    with served.client() as client:
+        artifacts = client.read_artifacts()
+    summary = [a for a in artifacts if a.flow_run_id == scheduled_run.id and a.type == "markdown"]
+    assert summary and served.mlflow_url in summary[0].data and "val_accuracy" in summary[0].data
+
+
+def test_a_bad_form_value_fails_the_run_naming_the_field(served):
+    spec = served.deployment("run-experiment").parameters["spec"]
+    bad = {**spec, "compute": {**spec["compute"], "accelerators": "H100:1"}}  # valid JSON schema, invalid spec
+    with served.client() as client:
+        flow_run = client.create_flow_run_from_deployment(served.deployment("run-experiment").id,
+                                                          parameters={"spec": bad})
+    flow_run = served.wait_until_final(flow_run.id)
+    assert flow_run.state.is_failed()
+    assert "compute" in flow_run.state.message and "backend: skypilot" in flow_run.state.message, flow_run.state.message
+
+
+def test_a_value_outside_the_schema_is_refused_at_submission(served):
+    spec = served.deployment("run-experiment").parameters["spec"]
+    bad = {**spec, "train": {**spec["train"], "epochs": 0}}
+    with served.client() as client, pytest.raises(Exception, match="epochs"):
+        client.create_flow_run_from_deployment(served.deployment("run-experiment").id, parameters={"spec": bad})
+
+
+def test_spec_file_is_used_instead_of_the_form(served, tmp_path):
+    spec_file = tmp_path / "from-file.yaml"
+    spec_file.write_text(f"name: from-file\nworkdir: {REPO}\ndata: {{train: /nonexistent/train.parquet, validation: null}}\n")
+    deployment = served.deployment("run-experiment")
+    with served.client() as client:
+        flow_run = client.create_flow_run_from_deployment(
+            deployment.id, parameters={"spec": deployment.parameters["spec"], "spec_file": str(spec_file)})
+    flow_run = served.wait_until_final(flow_run.id)
+    assert flow_run.state.is_failed() and "data.train" in flow_run.state.message, flow_run.state.message
+    assert flow_run.name.startswith("from-file-") and "experiment:from-file" in flow_run.tags

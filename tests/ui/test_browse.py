@@ -1,0 +1,112 @@
+"""As a person would: start a run from the Prefect UI's form, watch it complete, then find it in the MLflow UI.
+
+    apt-get install -y chromium && .venv/bin/python -m pytest -m browser tests/ui   # screenshots: test-artifacts/ui/
+"""
+
+import contextlib
+import re
+
+import pytest
+from mlflow import MlflowClient
+
+pytestmark = pytest.mark.browser
+PlaywrightTimeout = pytest.importorskip("playwright.sync_api").TimeoutError
+
+RUN_TIMEOUT_MS = 900_000  # a full run on a shared 2-core machine; never a timing assertion
+UI_RUN: dict = {}  # the flow run the first test starts from the UI, for the MLflow tests after it
+
+
+def test_custom_run_from_the_prefect_ui(served, page):
+    page, shot = page
+    page.goto(f"{served.ui_url}/v2/deployments")
+    page.locator("a[href*='/deployments/deployment/']", has_text=re.compile(r"^run-experiment$")).click()
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Custom run").click()
+    epochs = page.get_by_label("Epochs (Optional)", exact=True)
+    epochs.fill("3")
+    epochs.scroll_into_view_if_needed()
+    shot("custom-run-form-epochs-3")
+    page.get_by_role("button", name="Submit").click()
+    page.get_by_role("link", name="View run").click()
+
+    # The URL changes before the content: wait for a tab only the flow-run page has, then read its state badge.
+    page.get_by_role("tab", name="Job Variables").wait_for()
+    flow_run_id = re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1)
+    # The run's tags are badges too (experiment:..., backend:...): look for the one that holds a final state.
+    state = page.locator('[data-slot="badge"]', has_text=re.compile(r"^\s*(Completed|Failed|Crashed|Cancelled)\s*$"))
+    state.first.wait_for(timeout=RUN_TIMEOUT_MS)
+    shot("flow-run-completed")
+    assert state.first.inner_text().strip() == "Completed", (served.home / "serve.log").read_text()[-3000:]
+    page.get_by_role("tab", name="Parameters").click()
+    page.get_by_role("button", name="Copy parameters").wait_for()  # the JSON viewer renders lazily: check values by API
+    shot("flow-run-parameters")
+
+    with served.client() as client:
+        flow_run = client.read_flow_run(flow_run_id)
+    assert flow_run.parameters["spec"]["train"]["epochs"] == 3
+    assert {"experiment:digits-mlp", "backend:local"} <= set(flow_run.tags)
+    UI_RUN["flow_run"] = flow_run
+
+
+def mlflow_run_of(served, flow_run):
+    client = MlflowClient(served.mlflow_url)
+    experiment = client.get_experiment_by_name("digits-mlp")
+    runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def test_the_run_in_the_mlflow_ui(served, page):
+    if "flow_run" not in UI_RUN:
+        pytest.skip("needs the run started from the Prefect UI")
+    page, shot = page
+    client, run = mlflow_run_of(served, UI_RUN["flow_run"])
+    assert run.info.status == "FINISHED" and run.data.tags["prefect.deployment"] == "run-experiment"
+
+    page.goto(f"{served.mlflow_url}/#/experiments")
+    page.get_by_role("button", name="Model training").click()  # the default GenAI mode opens on traces
+    page.get_by_role("link", name="digits-mlp", exact=True).click()
+    shot("experiment-runs")
+    page.get_by_role("link", name=run.info.run_name, exact=True).first.click()
+    page.get_by_role("tab", name="Overview").first.wait_for()
+    page.get_by_text(re.compile(r"Metrics \(\d+\)")).first.wait_for()
+    shot("run-overview")
+    page.get_by_role("link", name="val_accuracy", exact=True).first.click()
+    # "Model metrics" shows every metric's card; the per-epoch line chart is the val_accuracy one.
+    card = page.locator('[data-testid="experiment-view-compare-runs-card"]', has_text=re.compile(r"^\s*val_accuracy"))
+    card.first.scroll_into_view_if_needed()
+    chart = card.first.locator(".js-plotly-plot").first
+    chart.wait_for()
+    shot("val-accuracy-chart")
+    points = chart.evaluate("plot => plot.data.map(trace => trace.x.length)")
+    assert max(points) == 3, points  # one point per epoch
+
+    version = client.search_model_versions(f"run_id = '{run.info.run_id}'")[0]
+    page.goto(f"{served.mlflow_url}/#/experiments")
+    page.get_by_role("link", name="Model registry").first.click()
+    model = page.locator("a[href$='/models/digits-mlp']").first
+    model.wait_for()
+    with contextlib.suppress(PlaywrightTimeout):  # a first-visit modal about the new registry UI, shown late
+        page.get_by_role("dialog").wait_for(timeout=10_000)
+        page.get_by_role("dialog").get_by_role("button", name="Close").first.click()
+        page.get_by_role("dialog").wait_for(state="hidden")
+    shot("model-registry")
+    model.click()
+    page.get_by_role("link", name=f"Version {version.version}", exact=True).first.click()
+    source_run = page.get_by_role("link", name=re.compile(run.info.run_name)).first
+    source_run.wait_for()
+    shot("registered-model-version")
+    assert run.info.run_id in (source_run.get_attribute("href") or "")
+
+
+def test_the_mlflow_run_links_back_to_the_prefect_run(served, page):
+    if "flow_run" not in UI_RUN:
+        pytest.skip("needs the run started from the Prefect UI")
+    page, shot = page
+    flow_run = UI_RUN["flow_run"]
+    _, run = mlflow_run_of(served, flow_run)
+    url = run.data.tags["prefect.flow_run_url"]
+    assert url.startswith(served.ui_url) and str(flow_run.id) in url
+    page.goto(url)
+    page.get_by_text(flow_run.name).first.wait_for()
+    shot("prefect-run-from-mlflow-tag")
