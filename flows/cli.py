@@ -48,25 +48,29 @@ def main(argv: list[str] | None = None) -> int:
             return cost_command.run(args)
         spec = load_spec(args.spec, args.overrides)
         if args.command == "validate":
-            validate_spec(spec)
-            from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
-            from tasks.cost import check_budget
-
-            try:
-                price = check_budget(spec)
-            except (BudgetExceeded, PriceUnknown, CatalogMissing) as exc:
-                print(f"gpuflow: {args.spec}: {exc}", file=sys.stderr)
-                return 2
-            print(f"{args.spec}: valid. {describe(spec)}")
-            print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} "
-                  f"in limits.max_runtime_minutes")
-            return 0
+            return validate(spec, args.spec)
         if args.command == "plan":
             return plan(spec)
         return run(spec)
     except SpecError as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
+
+
+def validate(spec, path: str) -> int:
+    """Checks the spec and its budget; prints the price it would run at."""
+    from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
+    from tasks.cost import check_budget
+
+    validate_spec(spec)
+    try:
+        price = check_budget(spec)
+    except (BudgetExceeded, PriceUnknown, CatalogMissing) as exc:
+        print(f"gpuflow: {path}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{path}: valid. {describe(spec)}")
+    print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes")
+    return 0
 
 
 def deployments(args) -> int:
