@@ -41,8 +41,10 @@ def main() -> int:
     num_nodes = int(os.environ.get("SKYPILOT_NUM_NODES", "1"))
     head_ip = os.environ.get("SKYPILOT_NODE_IPS", "127.0.0.1").split()[0]
     address = f"{head_ip}:{RAY_PORT}"
-    # Ray 2.60 turns on token auth for `ray start`; a driver that names the address must opt in too.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Ray 2.60 wants token auth; `ray start` with RAY_AUTH_MODE=token needs the token to exist, and every
+    # node needs the same one: the flow passes one per job as a secret (RAY_AUTH_TOKEN).
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     temp_dir = tempfile.mkdtemp(prefix="gf-ray-")
     common = ["--disable-usage-stats", f"--temp-dir={temp_dir}", "--include-dashboard=false"]
     if rank != 0:

@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session."""
+"""Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session,
+a real MLflow tracking server and the local Slurm cluster (tests/infra/slurm) for the `slurm` tests."""
 
 import os
 from pathlib import Path
@@ -51,3 +52,35 @@ def alive(pids) -> list[int]:
         if state != "Z":
             running.append(pid)
     return running
+
+
+# -- real servers and clusters shared by a session ------------------------------------------------------------
+@pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory) -> str:
+    """`mlflow server` with proxied artifacts on a free 127.0.0.1 port."""
+    from tests.servers import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def slurm_infra():
+    """A one-node Slurm cluster on 127.0.0.1 that SkyPilot launches onto (infra slurm/skyci); see tests/infra/slurm.
+
+    Skips, saying why, where it cannot run (not root, not Debian, no mirror); in CI (CI set) it fails instead,
+    so that the real-cluster tests can never silently stop running there. GPUFLOW_SLURM_KEEP=1 leaves it up.
+    """
+    from tests.infra.slurm import harness
+
+    ok, why = harness.available()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"local Slurm harness unavailable in CI: {why}")
+        pytest.skip(f"local Slurm harness unavailable: {why}")
+    try:
+        yield harness.start()
+    finally:
+        # also on failures and on KeyboardInterrupt: stops the SkyPilot API server, Slurm jobs, skyci's processes
+        if os.environ.get("GPUFLOW_SLURM_KEEP") != "1":
+            print(harness.stop())

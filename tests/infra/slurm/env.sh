@@ -17,10 +17,7 @@ export SSL_CERT_FILE=${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}
 export REQUESTS_CA_BUNDLE=${REQUESTS_CA_BUNDLE:-$SSL_CERT_FILE}
 # `sky` CLI of the chosen Python on PATH
 if [ -n "${GPUFLOW_PYTHON:-}" ]; then export PATH=$(dirname "$GPUFLOW_PYTHON"):$PATH; fi
-# What gpuflow should use as SkyPilot infra, and the node-side knobs (see NOTES.md)
+# What gpuflow should use as SkyPilot infra
 export GPUFLOW_SLURM_INFRA=slurm/skyci
-if [ -x "$GPUFLOW_SLURM_BASE/nodeenv/bin/python" ]; then
-  export GPUFLOW_NODE_VENV=$GPUFLOW_SLURM_BASE/nodeenv
-fi
 # Keep tools that follow HOME from writing outside the harness
 export XDG_CACHE_HOME=$CLIENT_HOME/.cache XDG_CONFIG_HOME=$CLIENT_HOME/.config

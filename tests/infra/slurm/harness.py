@@ -2,7 +2,7 @@
 
 A one-node Slurm cluster on 127.0.0.1 that SkyPilot 0.14's Slurm cloud launches onto
 (``infra="slurm/skyci"``). ``setup.sh`` / ``env.sh`` / ``teardown.sh`` in this folder do the
-work; this module wraps them for pytest (see ``conftest_snippet.py``) and scripts.
+work; this module wraps them for pytest (the ``slurm_infra`` fixture in tests/conftest.py).
 
     from tests.infra.slurm import harness
     ok, why = harness.available()
@@ -50,7 +50,6 @@ class SlurmInfra:
     ssh_user: str = SSH_USER
     node_task_envs: dict[str, str] = dataclasses.field(default_factory=lambda: dict(NODE_TASK_ENVS))
     find_links: str = ""         # where pip/uv on the node find local wheels (torch +cpu)
-    node_venv: str | None = None  # prebuilt venv on the node (see build_node_venv)
     setup_seconds: float = 0.0
 
     def subprocess_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -150,10 +149,7 @@ def start(timeout: float = 900) -> SlurmInfra:
     for line in prof.read_text().splitlines():
         if line.startswith("export PIP_FIND_LINKS="):
             fl = line.split("=", 1)[1].strip('"')
-    nv = base_dir() / "nodeenv"
-    return SlurmInfra(base=base_dir(), env=henv, find_links=fl,
-                      node_venv=str(nv) if (nv / "bin/python").exists() else None,
-                      setup_seconds=time.monotonic() - t0)
+    return SlurmInfra(base=base_dir(), env=henv, find_links=fl, setup_seconds=time.monotonic() - t0)
 
 
 def stop() -> str:
@@ -175,10 +171,16 @@ def slurm_jobs(user: str | None = None) -> list[dict[str, str]]:
 
 def sky_clusters(infra: SlurmInfra | None = None, refresh: bool = False) -> list[str]:
     """Names of SkyPilot clusters known to the harness's (isolated) SkyPilot client."""
+    return [r["name"] for r in sky_status(infra, refresh)]
+
+
+def sky_status(infra: SlurmInfra | None = None, refresh: bool = False) -> list[dict]:
+    """`sky status` records of the harness's SkyPilot client: name, status, autostop (minutes), to_down."""
     env = infra.subprocess_env() if infra else dict(os.environ, **_harness_env())
     code = ("import json, sky\n"
             f"recs = sky.get(sky.status(refresh={'sky.StatusRefreshMode.FORCE' if refresh else 'sky.StatusRefreshMode.NONE'}))\n"
-            "print('SKY_CLUSTERS=' + json.dumps([r['name'] for r in recs]))\n")
+            "print('SKY_CLUSTERS=' + json.dumps([{'name': r['name'], 'status': r['status'].value,\n"
+            "    'autostop': r['autostop'], 'to_down': r['to_down']} for r in recs]))\n")
     r = subprocess.run([_python(), "-c", code], env=env, capture_output=True, text=True, timeout=300)
     for ln in r.stdout.splitlines():
         if ln.startswith("SKY_CLUSTERS="):
@@ -194,35 +196,3 @@ def leftover_processes() -> list[str]:
         return []
     out = subprocess.run(["ps", "-o", "pid=,args=", "-U", str(uid)], capture_output=True, text=True)
     return [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-
-
-# --------------------------------------------------------------------------- node env
-def build_node_venv(packages: list[str], find_links: str | None = None,
-                    python: str = "/usr/bin/python3.11") -> tuple[str, float]:
-    """Prebuild a venv on the node ($BASE/nodeenv, owned by skyci) with uv.
-
-    Fast path for tests: tasks then `source $GPUFLOW_NODE_VENV/bin/activate` in their
-    setup instead of pip-installing. Uses SkyPilot's uv cache dir for the same user
-    (/tmp/uv_cache_<uid>), so a later in-task `uv pip install` of the same packages is
-    fast too. Returns (venv path, seconds).
-    """
-    b = base_dir()
-    nv = b / "nodeenv"
-    uv = b / "uv" / "uv"
-    fl = find_links if find_links is not None else ("/opt/wheels" if Path("/opt/wheels").is_dir() else "")
-    uid = pwd.getpwnam(SSH_USER).pw_uid
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(b / "home" / SSH_USER),
-           "UV_CACHE_DIR": f"/tmp/uv_cache_{uid}", "UV_LINK_MODE": "copy",
-           "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt", "UV_NATIVE_TLS": "1"}
-    t0 = time.monotonic()
-    if not (nv / "bin/python").exists():
-        nv.mkdir(parents=True, exist_ok=True)
-        os.chown(nv, uid, pwd.getpwnam(SSH_USER).pw_gid)
-        subprocess.run(["runuser", "-u", SSH_USER, "--", "env", *[f"{k}={v}" for k, v in env.items()],
-                        str(uv), "venv", "-q", "--seed", "--python", python, str(nv)], check=True)
-    cmd = [str(uv), "pip", "install", "-q", "--python", str(nv / "bin/python")]
-    if fl:
-        cmd += ["--find-links", fl]
-    subprocess.run(["runuser", "-u", SSH_USER, "--", "env", *[f"{k}={v}" for k, v in env.items()],
-                    *cmd, *packages], check=True, cwd="/tmp")
-    return str(nv), time.monotonic() - t0
