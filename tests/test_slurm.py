@@ -46,7 +46,7 @@ def shared_disk(slurm_infra):
 
 
 @pytest.fixture
-def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server):
+def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path):
     """Starts `gpuflow run experiments/digits.yaml` on the Slurm cluster; stops whatever it left on exit."""
     from prefect.settings import PREFECT_API_URL
 
@@ -73,7 +73,8 @@ def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server):
         return run
 
     yield start
-    for run in runs:
+    for number, run in enumerate(runs):
+        (tmp_path / f"gpuflow-run-{number}.log").write_text(run.output)  # kept by pytest for a look afterwards
         if run.process.poll() is None:
             os.killpg(run.process.pid, signal.SIGKILL)
             run.process.wait()
@@ -189,9 +190,9 @@ def test_a_failing_job_fails_the_flow_and_downs_the_cluster(gpuflow_on_slurm, sl
 
 def test_a_failing_setup_shows_its_log_and_downs_the_cluster(gpuflow_on_slurm, slurm_infra, mlflow_url):
     # SkyPilot leaves a cluster UP after a setup failure, even with down=True: our teardown must remove it.
-    run = gpuflow_on_slurm("setup=echo 'no such package: torch==9.9'; exit 3")
-    assert run.wait() == 1
-    assert "no such package: torch==9.9" in run.output  # the setup's own log
+    run = gpuflow_on_slurm("setup=echo no matching distribution for torch==9.9 && exit 3")
+    assert run.wait() == 1, run.output[-6000:]
+    assert "no matching distribution for torch==9.9" in run.output  # the setup's own log
     assert f"setup on {run.cluster} failed" in run.output and "ended Failed" in run.output
     assert run.output.count("provisioning skypilot cluster") == 1  # a broken setup is not retried
     _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
@@ -205,13 +206,15 @@ def test_cancel_from_prefect_while_launching_downs_the_cluster(gpuflow_on_slurm,
     from prefect.states import Cancelling
 
     run = gpuflow_on_slurm()
-    run.wait_for("Launching on Slurm")  # the launch request is in flight on SkyPilot's API server
+    # the Slurm job is allocated, SkyPilot is still installing its runtime: the launch request is in flight
+    run.wait_for("Instance is up.")
     flow_run_id = flow_run_id_of(run.cluster)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"), force=True)
         assert run.wait() == 1
         assert client.read_flow_run(flow_run_id).state.is_cancelled()
-    assert "SkyPilot job" not in run.output  # no training job ever ran
+    assert "request" in run.output and "cancelled" in run.output  # SkyPilot's own word on the launch
+    assert "SkyPilot job" not in run.output  # neither setup nor training ever ran
     _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
     assert mlflow_run.info.status == "KILLED"
     assert_nothing_left(slurm_infra, run.cluster)

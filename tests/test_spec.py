@@ -100,5 +100,6 @@ def test_skypilot_accepts_remote_stores():
         "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},
         "tracking": {"uri": "https://mlflow.example.com"},
         "storage": {"checkpoints": "s3://bucket/ckpt"},
+        "data": {"train": "s3://bucket/train.parquet", "validation": "s3://bucket/val.parquet"},
     })
     assert spec.compute.use_gpu and spec.compute.num_workers == 4

@@ -143,7 +143,8 @@ class SkyPilotBackend:
             code = self._follow(cluster_name, setup_job_id, on_line)
             if code != 0:
                 raise self.sky.exceptions.CommandError(
-                    code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above", None)
+                    code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
+                    f"SkyPilot job {setup_job_id} ran the task's setup")
             on_line(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
         return ClusterHandle(cluster_name, self.name, info={"request_id": str(request_id)})
 
