@@ -147,6 +147,11 @@ def mlflow_run_of(mlflow_url: str, cluster: str):
 def assert_nothing_left(slurm_infra, cluster: str):
     assert cluster not in harness.sky_clusters(slurm_infra)
     assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
+    # nor a process of the cluster on the node (a Ray that escaped the job would hold port 6390)
+    deadline = time.monotonic() + 120
+    while (left := [p for p in harness.leftover_processes() if cluster in p]) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert left == []
 
 
 def report(name: str, run: Run, mlflow_metrics: dict):
