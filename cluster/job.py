@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
     args = parser.parse_args(argv)
 
-    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text())
+    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
     workdir = str(Path(spec.workdir).absolute())
     env_vars = {
         "PYTHONPATH": os.pathsep.join(filter(None, [workdir, os.environ.get("PYTHONPATH")])),

@@ -22,11 +22,13 @@ def ray(*args: str) -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts", *args]
 
 
-def wait_for_nodes(address: str, count: int) -> None:
+def wait_for_nodes(address: str, count: int, head: subprocess.Popen) -> None:
     probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
              "print(sum(1 for n in ray.nodes() if n['Alive']))")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"`ray start --head` exited with {head.returncode}; its log is above")
         out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True)
         joined = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
         print(f"[gpuflow] {joined}/{count} Ray nodes joined", flush=True)
@@ -41,22 +43,31 @@ def main() -> int:
     num_nodes = int(os.environ.get("SKYPILOT_NUM_NODES", "1"))
     head_ip = os.environ.get("SKYPILOT_NODE_IPS", "127.0.0.1").split()[0]
     address = f"{head_ip}:{RAY_PORT}"
-    # Ray 2.60 turns on token auth for `ray start`; a driver that names the address must opt in too.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # Ray 2.60 wants token auth; `ray start` with RAY_AUTH_MODE=token needs the token to exist, and every
+    # node needs the same one: the flow passes one per job as a secret (RAY_AUTH_TOKEN).
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     temp_dir = tempfile.mkdtemp(prefix="gf-ray-")
     common = ["--disable-usage-stats", f"--temp-dir={temp_dir}", "--include-dashboard=false"]
     if rank != 0:
         return subprocess.call(ray("start", f"--address={address}", "--block", *common))
 
-    subprocess.check_call(ray("start", "--head", f"--port={RAY_PORT}", *common))
+    # --block keeps every Ray process a child of this job, so whatever ends the job (a cancel, a Slurm
+    # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
+    # Not `ray stop`: it stops every Ray of this user on the machine, other jobs' included.
+    head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block", *common))
     try:
-        wait_for_nodes(address, num_nodes)
+        wait_for_nodes(address, num_nodes, head)
         spec_file = Path(temp_dir) / "spec.json"
         spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
         return subprocess.call([sys.executable, "-u", "-m", "cluster.job", "--spec", str(spec_file),
                                 "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"]])
     finally:
-        subprocess.call(ray("stop", "--force"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
 
 
 if __name__ == "__main__":

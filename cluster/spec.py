@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
@@ -153,7 +153,13 @@ class ExperimentSpec(Strict):
     storage: StorageSpec = Field(default_factory=StorageSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     workdir: str = Field(".", description="Project folder with the training code; synced to cloud clusters.")
-    setup: str | None = Field(None, description="Extra shell setup on cloud nodes, e.g. 'pip install -r requirements.txt'.")
+    setup: str | None = Field(
+        None,
+        description="Shell setup on each cloud node, run in the synced workdir before the job. Unset: "
+        "'python -m pip install -e .' (the workdir is a project that depends on gpuflow). When set it REPLACES "
+        "that default, so it must install gpuflow and the loop's packages itself (or do nothing, on an image "
+        "that has them), e.g. 'uv pip install -r requirements.txt -e .'.",
+    )
     envs: dict[str, str] = Field(default_factory=dict, description="Environment variables for the job.")
     secrets: list[str] = Field(default_factory=list, description="Names of environment variables passed to the job but never printed or logged.")
 
@@ -165,8 +171,10 @@ class ExperimentSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _remote_needs_remote_stores(self):
-        if self.compute.backend == "skypilot":
+    def _remote_needs_remote_stores(self, info: ValidationInfo):
+        # On the cluster (cluster/job.py) the flow has checked this already, and "remote" is here.
+        on_cluster = bool(info.context and info.context.get("on_cluster"))
+        if self.compute.backend == "skypilot" and not on_cluster:
             if not is_remote_uri(self.tracking.uri or ""):
                 raise ValueError(
                     "tracking.uri must be a server a cloud cluster can reach (http(s)://..., or databricks); "

@@ -51,7 +51,16 @@ class TrainResult:
     last_line_at: float = 0.0
 
 
-@task(name="provision", retries=1, retry_delay_seconds=5)
+def worth_retrying(task, task_run, state) -> bool:
+    """A broken setup fails the same way again and a cancelled launch was meant: retry only the rest."""
+    try:
+        state.result()
+    except Exception as exc:  # SkyPilot's classes, by name: tasks/ does not import the SDK
+        return type(exc).__name__ not in ("CommandError", "RequestCancelled")
+    return True
+
+
+@task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)
 def provision(spec: ExperimentSpec, cluster_name: str) -> ClusterHandle:
     """Brings the cluster up (or finds it, on a retry of the same flow run)."""
     logger = get_run_logger()
@@ -75,8 +84,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     def on_line(raw: str) -> None:
         line = ANSI.sub("", raw).rstrip()
         result.last_line_at = time.time()
-        if line.startswith(RESULT_PREFIX):
-            payload = json.loads(line[len(RESULT_PREFIX):])
+        if RESULT_PREFIX in line:  # SkyPilot prefixes each job line with "(task, pid=N) "
+            payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
         epoch = EPOCH_LINE.search(line)
         if epoch:

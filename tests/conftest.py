@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session."""
+"""Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session,
+a real MLflow tracking server and the local Slurm cluster (tests/infra/slurm) for the `slurm` tests."""
 
 import os
 from pathlib import Path
@@ -107,3 +108,24 @@ def scheduled_run(served):
     from tests.servers import run_on_a_schedule_a_minute_away
 
     return run_on_a_schedule_a_minute_away(served, "nightly-digits", overrides={"epochs": 2})
+
+
+def slurm_infra():
+    """A one-node Slurm cluster on 127.0.0.1 that SkyPilot launches onto (infra slurm/skyci); see tests/infra/slurm.
+
+    Skips, saying why, where it cannot run (not root, not Debian, no mirror); in CI (CI set) it fails instead,
+    so that the real-cluster tests can never silently stop running there. GPUFLOW_SLURM_KEEP=1 leaves it up.
+    """
+    from tests.infra.slurm import harness
+
+    ok, why = harness.available()
+    if not ok:
+        if os.environ.get("CI"):
+            pytest.fail(f"local Slurm harness unavailable in CI: {why}")
+        pytest.skip(f"local Slurm harness unavailable: {why}")
+    try:
+        yield harness.start()
+    finally:
+        # also on failures and on KeyboardInterrupt: stops the SkyPilot API server, Slurm jobs, skyci's processes
+        if os.environ.get("GPUFLOW_SLURM_KEEP") != "1":
+            print(harness.stop())

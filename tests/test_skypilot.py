@@ -9,7 +9,7 @@ import sky
 import yaml
 
 from cluster.backends import cluster_name_for
-from cluster.backends.skypilot import RUN, SkyPilotBackend, build_task, resources_for, task_yaml
+from cluster.backends.skypilot import DEFAULT_SETUP, RUN, SkyPilotBackend, build_task, resources_for, task_yaml
 from cluster.spec import parse_spec
 from flows.experiment import run_experiment
 from tests.sky_double import FakeSky
@@ -47,6 +47,24 @@ def test_task_from_spec(monkeypatch):
     # the YAML round-trips through SkyPilot's own parser
     again = sky.Task.from_yaml_config(yaml.safe_load(task_yaml(spec)))
     assert again.num_nodes == 2 and again.run == RUN
+
+
+def test_own_setup_replaces_the_default():
+    assert build_task(gpu_spec()).setup == DEFAULT_SETUP
+    own = gpu_spec().model_copy(update={"setup": "uv pip install -e ."})
+    assert build_task(own).setup == "uv pip install -e ."  # e.g. an image that has no pip, or has it all
+
+
+def test_each_job_gets_its_own_ray_token_as_a_secret():
+    fake = FakeSky()
+    backend = SkyPilotBackend(fake)
+    handle = backend.launch(gpu_spec(), NAME, on_line=lambda line: None)
+    backend.exec(handle, gpu_spec(), "run", {})
+    backend.exec(handle, gpu_spec(), "run", {})
+    configs = [c[2] for c in fake.calls if c[0] == "exec"]
+    tokens = {config["secrets"]["RAY_AUTH_TOKEN"] for config in configs}
+    assert len(tokens) == 2 and all(len(token) == 64 for token in tokens)
+    assert not any("RAY_AUTH_TOKEN" in config["envs"] for config in configs)  # secrets, not envs: SkyPilot redacts them
 
 
 def test_plan_never_shows_secrets(monkeypatch):

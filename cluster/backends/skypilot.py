@@ -7,6 +7,8 @@ Every SDK call goes through `self.sky` (the `sky` module), the one boundary a te
 from __future__ import annotations
 
 import io
+import secrets
+import time
 from typing import Callable
 
 from cluster.backends import ClusterHandle, ClusterStatus
@@ -49,7 +51,7 @@ def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[s
         name=spec.name,
         workdir=os.path.abspath(spec.workdir),
         num_nodes=spec.compute.num_nodes,
-        setup="\n".join(filter(None, [DEFAULT_SETUP, spec.setup])) if with_setup else None,
+        setup=(spec.setup or DEFAULT_SETUP) if with_setup else None,  # a user's setup replaces ours (own image)
         run=RUN if with_run else None,
         envs=job_envs(spec, run_name or "<flow run name>", env or {}) if with_run else dict(spec.envs),
         # Values come from this machine's environment and never appear in logs, MLflow or `gpuflow plan`.
@@ -87,6 +89,16 @@ class LineWriter(io.TextIOBase):
             self.buffer = ""
 
 
+def job_outcome(code: int) -> str:
+    """SUCCEEDED, FAILED, CANCELLED, ... for a SkyPilot job exit code."""
+    import sky.exceptions
+
+    try:
+        return sky.exceptions.JobExitCode(code).name
+    except ValueError:
+        return f"exit code {code}"
+
+
 def load_sdk():
     """The SkyPilot SDK module: the one boundary tests replace where no cloud can be reached."""
     import sky
@@ -117,27 +129,45 @@ class SkyPilotBackend:
 
     def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle:
         """Provisions and runs setup; autostop + down=True make the cluster delete itself if we die."""
+        started = time.time()
         request_id = self.sky.launch(
             build_task(spec, with_run=False), cluster_name=cluster_name,
             idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True,
         )
-        self._wait(request_id, on_line)
+        setup_job_id, _ = self._wait(request_id, on_line)
+        if setup_job_id is not None:
+            # SkyPilot 0.14 runs setup detached, as a job of its own, and returns before it ends:
+            # wait for it here so that its log is shown and a broken setup fails the launch.
+            on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; setup runs as SkyPilot job {setup_job_id}")
+            setup_started = time.time()
+            code = self._follow(cluster_name, setup_job_id, on_line)
+            if code != 0:
+                raise self.sky.exceptions.CommandError(
+                    code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
+                    f"SkyPilot job {setup_job_id} ran the task's setup")
+            on_line(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
         return ClusterHandle(cluster_name, self.name, info={"request_id": str(request_id)})
 
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
         task = build_task(spec, run_name=run_name, env=env, with_setup=False)
+        # One token per job for our Ray cluster (Ray 2.60 wants token auth); every node gets it, no log shows it.
+        task.update_secrets({"RAY_AUTH_TOKEN": secrets.token_hex(32)})
         job_id, _ = self._wait(self.sky.exec(task, cluster_name=handle.name), lambda line: None)
         return str(job_id)
 
     def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int:
-        """Follows the job's log; returns 0 when SkyPilot reports the job SUCCEEDED, 1 otherwise."""
+        """Follows the job's log; returns 0 when the job SUCCEEDED, SkyPilot's non-zero job exit code otherwise."""
+        code = self._follow(handle.name, int(job_id), on_line)
+        on_line(f"[gpuflow] SkyPilot job {job_id} on {handle.name}: {job_outcome(code)}")
+        return code
+
+    def _follow(self, cluster_name: str, job_id: int, on_line: Callable[[str], None]) -> int:
+        # tail_logs' return code is the job's outcome (sky.exceptions.JobExitCode): no job_status round trip
         stream = LineWriter(on_line)
-        self.sky.tail_logs(handle.name, int(job_id), follow=True, output_stream=stream)
-        stream.flush()
-        statuses = self.sky.get(self.sky.job_status(handle.name, [int(job_id)]))
-        status = statuses.get(int(job_id)) or statuses.get(str(job_id))
-        on_line(f"[gpuflow] SkyPilot job {job_id} on {handle.name}: {getattr(status, 'value', status)}")
-        return 0 if getattr(status, "value", status) == "SUCCEEDED" else 1
+        try:
+            return self.sky.tail_logs(cluster_name, job_id, follow=True, output_stream=stream)
+        finally:
+            stream.flush()
 
     def status(self) -> list[ClusterStatus]:
         records = self.sky.get(self.sky.status())

@@ -1,0 +1,243 @@
+"""`gpuflow run` with compute.backend=skypilot for real: SkyPilot launches onto a one-node Slurm cluster on
+127.0.0.1 (tests/infra/slurm), the node installs gpuflow, trains, logs to a real MLflow server; then teardown.
+
+    .venv/bin/python -m pytest -m slurm -s        # -s prints each run's phase timings
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from cluster.backends import flow_run_id_of
+from tests.infra.slurm import harness
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[1]
+GPUFLOW = str(Path(sys.executable).parent / "gpuflow")
+RUN_TIMEOUT_S = 900  # a launch is 25-80 s here, a down 7-55 s; the machine is shared
+# The node installs gpuflow itself, as a cloud node would: uv (SkyPilot puts it in ~/.local/bin) with its
+# per-user cache, and the local CPU torch wheel (a bare torch==2.13.0 would be PyPI's CUDA build).
+NODE_SETUP = 'export PATH=$HOME/.local/bin:$PATH; uv pip install -q --python "$(which python)" "torch==2.13.0+cpu" -e .'
+CLUSTER_LINE = re.compile(r"provisioning skypilot cluster (gpuflow-[0-9a-f]{32})")
+
+
+@pytest.fixture(scope="session")
+def shared_disk(slurm_infra):
+    """A folder both this machine (root) and the node (skyci) can use: the tests' stand-in for a bucket."""
+    folder = slurm_infra.base / "shared" / uuid.uuid4().hex[:8]
+    folder.mkdir(parents=True)
+    for path in (folder.parent, folder):
+        path.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path):
+    """Starts `gpuflow run experiments/digits.yaml` on the Slurm cluster; stops whatever it left on exit."""
+    from prefect.settings import PREFECT_API_URL
+
+    runs = []
+
+    def start(*overrides: str, epochs: int = 3) -> Run:
+        args = [GPUFLOW, "run", "experiments/digits.yaml",
+                "--set", "compute.backend=skypilot", "--set", f"compute.infra={slurm_infra.infra}",
+                "--set", "compute.workers_per_node=1", "--set", f"train.epochs={epochs}",
+                "--set", f"tracking.uri={mlflow_url}", "--set", f"storage.checkpoints={shared_disk}/checkpoints",
+                "--set", f"data.train={shared_disk}/data/train.parquet",
+                "--set", f"data.validation={shared_disk}/data/validation.parquet",
+                # one node on this machine: keep Ray on 127.0.0.1 (a real multi-node cluster must not set this)
+                "--set", 'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}',
+                "--set", f"setup={NODE_SETUP}"]
+        for item in overrides:
+            args += ["--set", item]
+        env = slurm_infra.subprocess_env({
+            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_REACHABLE_PREFIX": str(shared_disk),
+            "GPUFLOW_HOME": str(shared_disk / "home"), "PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost"})
+        run = Run(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True))
+        runs.append(run)
+        return run
+
+    yield start
+    for number, run in enumerate(runs):
+        (tmp_path / f"gpuflow-run-{number}.log").write_text(run.output)  # kept by pytest for a look afterwards
+        if run.process.poll() is None:
+            os.killpg(run.process.pid, signal.SIGKILL)
+            run.process.wait()
+        if run.cluster:
+            subprocess.run([str(Path(sys.executable).parent / "sky"), "down", "-y", run.cluster],
+                           env=slurm_infra.subprocess_env(), capture_output=True, timeout=300)
+
+
+class Run:
+    """A `gpuflow run` subprocess whose output is read as it comes, each line with the time it arrived."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process, self.started = process, time.monotonic()
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic() - self.started, line.rstrip("\n")))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    @property
+    def cluster(self) -> str | None:
+        found = CLUSTER_LINE.search(self.output)
+        return found.group(1) if found else None
+
+    def wait_for(self, text: str, timeout_s: float = RUN_TIMEOUT_S) -> float:
+        """Seconds since start when a line containing `text` arrived."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for at, line in list(self.lines):
+                if text in line:
+                    return at
+            if self.process.poll() is not None and not self.reader.is_alive():
+                raise AssertionError(f"gpuflow exited {self.process.returncode} before {text!r}:\n{self.output[-6000:]}")
+            time.sleep(0.5)
+        raise TimeoutError(f"no {text!r} within {timeout_s}s:\n{self.output[-6000:]}")
+
+    def wait(self) -> int:
+        code = self.process.wait(timeout=RUN_TIMEOUT_S)
+        self.reader.join(timeout=30)
+        return code
+
+    def at(self, text: str) -> float | None:
+        return next((at for at, line in self.lines if text in line), None)
+
+    def phases(self) -> dict[str, float]:
+        """Phase wall times as seen from the output (the flow also logs gpuflow.*_seconds to MLflow)."""
+        marks = {name: self.at(text) for name, text in (
+            ("start", "provisioning skypilot cluster"), ("provisioned", "[gpuflow] provisioned"),
+            ("setup_done", "[gpuflow] setup finished"), ("first_epoch", "[gpuflow] epoch 0:"),
+            ("down_start", "tearing down cluster"), ("down_end", " is down ("))}
+        spans = {"provision": ("start", "provisioned"), "setup": ("provisioned", "setup_done"),
+                 "to_first_epoch": ("setup_done", "first_epoch"), "down": ("down_start", "down_end")}
+        return {name: round(marks[b] - marks[a], 1) for name, (a, b) in spans.items()
+                if marks[a] is not None and marks[b] is not None}
+
+
+def mlflow_run_of(mlflow_url: str, cluster: str):
+    client = MlflowClient(mlflow_url)
+    [run] = client.search_runs([client.get_experiment_by_name("digits-mlp").experiment_id],
+                               f"tags.`gpuflow.cluster` = '{cluster}'")
+    return client, run
+
+
+def assert_nothing_left(slurm_infra, cluster: str):
+    assert cluster not in harness.sky_clusters(slurm_infra)
+    assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
+    # nor a process of the cluster on the node (a Ray that escaped the job would hold port 6390)
+    deadline = time.monotonic() + 120
+    while (left := [p for p in harness.leftover_processes() if cluster in p]) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert left == []
+
+
+def report(name: str, run: Run, mlflow_metrics: dict):
+    seconds = {k: round(v, 1) for k, v in mlflow_metrics.items() if k.startswith("gpuflow.")}
+    print(f"\n[{name}] phases from the output: {run.phases()}\n[{name}] phases in MLflow: {seconds}")
+
+
+def test_digits_trains_on_slurm_and_leaves_nothing(gpuflow_on_slurm, slurm_infra, mlflow_url, shared_disk):
+    run = gpuflow_on_slurm(epochs=3)
+    code = run.wait()
+    assert code == 0, run.output[-6000:]
+    assert "finished in" in run.output and "[gpuflow] setup finished" in run.output
+
+    client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "FINISHED"
+    tags = mlflow_run.data.tags
+    assert tags["gpuflow.backend"] == "skypilot"
+    assert flow_run_id_of(run.cluster) == tags["prefect.flow_run_id"]
+    for metric in ("train_loss", "val_accuracy"):  # logged by rank 0 on the node, once per epoch
+        assert sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, metric)) == [0, 1, 2]
+    assert {"gpuflow.provision_seconds", "gpuflow.first_epoch_seconds", "gpuflow.teardown_seconds"} <= set(mlflow_run.data.metrics)
+    assert client.search_logged_models([mlflow_run.info.experiment_id],
+                                       filter_string=f"source_run_id = '{mlflow_run.info.run_id}'")
+
+    checkpoints = sorted((shared_disk / "checkpoints" / tags["prefect.flow_run_name"]).glob("checkpoint_*/checkpoint.pt"))
+    assert len(checkpoints) == 3
+    assert_nothing_left(slurm_infra, run.cluster)
+    report("digits", run, mlflow_run.data.metrics)
+
+
+def test_a_failing_job_fails_the_flow_and_downs_the_cluster(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    run = gpuflow_on_slurm("train.params.fail_at_epoch=1", epochs=3)
+    assert run.wait() == 1
+    assert "Traceback" in run.output and "fail_at_epoch=1: failing on purpose" in run.output
+    assert "ended Failed" in run.output
+    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "FAILED"
+    assert_nothing_left(slurm_infra, run.cluster)
+    report("job fails", run, mlflow_run.data.metrics)
+
+
+def test_a_failing_setup_shows_its_log_and_downs_the_cluster(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    # SkyPilot leaves a cluster UP after a setup failure, even with down=True: our teardown must remove it.
+    run = gpuflow_on_slurm("setup=echo no matching distribution for torch==9.9 && exit 3")
+    assert run.wait() == 1, run.output[-6000:]
+    assert "no matching distribution for torch==9.9" in run.output  # the setup's own log
+    assert f"setup on {run.cluster} failed" in run.output and "ended Failed" in run.output
+    assert run.output.count("provisioning skypilot cluster") == 1  # a broken setup is not retried
+    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "FAILED"
+    assert_nothing_left(slurm_infra, run.cluster)
+    report("setup fails", run, mlflow_run.data.metrics)
+
+
+def test_cancel_from_prefect_while_launching_downs_the_cluster(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    run = gpuflow_on_slurm()
+    # the Slurm job is allocated, SkyPilot is still installing its runtime: the launch request is in flight
+    run.wait_for("Instance is up.")
+    flow_run_id = flow_run_id_of(run.cluster)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"), force=True)
+        assert run.wait() == 1
+        assert client.read_flow_run(flow_run_id).state.is_cancelled()
+    assert "request" in run.output and "cancelled" in run.output  # SkyPilot's own word on the launch
+    assert "SkyPilot job" not in run.output  # neither setup nor training ever ran
+    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "KILLED"
+    assert_nothing_left(slurm_infra, run.cluster)
+    report("cancel while launching", run, mlflow_run.data.metrics)
+
+
+def test_sigterm_during_training_tears_down_and_every_launch_sets_autodown(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    run = gpuflow_on_slurm(epochs=400)
+    run.wait_for("[gpuflow] epoch 0:")
+    # the backstop if this process dies now: SkyPilot deletes the cluster itself after the idle minutes
+    [record] = [r for r in harness.sky_status(slurm_infra) if r["name"] == run.cluster]
+    assert (record["status"], record["autostop"], record["to_down"]) == ("UP", 10, True)
+    assert run.process.poll() is None, "training ended before the signal: raise epochs"
+
+    os.kill(run.process.pid, signal.SIGTERM)
+    assert run.wait() == 130
+    assert "interrupted; its cluster was torn down" in run.output
+    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "KILLED"
+    assert_nothing_left(slurm_infra, run.cluster)
+    report("SIGTERM", run, mlflow_run.data.metrics)
