@@ -100,10 +100,9 @@ def main(argv=None) -> int:
     ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {len(ray.nodes())} node(s)", flush=True)
-    monitor = start_system_metrics(spec)
     with on_sys_path(workdir):
         trainer = build_trainer(spec, args.run_name)
-    monitor = system_metrics_monitor()
+    monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
     try:
         result = trainer.fit()
     finally:
@@ -116,21 +115,7 @@ def main(argv=None) -> int:
         "fit_seconds": round(time.time() - started, 2),
     }
     print(RESULT_PREFIX + json.dumps(summary), flush=True)
-    if monitor:
-        monitor.finish()
     return 0
-
-
-def start_system_metrics(spec: ExperimentSpec):
-    """This node's metrics (GPU use too, where pynvml is installed) into the run: the flow's idle-GPU check reads them."""
-    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
-    if spec.limits.min_gpu_utilization is None or not run_id:
-        return None
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=10)
-    monitor.start()
-    return monitor
 
 
 if __name__ == "__main__":
