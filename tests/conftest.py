@@ -110,6 +110,7 @@ def scheduled_run(served):
     return run_on_a_schedule_a_minute_away(served, "nightly-digits", overrides={"epochs": 2})
 
 
+@pytest.fixture(scope="session")
 def slurm_infra():
     """A one-node Slurm cluster on 127.0.0.1 that SkyPilot launches onto (infra slurm/skyci); see tests/infra/slurm.
 
