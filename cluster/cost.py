@@ -63,6 +63,9 @@ class Estimate:
         return asdict(self)
 
 
+UNPRICED_INFRA = {"slurm", "kubernetes", "k8s", "ssh"}
+
+
 def hourly_cost(spec: ExperimentSpec) -> Estimate:
     """The cluster's price per hour: limits.hourly_rate_usd when set, else SkyPilot's catalog (skypilot backend)."""
     compute, nodes = spec.compute, spec.compute.num_nodes
@@ -74,6 +77,9 @@ def hourly_cost(spec: ExperimentSpec) -> Estimate:
     if compute.backend == "local":
         return Estimate(0.0, 0.0, nodes, False, "free")
     cloud, region = cloud_and_region(spec)
+    if cloud in UNPRICED_INFRA:  # machines the user already has: SkyPilot prices them at 0 and has no catalog
+        return Estimate(0.0, 0.0, nodes, False, f"{cloud} (no price catalog: set limits.hourly_rate_usd)", cloud=cloud,
+                        accelerators=first_accelerator(compute.accelerators), gpus_per_node=gpus)
     options = [catalog_price(spec, candidate, region, accelerator)
                for candidate in ([cloud] if cloud else catalog_clouds())
                for accelerator in accelerator_options(compute.accelerators)]

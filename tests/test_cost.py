@@ -256,3 +256,14 @@ def test_runs_without_cost_are_priced_from_their_hourly_rate(digits_spec, gpuflo
     rows = {row.run_id: row for row in run_costs(digits_spec.tracking_uri, time.time() - 3600)}
     assert rows[running].estimated and rows[running].cost_usd >= 1.0
     assert rows[killed].estimated and rows[killed].cost_usd == pytest.approx(0.5)
+
+
+def test_clusters_without_a_catalog_cost_nothing_unless_priced():
+    """Slurm, Kubernetes and SSH pools are machines the user has: no catalog, no download, price 0."""
+    from cluster.cost import hourly_cost
+    from cluster.spec import parse_spec
+
+    spec = {"compute": {"backend": "skypilot", "infra": "slurm/skyci"}, "tracking": {"uri": "http://127.0.0.1:5000"},
+            "storage": {"checkpoints": "s3://b/c"}, "data": {"train": "s3://b/t.parquet", "validation": None}}
+    assert hourly_cost(parse_spec(spec)).hourly_usd == 0
+    assert hourly_cost(parse_spec({**spec, "limits": {"hourly_rate_usd": 3.0}})).hourly_usd == 3.0
