@@ -6,28 +6,35 @@ It imports no orchestrator. Rank 0 of the loop logs to the MLflow run named by
 GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI; checkpoints go to the spec's storage URI.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-# Ray Train v2's controller polls its workers every 2 s by default, and each report waits for a
-# poll: on short epochs that is most of the wall time. The driver's value propagates to workers.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
-# Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
-os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+from cluster.data import ensure_data
+from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
 
-import ray  # noqa: E402
-import ray.train  # noqa: E402
-from ray.train.torch import TorchTrainer  # noqa: E402
-
-from cluster.data import ensure_data  # noqa: E402
-from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve  # noqa: E402
-
+# Ray and Ray Train are imported where the job runs them, not here: the flow imports this module
+# for RESULT_PREFIX, and loading Ray Train and torch there would cost seconds for nothing.
 RESULT_PREFIX = "[gpuflow] result "
+
+if TYPE_CHECKING:
+    from ray.train.torch import TorchTrainer
+
+
+def tune_ray_train() -> None:
+    """Ray Train settings for this driver, set before Ray is imported."""
+    # Ray Train v2's controller polls its workers every 2 s by default, and each report waits for a
+    # poll: on short epochs that is most of the wall time. The driver's value propagates to workers.
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+    # Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
 
 
 def loop_config(spec: ExperimentSpec) -> dict:
@@ -44,6 +51,9 @@ def loop_config(spec: ExperimentSpec) -> dict:
 
 
 def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
     compute = spec.compute
     gpus_per_worker = 1 if compute.use_gpu else 0
     return TorchTrainer(
@@ -87,6 +97,8 @@ def main(argv=None) -> int:
     parser.add_argument("--address", required=True, help="GCS address of the Ray cluster to run on")
     parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
     args = parser.parse_args(argv)
+    tune_ray_train()
+    import ray
 
     spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
     workdir = str(Path(spec.workdir).absolute())

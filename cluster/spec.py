@@ -26,6 +26,11 @@ def state_dir() -> Path:
     return Path(os.environ.get("GPUFLOW_HOME", ".gpuflow")).absolute()
 
 
+def default_tracking_uri() -> str:
+    """The local MLflow store every spec tracks to unless tracking.uri says otherwise."""
+    return f"sqlite:///{state_dir() / 'mlflow.db'}"
+
+
 class SpecError(ValueError):
     """A spec that cannot run: each line names the field, the bad value and the fix."""
 
@@ -195,7 +200,7 @@ class ExperimentSpec(Strict):
     # Resolved locations: relative paths are relative to the working directory, state under .gpuflow/.
     @property
     def tracking_uri(self) -> str:
-        return self.tracking.uri or f"sqlite:///{state_dir() / 'mlflow.db'}"
+        return self.tracking.uri or default_tracking_uri()
 
     @property
     def experiment_name(self) -> str:

@@ -59,14 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def validate(spec, path: str) -> int:
     """Checks the spec and its budget; prints the price it would run at."""
-    from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
-    from tasks.cost import check_budget
+    from flows.cost_command import priced_within_budget
 
     validate_spec(spec)
-    try:
-        price = check_budget(spec)
-    except (BudgetExceeded, PriceUnknown, CatalogMissing) as exc:
-        print(f"gpuflow: {path}: {exc}", file=sys.stderr)
+    price = priced_within_budget(spec, path)
+    if price is None:
         return 2
     print(f"{path}: valid. {describe(spec)}")
     print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes")
@@ -102,7 +99,6 @@ def plan(spec) -> int:
         print("# local backend: a Ray cluster on this machine; nothing is billed.")
         return 0
     from cluster.backends.skypilot import resources_for, task_yaml
-
     from cluster.cost import hourly_cost
 
     try:

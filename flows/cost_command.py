@@ -11,7 +11,7 @@ import sys
 import time
 
 from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
-from cluster.spec import load_spec, state_dir
+from cluster.spec import default_tracking_uri, load_spec
 from cluster.spend import format_table, parse_since, run_costs
 
 
@@ -32,21 +32,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
-    uri = args.tracking_uri or f"sqlite:///{state_dir() / 'mlflow.db'}"
+    uri = args.tracking_uri or default_tracking_uri()
     rows = run_costs(uri, time.time() - since_s)
     print(f"gpuflow runs since {args.since} ago in {uri}")
     print(format_table(rows))
     return 0
 
 
-def estimate(args: argparse.Namespace) -> int:
+def priced_within_budget(spec, path: str):
+    """The spec's price if its budgets allow the run; otherwise says why on stderr and returns None."""
     from tasks.cost import check_budget
 
-    spec = load_spec(args.estimate, args.overrides)
     try:
-        price = check_budget(spec)
+        return check_budget(spec)
     except (BudgetExceeded, PriceUnknown, CatalogMissing) as exc:
-        print(f"gpuflow: {args.estimate}: {exc}", file=sys.stderr)
+        print(f"gpuflow: {path}: {exc}", file=sys.stderr)
+        return None
+
+
+def estimate(args: argparse.Namespace) -> int:
+    spec = load_spec(args.estimate, args.overrides)
+    price = priced_within_budget(spec, args.estimate)
+    if price is None:
         return 2
     print(f"{args.estimate}: {price.describe()}")
     print(f"  at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes="

@@ -17,9 +17,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from cluster.backends import Backend, flow_run_id_of
-from cluster.spec import state_dir
+from cluster.spec import default_tracking_uri
+from tasks.tracking import FLOW_RUN_TAG
 
-FLOW_RUN_TAG = "prefect.flow_run_id"
 RUN_STATUS_FOR = {"COMPLETED": "FINISHED", "CANCELLED": "KILLED"}  # any other final state: FAILED
 
 
@@ -142,7 +142,7 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
         logger.info(f"{verdict.action} {verdict.backend} cluster {verdict.cluster}: {verdict.reason}"
                     + (" (dry run)" if dry_run and verdict.action == "down" else ""))
     closed = []
-    for uri in tracking_uris or [f"sqlite:///{state_dir() / 'mlflow.db'}"]:
+    for uri in tracking_uris or [default_tracking_uri()]:
         try:
             closed += [f"{uri} {run_id}" for run_id in close_stale_mlflow_runs(uri)]
         except Exception as exc:  # one unreachable store must not stop the cluster work above from being reported

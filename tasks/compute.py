@@ -92,6 +92,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
         (logger.debug if any(noise in line for noise in NOISE) else logger.info)(line)
+        # Only a bare result line (the local backend's own log) ends the tail early: a SkyPilot line carries
+        # its task prefix, and there the tail's return code is the job's outcome, which we would lose.
         if line.startswith(RESULT_PREFIX):
             raise JobReported
 
