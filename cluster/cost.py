@@ -80,18 +80,22 @@ def hourly_cost(spec: ExperimentSpec) -> Estimate:
     if cloud in UNPRICED_INFRA:  # machines the user already has: SkyPilot prices them at 0 and has no catalog
         return Estimate(0.0, 0.0, nodes, False, f"{cloud} (no price catalog: set limits.hourly_rate_usd)", cloud=cloud,
                         accelerators=first_accelerator(compute.accelerators), gpus_per_node=gpus)
-    options = [catalog_price(spec, candidate, region, accelerator)
-               for candidate in ([cloud] if cloud else catalog_clouds())
-               for accelerator in accelerator_options(compute.accelerators)]
-    priced = [option for option in options if option]
-    if not priced:
+    clouds = [cloud] if cloud else catalog_clouds()
+    # For one accelerator SkyPilot's optimizer picks the cheapest cloud; a list of accelerators it tries in the
+    # listed order, not cheapest first. So the budget is checked against the dearest option, and the run is
+    # metered at the price of what launched (cluster/lifecycle.py).
+    per_option = []
+    for accelerator in accelerator_options(compute.accelerators):
+        priced = [option for option in (catalog_price(spec, c, region, accelerator) for c in clouds) if option]
+        if priced:
+            per_option.append(min(priced, key=lambda estimate: estimate.hourly_usd))
+    if not per_option:
         raise PriceUnknown(
             f"compute.accelerators: no instance with {compute.accelerators or 'CPU only'} "
             f"({'spot' if compute.use_spot else 'on-demand'}) in the SkyPilot catalog for "
-            f"{cloud or ', '.join(catalog_clouds())}{'/' + region if region else ''}; "
+            f"{cloud or ', '.join(clouds)}{'/' + region if region else ''}; "
             "check the accelerator name and count (`sky show-gpus`), or set limits.hourly_rate_usd")
-    # SkyPilot's optimizer launches the cheapest option first; the watchdog prices what actually launched.
-    return min(priced, key=lambda estimate: estimate.hourly_usd)
+    return max(per_option, key=lambda estimate: estimate.hourly_usd)
 
 
 def launched_price(estimate: Estimate, hourly_usd: float) -> Estimate:

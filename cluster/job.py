@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.data import ensure_data
+from cluster.guard import JobGuard
 from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
 
 # Ray and Ray Train are imported where the job runs them, not here: the flow imports this module
@@ -98,9 +99,10 @@ def main(argv=None) -> int:
     parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
     args = parser.parse_args(argv)
     tune_ray_train()
+    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
+    JobGuard(spec).start()  # limits and the flow's lease, enforced here too: the flow may die
     import ray
 
-    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
     workdir = str(Path(spec.workdir).absolute())
     env_vars = {
         "PYTHONPATH": os.pathsep.join(filter(None, [workdir, os.environ.get("PYTHONPATH")])),

@@ -144,6 +144,11 @@ class LimitsSpec(Strict):
     hourly_rate_usd: float | None = Field(None, ge=0, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
     min_gpu_utilization: float | None = Field(None, gt=0, le=100, description="Stop when GPU use stays below this percent.")
     idle_gpu_minutes: float = Field(10, gt=0, description="How long GPU use may stay under min_gpu_utilization.")
+    orphan_grace_minutes: float = Field(
+        2, gt=0, le=60,
+        description="The job stops itself (checkpoints kept, MLflow run FAILED, stopped_by=orphaned) when the flow "
+        "has not renewed its lease for this long: the flow process was killed, frozen or cut off.",
+    )
 
 
 class ExperimentSpec(Strict):

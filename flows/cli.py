@@ -130,9 +130,7 @@ def start_side_by_side(spec) -> str | None:
 
     api = None
     if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        from prefect.server.api.server import SubprocessASGIServer
-
-        api = threading.Thread(target=SubprocessASGIServer().start, daemon=True)
+        api = threading.Thread(target=start_temporary_api, daemon=True)
         api.start()
     warm = None
     if spec.compute.backend == "local":
@@ -144,6 +142,21 @@ def start_side_by_side(spec) -> str | None:
     if api:
         api.join()
     return warm
+
+
+def start_temporary_api() -> None:
+    """Starts Prefect's temporary API server (the one every flow run of this process uses) with a watcher that
+    stops it if this process is killed: Prefect only stops it at a normal exit."""
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    if server.server_process:
+        subprocess.Popen([sys.executable, "-m", "flows.outlive", "--owner", str(os.getpid()),
+                          "--kill", str(server.server_process.pid)], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def run(spec) -> int:

@@ -10,17 +10,16 @@ import time
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from cluster.backends import cluster_name_for, get_backend
-from cluster.cost import hourly_cost, launched_price
+from cluster.backends import cluster_name_for, get_backend, train_run_name
+from cluster.cost import hourly_cost
+from cluster.lifecycle import Lifecycle
 from cluster.spec import ExperimentSpec
 from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from tasks.cancel import CancelWatcher
-from tasks.compute import RunStopped, cost_check, deadline_check, provision, teardown, train
-from tasks.cost import cost_metrics, idle_gpu_check, record_estimate
+from tasks.compute import cost_check, deadline_check, provision, teardown, train
+from tasks.cost import idle_gpu_check
 from tasks.prepare import stage_data, validate
-from tasks.tracking import (
-    close_mlflow_run, close_runs_of_flow_run, mlflow_status_for, open_mlflow_run, publish_summary, register_model,
-)
+from tasks.tracking import RunRecord, close_runs_of_flow_run, open_mlflow_run, publish_summary, register_model
 
 
 def run_name() -> str:
@@ -35,6 +34,17 @@ def release(flow, flow_run, state) -> None:
     close_runs_of_flow_run(spec, str(flow_run.id), "KILLED" if state.is_cancelled() else "FAILED")
 
 
+def this_flow_run() -> dict[str, str | None]:
+    return {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
+            "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name}
+
+
+def job_env(spec: ExperimentSpec, run_id: str, life: Lifecycle) -> dict[str, str]:
+    """What the job needs to enforce the run's limits and lease on its own, should the flow die."""
+    return {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id,
+            "GPUFLOW_REQUESTED_AT": f"{life.requested_at:.3f}", "GPUFLOW_HOURLY_USD": f"{life.hourly_usd():.6g}"}
+
+
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
 def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     """Validate → stage data + open the MLflow run + provision (side by side) → train → teardown → register.
@@ -47,79 +57,41 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
-    estimate = hourly_cost(spec)
-    cluster_name = cluster_name_for(runtime.flow_run.id)
-    this_run = {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
-                "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name}
-    backend = get_backend(spec.compute.backend)
-    started = time.time()
-    phases: dict[str, float] = {}
-    run_id, failure = None, None
-    last_line_at = teardown_requested_at = None
-
-    # A cancel from the UI reaches a `gpuflow run` process only through the API: downing the
-    # cluster ends whatever step is running (launch or job), and the flow then ends Cancelled.
-    cancel_watcher = CancelWatcher(runtime.flow_run.id, on_cancel=lambda: backend.down(cluster_name))
-    cancel_watcher.start()
-
-    # Data, tracking and the cluster have no order between them: start them together.
-    data = stage_data.submit(spec)
-    mlflow_run = open_mlflow_run.submit(spec, cluster_name, this_run)
-    cluster = provision.submit(spec, cluster_name)
-    try:
-        run_id = mlflow_run.result()
-        record_estimate(spec, run_id, estimate)
+    flow_run = this_flow_run()
+    cluster_name = cluster_name_for(flow_run["id"])
+    record = RunRecord(spec, flow_run["id"])
+    life = Lifecycle(cluster_name, get_backend(spec.compute.backend).down, hourly_cost(spec), record.close, logger.info)
+    # A cancel from the UI reaches a `gpuflow run` process only through the API: the watcher stops the run.
+    with life, CancelWatcher(flow_run["id"], on_cancel=lambda: life.stop("cancelled", "cancelled from Prefect")):
+        # Data, tracking and the cluster have no order between them: start them together.
+        data = stage_data.submit(spec)
+        mlflow_run = open_mlflow_run.submit(spec, cluster_name, flow_run)
+        cluster = provision.submit(spec, cluster_name)
+        life.launching(cluster)
+        run_id = record.opened(mlflow_run.result(), life.price)
         data.result()
         handle = cluster.result()
-        phases["provision_seconds"] = time.time() - started
+        life.launched(handle.info.get("hourly_cost_usd"))
+        record.phases["provision_seconds"] = life.launched_at - life.requested_at
 
-        # The bill runs from the provision request; max_runtime_minutes bounds the job itself.
-        if handle.info.get("hourly_cost_usd") is not None:  # what actually launched, where the backend knows it
-            estimate = launched_price(estimate, handle.info["hourly_cost_usd"])
-        stop_checks = [cost_check(spec, estimate.hourly_usd, started), deadline_check(spec, time.time()),
-                       idle_gpu_check(spec, run_id)]
-        env = {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
-        result = train(spec, handle, run_name=runtime.flow_run.name, env=env, stop_checks=stop_checks)
-        phases["train_seconds"] = result.train_seconds
-        if result.first_epoch_seconds:
-            phases["first_epoch_seconds"] = result.first_epoch_seconds
+        # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
+        stop_checks = [cost_check(spec, life), deadline_check(spec, time.time()), idle_gpu_check(spec, run_id)]
+        result = train(spec, handle, train_run_name(spec.name, flow_run["id"]), job_env(spec, run_id, life), life, stop_checks)
+        record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: down it before registering, which needs only MLflow.
-        last_line_at, teardown_requested_at = result.last_line_at or None, time.time()
-        phases["teardown_seconds"] = teardown(spec, cluster_name)
+        record.phases["teardown_seconds"] = teardown(life)
         if spec.tracking.register_model:
             register_model(spec, run_id)
-    except BaseException as exc:
-        failure = RunStopped("cancelled", "cancelled from Prefect") if cancel_watcher.cancelled else exc
-        if not cancel_watcher.cancelled:
-            raise
-    finally:
-        cancel_watcher.stop()
-        if "teardown_seconds" not in phases:
-            if isinstance(failure, RunStopped) and failure.teardown_requested_at:  # the watchdog asked already
-                last_line_at, teardown_requested_at = failure.last_line_at, failure.teardown_requested_at
-            teardown_requested_at = teardown_requested_at or time.time()
-            phases["teardown_seconds"] = teardown(spec, cluster_name)  # also cancels a launch still in flight
-        if not cluster.state.is_final():
-            cluster.wait()  # a launch that outran the teardown must not outlive the flow
-            teardown(spec, cluster_name)
-        phases["wall_seconds"] = time.time() - started
-        costs = cost_metrics(estimate, started, time.time(), phases.get("provision_seconds"),
-                             last_line_at, teardown_requested_at)
-        status = mlflow_status_for(failure)
-        if run_id:
-            close_mlflow_run(spec, run_id, status, {**{f"gpuflow.{key}": value for key, value in phases.items()}, **costs},
-                             tags={"stopped_by": failure.reason} if isinstance(failure, RunStopped) else None)
-        elif failure is not None:
-            close_runs_of_flow_run(spec, this_run["id"], status)
+        record.phases["wall_seconds"] = time.time() - life.requested_at
 
-    if cancel_watcher.cancelled:
+    if life.stop_reason == "cancelled":
         return Cancelled(message="cancelled from Prefect: cluster torn down, MLflow run KILLED")
-    summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": phases,
+    summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": record.phases,
                "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name,
-               "cost": costs, "price": estimate.describe()}
+               "cost": life.bill(), "price": life.price.describe()}
     publish_summary(spec, run_id, summary)
-    logger.info(f"done in {phases['wall_seconds']:.1f}s: {result.metrics}")
+    logger.info(f"done in {record.phases['wall_seconds']:.1f}s: {result.metrics}")
     return summary
 
 

@@ -1,10 +1,12 @@
-"""The reaper: downs every gpuflow cluster whose flow run is over, missing or too old, and closes its stale MLflow runs.
+"""The reaper: downs every gpuflow cluster whose flow run is over, dead, missing or too old, and closes its MLflow run.
 
     python -m flows.reaper                 # once, here; deployed every 10 min as flows/reaper.py:reap_clusters
 
 The backstop for what no hook can cover (flow and runner both killed, a cancelled plain script, the Prefect
-server down): see shared/notes/prefect-lifecycle.md. It never touches a cluster whose name is not
-gpuflow-<flow run id>, and keeps a cluster whose run is still going until the TTL.
+server down). A flow run that Prefect still calls RUNNING is dead when its lease on the MLflow run is stale
+(cluster/lease.py): its cluster is downed, its MLflow run closed FAILED (stopped_by=orphaned) and the flow run
+marked Crashed, so the UI tells the truth. It never touches a cluster whose name is not gpuflow-<flow run id>,
+and keeps a cluster whose run is alive until the TTL.
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from cluster.backends import Backend, flow_run_id_of
+from cluster.lease import STOPPED_BY_TAG, stale
+from cluster.mlflow_run import close_run
 from cluster.spec import default_tracking_uri
 from tasks.tracking import FLOW_RUN_TAG
+
+DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
+DEAD = "dead (lease stale)"
 
 RUN_STATUS_FOR = {"COMPLETED": "FINISHED", "CANCELLED": "KILLED"}  # any other final state: FAILED
 
@@ -53,8 +60,10 @@ def flow_run_states(flow_run_ids: set[str]) -> dict[str, tuple[str, bool]]:
 
 
 def judge(backends: list[Backend], states_of: Callable[[set[str]], dict[str, tuple[str, bool]]],
-          ttl_seconds: float, now: float) -> list[tuple[Backend, Verdict]]:
-    """What to do with each of our clusters: down when its flow run is final, missing, or it is older than the TTL."""
+          ttl_seconds: float, now: float,
+          lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None) -> list[tuple[Backend, Verdict]]:
+    """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
+    or it is older than the TTL."""
     found = [(backend, status) for backend in backends for status in statuses(backend)]
     ours = [(backend, status, flow_run_id_of(status.name)) for backend, status in found]
     ours = [(backend, status, run_id) for backend, status, run_id in ours if run_id]  # never touch others' clusters
@@ -67,6 +76,8 @@ def judge(backends: list[Backend], states_of: Callable[[set[str]], dict[str, tup
             action, reason = "down", f"flow run {run_id} does not exist"
         elif state[1]:
             action, reason = "down", f"flow run is over ({state[0]})"
+        elif lease_stale(run_id):
+            action, reason = "down", f"flow run is {state[0]} but {DEAD}: its process is gone"
         elif age_s is not None and age_s > ttl_seconds:
             action, reason = "down", f"up {age_s / 3600:.1f} h, over the TTL of {ttl_seconds / 3600:g} h ({state[0]})"
         else:
@@ -84,19 +95,64 @@ def statuses(backend: Backend) -> list:
 
 
 def reap(backends: list[Backend], ttl_seconds: float, dry_run: bool = False,
-         states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states) -> list[Verdict]:
+         states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
+         lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None) -> list[Verdict]:
     """Judges every cluster of the backends and downs the condemned ones (any object with status() and down())."""
-    judged = judge(backends, states_of, ttl_seconds, time.time())
+    judged = judge(backends, states_of, ttl_seconds, time.time(), lease_stale)
     for backend, verdict in judged:
         if verdict.action == "down" and not dry_run:
-            backend.down(verdict.cluster)
-            verdict.downed = True
+            try:
+                backend.down(verdict.cluster)
+                verdict.downed = True
+            except Exception as exc:  # one cluster that will not go must not keep the others up: next pass retries
+                verdict.reason += f"; down failed: {type(exc).__name__}: {exc}"
     return [verdict for _, verdict in judged]
 
 
+def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
+    """flow run id → is its lease stale (None: no MLflow run with a lease found), from the runs' tags."""
+    from mlflow import MlflowClient
+
+    def lease_stale(flow_run_id: str) -> bool | None:
+        for uri in tracking_uris:
+            for run in runs_of_flow_run(MlflowClient(tracking_uri=uri), flow_run_id):
+                verdict = stale(run.data.tags, time.time(), DEFAULT_GRACE_S)
+                if verdict is not None:
+                    return verdict
+        return None
+
+    return lease_stale
+
+
+def runs_of_flow_run(client, flow_run_id: str) -> list:
+    from mlflow.entities import ViewType
+
+    experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+    if not experiment_ids:
+        return []
+    return client.search_runs(experiment_ids, filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'")
+
+
+def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
+    """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        for flow_run_id in flow_run_ids:
+            client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
+    return sorted(flow_run_ids)
+
+
 def close_stale_mlflow_runs(tracking_uri: str,
-                            states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states) -> list[str]:
-    """Ends MLflow runs left RUNNING whose flow run is final or missing, in every experiment of the store."""
+                            states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
+                            dead: set[str] | None = None) -> list[str]:
+    """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease stale), in every experiment.
+
+    Flow runs found dead are added to `dead` (to be marked Crashed), also those whose job already closed its
+    run as orphaned."""
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
@@ -104,17 +160,28 @@ def close_stale_mlflow_runs(tracking_uri: str,
     experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     if not experiment_ids:
         return []
-    running = [run for run in client.search_runs(experiment_ids, filter_string="attributes.status = 'RUNNING'",
-                                                 max_results=5000)
-               if run.data.tags.get(FLOW_RUN_TAG)]
-    states = states_of({run.data.tags[FLOW_RUN_TAG] for run in running}) if running else {}
+    candidates = client.search_runs(
+        experiment_ids, max_results=5000,
+        filter_string=f"attributes.status = 'RUNNING' or tags.`{STOPPED_BY_TAG}` = 'orphaned'")
+    candidates = [run for run in candidates if run.data.tags.get(FLOW_RUN_TAG)]
+    states = states_of({run.data.tags[FLOW_RUN_TAG] for run in candidates}) if candidates else {}
     closed = []
-    for run in running:
-        state = states.get(run.data.tags[FLOW_RUN_TAG])
+    for run in candidates:
+        flow_run_id = run.data.tags[FLOW_RUN_TAG]
+        state = states.get(flow_run_id)
+        lease_dead = bool(stale(run.data.tags, time.time(), DEFAULT_GRACE_S))
+        if state is not None and not state[1] and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
+            if dead is not None:
+                dead.add(flow_run_id)
+        if run.info.status != "RUNNING":
+            continue
         if state is not None and not state[1]:
-            continue  # its flow is still going
-        client.set_tag(run.info.run_id, "gpuflow.closed_by", "reaper")
-        client.set_terminated(run.info.run_id, RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED")
+            if not lease_dead:
+                continue  # its flow is still going
+            close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", "gpuflow.closed_by": "reaper"})
+        else:
+            status = RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED"
+            close_run(client, run.info.run_id, status, tags={"gpuflow.closed_by": "reaper"})
         closed.append(run.info.run_id)
     return closed
 
@@ -135,31 +202,44 @@ def available_backends(names: list[str]) -> list[Backend]:
 @flow(name="reap-clusters", log_prints=True)
 def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                   tracking_uris: list[str] | None = None, dry_run: bool = False) -> list[dict]:
-    """Downs orphaned gpuflow clusters (flow run final, missing, or older than ttl_hours) and closes stale MLflow runs."""
+    """Downs orphaned gpuflow clusters (flow run final, dead, missing, or older than ttl_hours), closes their MLflow
+    runs and marks dead flow runs Crashed."""
     logger = get_run_logger()
-    verdicts = reap(available_backends(backends or ["local", "skypilot"]), ttl_hours * 3600, dry_run=dry_run)
+    uris = tracking_uris or [default_tracking_uri()]
+    chosen = available_backends(backends or ["local", "skypilot"])
+    try:
+        verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, lease_stale=lease_reader(uris))
+    finally:
+        for backend in chosen:  # e.g. the SkyPilot API server that listing the clusters started
+            getattr(backend, "close", lambda: None)()
     for verdict in verdicts:
         logger.info(f"{verdict.action} {verdict.backend} cluster {verdict.cluster}: {verdict.reason}"
                     + (" (dry run)" if dry_run and verdict.action == "down" else ""))
+    dead = {v.flow_run_id for v in verdicts if DEAD in v.reason}
     closed = []
-    for uri in tracking_uris or [default_tracking_uri()]:
+    for uri in uris:
         try:
-            closed += [f"{uri} {run_id}" for run_id in close_stale_mlflow_runs(uri)]
+            closed += [f"{uri} {run_id}" for run_id in close_stale_mlflow_runs(uri, dead=dead)] if not dry_run else []
         except Exception as exc:  # one unreachable store must not stop the cluster work above from being reported
-            logger.warning(f"reaper: cannot read MLflow at {uri}: {exc}")
+            logger.warning(f"reaper: cannot read MLflow at {uri}: {type(exc).__name__}: {str(exc)[:300]}")
     for run in closed:
         logger.info(f"closed MLflow run left RUNNING: {run}")
-    create_markdown_artifact(report(verdicts, closed), key="reaper", description="clusters the reaper downed and why")
+    crashed = [] if dry_run else mark_crashed(dead, "its process died: found by the reaper (lease stale); "
+                                                    "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
+    for flow_run_id in crashed:
+        logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
+    create_markdown_artifact(report(verdicts, closed, crashed), key="reaper", description="clusters the reaper downed and why")
     return [asdict(verdict) for verdict in verdicts]
 
 
-def report(verdicts: list[Verdict], closed: list[str]) -> str:
+def report(verdicts: list[Verdict], closed: list[str], crashed: list[str] = ()) -> str:
     lines = ["# Reaper", "", "| cluster | backend | flow run state | action | why |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{v.cluster}` | {v.backend} | {v.flow_run_state or 'missing'} | "
               f"{'downed' if v.downed else v.action} | {v.reason} |" for v in verdicts]
     if not verdicts:
         lines.append("| (no gpuflow clusters) | | | | |")
     lines += ["", f"MLflow runs closed: {len(closed)}", *[f"- `{run}`" for run in closed]]
+    lines += ["", f"Flow runs marked Crashed: {len(crashed)}", *[f"- `{run}`" for run in crashed]]
     return "\n".join(lines)
 
 

@@ -12,12 +12,11 @@ CANCEL_STATES = (StateType.CANCELLING, StateType.CANCELLED)
 
 
 class CancelWatcher(threading.Thread):
-    """Polls the flow run's state; on a cancel it calls `on_cancel` once (which downs the cluster)."""
+    """Polls the flow run's state while in its `with` block; on a cancel it calls `on_cancel` once."""
 
     def __init__(self, flow_run_id, on_cancel: Callable[[], object], interval_s: float = 2.0):
         super().__init__(daemon=True, name="gpuflow-cancel-watcher")
         self.flow_run_id, self.on_cancel, self.interval_s = flow_run_id, on_cancel, interval_s
-        self.cancelled = False
         self._done = threading.Event()
 
     def run(self) -> None:
@@ -28,9 +27,15 @@ class CancelWatcher(threading.Thread):
                 except Exception:  # the API blinked: look again next time
                     continue
                 if state and state.type in CANCEL_STATES:
-                    self.cancelled = True
                     self.on_cancel()
                     return
 
-    def stop(self) -> None:
+    def finish(self) -> None:
         self._done.set()
+
+    def __enter__(self) -> CancelWatcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()

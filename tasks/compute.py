@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
 
+from cluster import limits
 from cluster.backends import ClusterHandle, get_backend
+from cluster.guard import STOP_PREFIX
 from cluster.job import RESULT_PREFIX
+from cluster.lifecycle import Lifecycle, RunStopped
+from cluster.limits import Check, Watchdog
 from cluster.spec import ExperimentSpec
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
+STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
 
@@ -30,17 +34,6 @@ class JobReported(Exception):
     """The job printed its result, its last act: the flow stops tailing instead of waiting for it to exit."""
 
 
-class RunStopped(RuntimeError):
-    """The job was stopped on purpose (timeout, budget, idle GPU, cancel); `reason` says which."""
-
-    def __init__(self, reason: str, detail: str, last_line_at: float | None = None,
-                 teardown_requested_at: float | None = None):
-        self.reason = reason
-        # for the run's bill: how long the cluster sat idle before the stop downed it
-        self.last_line_at, self.teardown_requested_at = last_line_at, teardown_requested_at
-        super().__init__(detail)
-
-
 @dataclass
 class TrainResult:
     metrics: dict = field(default_factory=dict)
@@ -48,7 +41,6 @@ class TrainResult:
     storage: str | None = None
     first_epoch_seconds: float | None = None
     train_seconds: float = 0.0
-    last_line_at: float = 0.0
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -71,10 +63,10 @@ def provision(spec: ExperimentSpec, cluster_name: str) -> ClusterHandle:
     return handle
 
 
-@task(name="train")
-def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str],
-          stop_checks: list[Callable[[], tuple[str, str] | None]] = ()) -> TrainResult:
-    """Runs the job on the cluster, its log streamed here; stopped and torn down if a stop check fires."""
+@task(name="train", cache_policy=NO_CACHE)
+def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str], life: Lifecycle,
+          stop_checks: list[Check] = ()) -> TrainResult:
+    """Runs the job on the cluster, its log streamed here; a stop check that fires stops the run through `life`."""
     logger = get_run_logger()
     backend = get_backend(spec.compute.backend)
     result = TrainResult()
@@ -83,10 +75,13 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
 
     def on_line(raw: str) -> None:
         line = ANSI.sub("", raw).rstrip()
-        result.last_line_at = time.time()
+        life.output()
         if RESULT_PREFIX in line:  # SkyPilot prefixes each job line with "(task, pid=N) "
             payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
+        stopped = STOP_LINE.search(line)
+        if stopped:  # the job enforced a limit itself (and closed the MLflow run)
+            life.stop(stopped.group(1), stopped.group(2))
         epoch = EPOCH_LINE.search(line)
         if epoch:
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
@@ -98,84 +93,34 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             raise JobReported
 
     job_id = backend.exec(handle, spec, run_name, env)
-    watchdog = Watchdog(stop_checks, lambda: backend.down(handle.name))
-    watchdog.start()
-    try:
-        exit_code = backend.tail_logs(handle, job_id, on_line)
-    except JobReported:
-        # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
-        exit_code = 0
-    finally:
-        watchdog.finish()
+    with Watchdog(stop_checks, life.stop):
+        try:
+            exit_code = backend.tail_logs(handle, job_id, on_line)
+        except JobReported:
+            # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
+            exit_code = 0
     result.train_seconds = time.time() - started
-    if watchdog.fired:
-        reason, detail = watchdog.fired
-        raise RunStopped(reason, detail, result.last_line_at or None, watchdog.fired_at)
+    if life.stopped:
+        raise RunStopped(life.stop_reason, life.stop_detail)
     if exit_code != 0:
         raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above")
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
     return result
 
 
-@task(name="teardown", retries=2, retry_delay_seconds=[1, 5])
-def teardown(spec: ExperimentSpec, cluster_name: str) -> float:
-    """Downs the cluster; idempotent, so the flow's finally and the cancel/crash hooks can both call it."""
+@task(name="teardown", cache_policy=NO_CACHE)
+def teardown(life: Lifecycle) -> float:
+    """Downs the cluster (retried inside; idempotent, so the cancel/crash hooks and the reaper may call down too)."""
     logger = get_run_logger()
-    started = time.time()
-    logger.info(f"tearing down cluster {cluster_name}")
-    existed = get_backend(spec.compute.backend).down(cluster_name)
-    seconds = time.time() - started
-    logger.info(f"cluster {cluster_name} {'is down' if existed else 'was already gone'} ({seconds:.1f}s)")
+    logger.info(f"tearing down cluster {life.cluster_name}")
+    seconds = life.teardown()
+    logger.info(f"cluster {life.cluster_name} is down ({seconds:.1f}s)")
     return seconds
 
 
-class Watchdog(threading.Thread):
-    """Polls stop checks while the job runs; the first that fires stops the job by downing the cluster."""
-
-    def __init__(self, checks, stop: Callable[[], object], interval_s: float = 1.0):
-        super().__init__(daemon=True, name="gpuflow-watchdog")
-        self.checks, self.stop, self.interval_s = list(checks), stop, interval_s
-        self.fired: tuple[str, str] | None = None
-        self.fired_at: float | None = None
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        while self.checks and not self._done.wait(self.interval_s):
-            for check in self.checks:
-                verdict = check()
-                if verdict:
-                    self.fired, self.fired_at = verdict, time.time()
-                    self.stop()
-                    return
-
-    def finish(self) -> None:
-        self._done.set()
+def deadline_check(spec: ExperimentSpec, started: float) -> Check:
+    return limits.deadline_check(spec.limits.max_runtime_minutes, started)
 
 
-def deadline_check(spec: ExperimentSpec, started: float) -> Callable[[], tuple[str, str] | None]:
-    """Fires when limits.max_runtime_minutes have passed since `started` (the flow passes the job's start)."""
-    limit_s = spec.limits.max_runtime_minutes * 60
-
-    def check():
-        elapsed = time.time() - started
-        if elapsed >= limit_s:
-            return "timeout", (f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
-                               f"limits.max_runtime_minutes is {spec.limits.max_runtime_minutes}")
-        return None
-
-    return check
-
-
-def cost_check(spec: ExperimentSpec, hourly_usd: float, started: float) -> Callable[[], tuple[str, str] | None]:
-    """Fires when the cluster's cost since `started` (the provision request) reaches limits.max_cost_usd."""
-    limit = spec.limits.max_cost_usd
-
-    def check():
-        if limit is None or hourly_usd <= 0:
-            return None
-        spent = hourly_usd * (time.time() - started) / 3600
-        if spent >= limit:
-            return "budget", f"stopped by budget: ${spent:.2f} spent of max_cost_usd={limit:.2f} (${hourly_usd:.4g}/h)"
-        return None
-
-    return check
+def cost_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
+    return limits.cost_check(spec.limits.max_cost_usd, life.hourly_usd, life.requested_at)

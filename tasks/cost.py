@@ -39,23 +39,6 @@ def record_estimate(spec: ExperimentSpec, run_id: str, estimate: Estimate) -> No
         client.set_tag(run_id, "gpuflow.instance_type", estimate.instance_type)
 
 
-def cost_metrics(estimate: Estimate, started: float, ended: float, provision_seconds: float | None,
-                 last_line_at: float | None, teardown_requested_at: float | None) -> dict[str, float]:
-    """The run's bill: the cluster counts from the provision request to the end of teardown."""
-    cluster_seconds = max(0.0, ended - started)
-    metrics = {
-        "cost_usd": estimate.cost_usd(cluster_seconds),
-        "cluster_hours": cluster_seconds / 3600,
-        "gpu_hours": cluster_seconds / 3600 * estimate.gpus_per_node * estimate.num_nodes,
-        HOURLY_METRIC: estimate.hourly_usd,
-    }
-    if provision_seconds is not None:
-        metrics["provision_seconds"] = provision_seconds
-    if last_line_at and teardown_requested_at:
-        metrics["idle_seconds_before_teardown"] = max(0.0, teardown_requested_at - last_line_at)
-    return metrics
-
-
 # -- idle GPU -------------------------------------------------------------------------------------
 
 def gpu_utilization(client: MlflowClient, run_id: str) -> list[tuple[float, float]]:

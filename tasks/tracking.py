@@ -12,10 +12,15 @@ from mlflow.entities import RunStatus
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from cluster.backends import train_run_name
+from cluster.lease import STOPPED_BY_TAG, LeaseKeeper
+from cluster.lifecycle import Outcome
+from cluster.mlflow_run import close_run
 from cluster.spec import ExperimentSpec, state_dir
-from tasks.compute import RunStopped
+from tasks.cost import record_estimate
 
 FLOW_RUN_TAG = "prefect.flow_run_id"
+CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
 
 
 def client_for(spec: ExperimentSpec) -> MlflowClient:
@@ -77,19 +82,36 @@ def _param(key, value):
     return Param(key, value)
 
 
-def close_mlflow_run(spec: ExperimentSpec, run_id: str, status: str, metrics: dict[str, float] | None = None,
-                     tags: dict[str, str] | None = None) -> None:
-    """Ends the run FINISHED, FAILED or KILLED, logging the phase timings first; a run already ended is left as is."""
-    client = client_for(spec)
-    for key, value in (tags or {}).items():
-        client.set_tag(run_id, key, value)
-    if metrics:
-        from mlflow.entities import Metric
+class RunRecord:
+    """The flow's MLflow run from open to close: its lease renewed meanwhile, closed with the run's outcome and bill."""
 
-        now = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()], synchronous=True)
-    if client.get_run(run_id).info.status == "RUNNING":
-        client.set_terminated(run_id, status)
+    def __init__(self, spec: ExperimentSpec, flow_run_id: str):
+        self.spec, self.flow_run_id = spec, flow_run_id
+        self.run_id: str | None = None
+        self.phases: dict[str, float] = {}
+        self._lease: LeaseKeeper | None = None
+
+    def opened(self, run_id: str, price) -> str:
+        self.run_id = run_id
+        record_estimate(self.spec, run_id, price)
+        checkpoints = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
+        client_for(self.spec).set_tag(run_id, CHECKPOINTS_TAG, checkpoints)
+        self._lease = LeaseKeeper(client_for(self.spec), run_id, self.spec.limits.orphan_grace_minutes * 60)
+        self._lease.start()
+        return run_id
+
+    def close(self, outcome: Outcome, bill: dict[str, float]) -> None:
+        """Ends the run; the lease stops only after, so the job never sees a live run without one."""
+        if self.run_id:
+            metrics = {**{f"gpuflow.{key}": value for key, value in self.phases.items()}, **bill}
+            tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
+            if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags):
+                get_run_logger().warning(f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
+                                         "left RUNNING; the reaper closes it")
+        else:
+            close_runs_of_flow_run(self.spec, self.flow_run_id, outcome.status)
+        if self._lease:
+            self._lease.finish()
 
 
 def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) -> list[str]:
@@ -106,14 +128,6 @@ def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) 
         client.set_tag(run.info.run_id, "gpuflow.closed_by", "hook")
         client.set_terminated(run.info.run_id, status)
     return [run.info.run_id for run in runs]
-
-
-def mlflow_status_for(exc: BaseException | None) -> str:
-    """An exception fails the run; an interruption (cancel, SIGTERM, Ctrl-C) kills it."""
-    if exc is None:
-        return RunStatus.to_string(RunStatus.FINISHED)
-    # stopped on purpose (timeout, budget, cancel) or interrupted (SIGTERM, Ctrl-C) is KILLED, not a bug
-    return "FAILED" if isinstance(exc, Exception) and not isinstance(exc, RunStopped) else "KILLED"
 
 
 def run_url(spec: ExperimentSpec, run_id: str) -> str:

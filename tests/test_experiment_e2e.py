@@ -83,7 +83,8 @@ def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, d
     logs = flow_logs(flow_run_id)
     assert "Traceback" in logs and "fail_at_epoch=2: failing on purpose" in logs
 
-    storage = Path(spec.checkpoint_uri) / run.data.tags["prefect.flow_run_name"]
+    storage = Path(run.data.tags["gpuflow.checkpoints"])
+    assert storage.parent == Path(spec.checkpoint_uri)
     saved = sorted(storage.glob("checkpoint_*/checkpoint.pt"))
     assert [torch.load(path, weights_only=False)["epoch"] for path in saved] == [0, 1]
     assert processes_of(gpuflow_home) == []

@@ -176,7 +176,7 @@ def test_digits_trains_on_slurm_and_leaves_nothing(gpuflow_on_slurm, slurm_infra
     assert client.search_logged_models([mlflow_run.info.experiment_id],
                                        filter_string=f"source_run_id = '{mlflow_run.info.run_id}'")
 
-    checkpoints = sorted((shared_disk / "checkpoints" / tags["prefect.flow_run_name"]).glob("checkpoint_*/checkpoint.pt"))
+    checkpoints = sorted(Path(tags["gpuflow.checkpoints"]).glob("checkpoint_*/checkpoint.pt"))
     assert len(checkpoints) == 3
     assert_nothing_left(slurm_infra, run.cluster)
     report("digits", run, mlflow_run.data.metrics)

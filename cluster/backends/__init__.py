@@ -51,6 +51,12 @@ def cluster_name_for(flow_run_id: str) -> str:
     return CLUSTER_PREFIX + re.sub(r"[^0-9a-f]", "", str(flow_run_id).lower())
 
 
+def train_run_name(spec_name: str, flow_run_id: str) -> str:
+    """Ray Train's run name, the checkpoints' folder under storage: stable for the flow run, so that a relaunch
+    (a retry, a recovery) finds and resumes from its checkpoints."""
+    return f"{spec_name}-{re.sub(r'[^0-9a-f]', '', str(flow_run_id).lower())[:12]}"
+
+
 def flow_run_id_of(cluster_name: str) -> str | None:
     """The Prefect flow-run id a gpuflow cluster name encodes; None for a cluster that is not ours."""
     match = re.fullmatch(CLUSTER_PREFIX + r"([0-9a-f]{32})", cluster_name)

@@ -1,7 +1,8 @@
 """The local backend: a real Ray cluster on this machine (a head plus one Ray node per extra num_nodes), on 127.0.0.1.
 
-Every process it starts runs in a process group of its own, recorded under .gpuflow/clusters/<name>/,
-so that `down(name)` from any process (a cancel hook, the reaper) can find and stop all of them.
+Every process it starts runs in a session of its own, recorded under .gpuflow/clusters/<name>/, so that
+`down(name)` from any process (a cancel hook, the reaper) can find and stop all of them. The cluster watches
+the process that launched it (the flow) and goes away within seconds of its death: see local_ray.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus
+from cluster.guard import LOCAL_CLUSTER_ENV
 from cluster.spec import ExperimentSpec, state_dir
 
 LAUNCH_TIMEOUT_S = 120
@@ -54,7 +56,8 @@ class LocalBackend:
         with open(folder / "ray.log", "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),
-                 "--cpus-per-node", str(cpus), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address"],
+                 "--cpus-per-node", str(cpus), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
+                 "--owner-pid", str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
             )
         self._children[f"cluster:{process.pid}"] = process
@@ -100,14 +103,14 @@ class LocalBackend:
         spec_file = folder / f"{run_name}.spec.json"
         spec_file.write_text(spec.model_dump_json())
         log = folder / f"{run_name}.log"
+        record = self._record(handle.name)
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-u", "-m", "cluster.job", "--spec", str(spec_file),
                  "--address", handle.address, "--run-name", run_name],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
-                env={**ray_env(), **env},
+                env={**ray_env(), **env, LOCAL_CLUSTER_ENV: str(record["session"])},
             )
-        record = self._record(handle.name)
         record["jobs"][str(process.pid)] = {"log": str(log), "run_name": run_name}
         self._write(handle.name, record)
         self._children[str(process.pid)] = process

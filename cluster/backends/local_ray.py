@@ -1,6 +1,10 @@
-"""Starts a real multi-node Ray cluster on 127.0.0.1 and holds it until SIGTERM (the local backend's supervisor).
+"""Starts a real multi-node Ray cluster on 127.0.0.1 and holds it until SIGTERM or its owner's death (the supervisor).
 
-    python -m cluster.backends.local_ray --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gpuflow-ray/x --address-file a.txt
+    python -m cluster.backends.local_ray --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x --address-file a.txt --owner-pid 123
+
+The owner is the process that launched the cluster (the flow). When it dies (kill -9, OOM, a runner that
+SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor tells the jobs on it
+(which end their MLflow run as orphaned), then stops every process of the cluster, itself last.
 """
 
 import argparse
@@ -8,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 # Ray binds the host's primary address unless told this: every node on loopback, traffic stays local.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -26,6 +31,7 @@ def main() -> int:
     parser.add_argument("--cpus-per-node", type=float, default=2)
     parser.add_argument("--temp-dir", required=True)
     parser.add_argument("--address-file", required=True)
+    parser.add_argument("--owner-pid", type=int, default=None, help="stop the cluster when this process is gone")
     args = parser.parse_args()
 
     node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2}
@@ -47,8 +53,48 @@ def main() -> int:
         f.write(cluster.address)
     os.replace(args.address_file + ".tmp", args.address_file)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
-    while True:
-        time.sleep(3600)
+    while args.owner_pid is None or alive(args.owner_pid):
+        time.sleep(OWNER_POLL_S)
+    print(f"owner process {args.owner_pid} is gone: stopping the cluster", flush=True)
+    release_orphan()
+    return 0
+
+
+OWNER_POLL_S = 1.0
+JOB_CLOSE_S = 8.0  # time for a job to end its MLflow run before it is killed with the cluster
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def release_orphan() -> None:
+    """Tells this cluster's jobs their owner died, gives them a moment to close their runs, then stops everything."""
+    from cluster.backends.local import session_members, stop_sessions
+    from cluster.guard import LOCAL_CLUSTER_ENV, OWNER_DIED
+
+    marker = f"{LOCAL_CLUSTER_ENV}={os.getpid()}\0".encode()
+    jobs = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes():
+                jobs.append(int(entry.name))
+        except OSError:
+            continue
+    for pid in jobs:
+        try:
+            os.kill(pid, OWNER_DIED)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + JOB_CLOSE_S
+    while time.monotonic() < deadline and any(alive(pid) for pid in jobs):
+        time.sleep(0.1)
+    # each job runs in a session of its own (the job's pid): stop those that did not exit, then our own
+    stop_sessions([pid for pid in jobs if session_members(pid)] + [os.getsid(0)])
 
 
 if __name__ == "__main__":

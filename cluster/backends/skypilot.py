@@ -107,11 +107,52 @@ def load_sdk():
     return sky
 
 
+def launched_hourly_usd(handle) -> float | None:
+    """What the launched cluster costs per hour (all nodes), from the handle `sky.launch` returns; None if unknown."""
+    try:
+        return handle.launched_resources.get_cost(3600) * handle.launched_nodes
+    except Exception:  # no handle (a cluster that was already up), or a cloud without prices (Slurm, Kubernetes)
+        return None
+
+
+def local_api_server_up(sdk) -> bool | None:
+    """Whether SkyPilot's local API server is running; None when the SDK talks to a remote one (not ours to stop)."""
+    try:
+        from sky.server import common
+    except ImportError:  # a double of the SDK: nothing to start or stop
+        return None
+    if getattr(sdk, "api_stop", None) is None or not common.is_api_server_local():
+        return None
+    return common.get_api_server_status().status == common.ApiServerStatus.HEALTHY
+
+
+def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
+    """On a cluster's head node: make its autostop (with autodown) fire after `idle_minutes`, as `sky autostop`
+    would. The job calls it when it stops itself, so a cluster whose flow is gone does not idle for long."""
+    try:
+        from sky.skylet import autostop_lib
+
+        config = autostop_lib.get_autostop_config()
+        if config.autostop_idle_minutes < 0 or config.autostop_idle_minutes <= idle_minutes:
+            return False
+        autostop_lib.set_autostop(idle_minutes, config.backend, config.wait_for, config.down)
+        return True
+    except Exception as exc:  # SkyPilot's runtime not importable here: the launch's own autostop still holds
+        print(f"[gpuflow] could not shorten autostop on this node: {type(exc).__name__}: {exc}", flush=True)
+        return False
+
+
 class SkyPilotBackend:
     name = "skypilot"
 
     def __init__(self, sdk=None):
         self.sky = sdk or load_sdk()
+        self._api_was_up: bool | None = None  # the local API server, before our first call started it
+
+    def close(self) -> None:
+        """Stops the local SkyPilot API server if our calls started it (the reaper leaves nothing running)."""
+        if self._api_was_up is False:
+            self.sky.api_stop()
 
     def _wait(self, request_id, on_line: Callable[[str], None] = print):
         """Streams a request to completion; if we are interrupted, the request is cancelled on the server too."""
@@ -134,7 +175,7 @@ class SkyPilotBackend:
             build_task(spec, with_run=False), cluster_name=cluster_name,
             idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True,
         )
-        setup_job_id, _ = self._wait(request_id, on_line)
+        setup_job_id, launched = self._wait(request_id, on_line)
         if setup_job_id is not None:
             # SkyPilot 0.14 runs setup detached, as a job of its own, and returns before it ends:
             # wait for it here so that its log is shown and a broken setup fails the launch.
@@ -146,7 +187,8 @@ class SkyPilotBackend:
                     code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
                     f"SkyPilot job {setup_job_id} ran the task's setup")
             on_line(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
-        return ClusterHandle(cluster_name, self.name, info={"request_id": str(request_id)})
+        return ClusterHandle(cluster_name, self.name, info={"request_id": str(request_id),
+                                                             "hourly_cost_usd": launched_hourly_usd(launched)})
 
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
         task = build_task(spec, run_name=run_name, env=env, with_setup=False)
@@ -170,6 +212,8 @@ class SkyPilotBackend:
             stream.flush()
 
     def status(self) -> list[ClusterStatus]:
+        if self._api_was_up is None:
+            self._api_was_up = local_api_server_up(self.sky)
         records = self.sky.get(self.sky.status())
         return [ClusterStatus(r["name"], self.name, getattr(r["status"], "value", str(r["status"])), r.get("launched_at"))
                 for r in records]

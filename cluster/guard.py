@@ -1,0 +1,95 @@
+"""The job's own guard on the cluster: the run's limits and the flow's lease, enforced with no flow at all.
+
+The flow enforces `limits.max_runtime_minutes` and `limits.max_cost_usd` while it lives; this guard enforces
+them again inside the job, and stops the job when the flow stops renewing its lease (cluster/lease.py) for
+`limits.orphan_grace_minutes`, or at once when the local cluster's owner process dies (SIGUSR1 from the
+local backend's supervisor). Stopping: say why on the log, end the MLflow run with the reason (the
+checkpoints of every report are already in storage), release the cluster, exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+from cluster.lease import STOPPED_BY_TAG, LeaseWatch
+from cluster.limits import Watchdog, cost_check, deadline_check
+from cluster.spec import ExperimentSpec
+
+STOP_PREFIX = "[gpuflow] stopped "  # the flow reads "<prefix><reason>: <detail>" from the job's log
+SELF_STOP_EXIT_CODE = 3
+OWNER_DIED = signal.SIGUSR1  # the local backend's supervisor: the process that owned the cluster is gone
+LOCAL_CLUSTER_ENV = "GPUFLOW_LOCAL_CLUSTER_SESSION"
+
+
+class JobGuard:
+    """Watches the job's limits and lease from a thread; the first that fires stops the job for good."""
+
+    def __init__(self, spec: ExperimentSpec, environ=os.environ):
+        self.spec = spec
+        self.run_id = environ.get("GPUFLOW_MLFLOW_RUN_ID")
+        self.requested_at = float(environ.get("GPUFLOW_REQUESTED_AT") or time.time())
+        self.hourly_usd = float(environ.get("GPUFLOW_HOURLY_USD") or 0)
+        self.local_cluster = environ.get(LOCAL_CLUSTER_ENV)
+        self.started = time.time()
+        self._stopping = threading.Lock()
+        checks = [deadline_check(spec.limits.max_runtime_minutes, self.started),
+                  cost_check(spec.limits.max_cost_usd, lambda: self.hourly_usd, self.requested_at)]
+        if self.run_id:
+            checks.append(LeaseWatch(self.client(), self.run_id, spec.limits.orphan_grace_minutes * 60).check)
+        self.watchdog = Watchdog(checks, self.stop, interval_s=lease_poll_s(spec), name="gpuflow-job-guard")
+
+    def client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient()
+
+    def start(self) -> JobGuard:
+        """Call before any other thread starts: OWNER_DIED is then taken by one thread of ours, whatever the main does."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {OWNER_DIED})
+        threading.Thread(target=self._wait_for_owner_death, daemon=True, name="gpuflow-owner-watch").start()
+        self.watchdog.start()
+        return self
+
+    def _wait_for_owner_death(self) -> None:
+        signal.sigwait({OWNER_DIED})
+        self.stop("orphaned", "stopped: the process that owned the cluster died (the flow was killed)")
+
+    def stop(self, reason: str, detail: str) -> None:
+        if not self._stopping.acquire(blocking=False):
+            return
+        print(f"{STOP_PREFIX}{reason}: {detail}", flush=True)
+        try:
+            self.close_run(reason)
+        finally:
+            self.release_cluster()
+            os._exit(SELF_STOP_EXIT_CODE)
+
+    def close_run(self, reason: str) -> None:
+        """Ends the MLflow run with the reason; the flow, if it still lives, keeps this status and adds its bill."""
+        if not self.run_id:
+            return
+        from cluster.lifecycle import STATUS_FOR_STOP
+        from cluster.mlflow_run import close_run
+
+        seconds = time.time() - self.requested_at
+        bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
+        close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill, {STOPPED_BY_TAG: reason})
+
+    def release_cluster(self) -> None:
+        """The cluster must not idle once the job is gone: a local one is stopped now, a cloud one sooner."""
+        if self.local_cluster:
+            from cluster.backends.local import stop_sessions
+
+            stop_sessions([int(self.local_cluster)])
+        elif os.environ.get("SKYPILOT_NODE_RANK") is not None:
+            from cluster.backends.skypilot import shorten_autostop_on_node
+
+            shorten_autostop_on_node()
+
+
+def lease_poll_s(spec: ExperimentSpec) -> float:
+    """How often the guard looks: a few times per grace period, at most every 10 s."""
+    return max(0.5, min(10.0, spec.limits.orphan_grace_minutes * 60 / 6))

@@ -1,0 +1,172 @@
+"""One owner of a run's cluster: why and when it stopped, what it cost, how the run ended.
+
+    with Lifecycle(cluster_name, down=backend.down, price=estimate) as life:
+        ...                       # the watchdog, the cancel watcher, the job's own stop: all call life.stop(reason)
+        life.teardown()           # or leave the block: teardown runs whatever happened, then the run is closed
+
+`stop(reason, detail)` is idempotent and thread-safe: the first reason wins and downs the cluster at once.
+Leaving the block tears down (with retries), then hands the outcome (MLflow status, stopped_by) and the bill
+to `close`, even when the teardown failed: then the error is raised after the run is closed, and the reaper
+downs the cluster on its next pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cluster.cost import Estimate, launched_price
+
+# How each stop reason ends the MLflow run: stopped on purpose is KILLED, lost is FAILED.
+STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",
+                   "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED"}
+TEARDOWN_DELAYS_S = (1, 5)
+
+
+class RunStopped(RuntimeError):
+    """The run was stopped on purpose or lost (timeout, budget, idle GPU, cancel, orphaned); `reason` says which."""
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason
+        super().__init__(detail)
+
+
+class TeardownFailed(RuntimeError):
+    """The cluster could not be downed after retries; the reaper will try again."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # MLflow: FINISHED, FAILED, KILLED
+    stopped_by: str | None
+    message: str
+
+
+class Lifecycle:
+    def __init__(self, cluster_name: str, down: Callable[[str], object], price: Estimate,
+                 close: Callable[[Outcome, dict], None] | None = None, log: Callable[[str], None] = print):
+        self.cluster_name, self.down, self.price, self.close, self.log = cluster_name, down, price, close, log
+        self._launches: list = []  # futures of launches in flight (anything with .wait())
+        self.requested_at = time.time()  # the bill runs from the provision request
+        self.launched_at: float | None = None
+        self.last_output_at: float | None = None  # the job's last log line: idle from here to the teardown
+        self.teardown_requested_at: float | None = None
+        self.teardown_seconds: float | None = None
+        self.teardown_error: BaseException | None = None
+        self.stop_reason: str | None = None
+        self.stop_detail = ""
+        self._lock = threading.Lock()
+
+    # -- during the run ----------------------------------------------------------------------------
+    def launching(self, future) -> None:
+        """A launch in flight: the end waits for it, so that a launch outrunning the teardown cannot outlive the run."""
+        self._launches.append(future)
+
+    def launched(self, hourly_usd: float | None = None) -> None:
+        """The cluster is up; meter it at the price of what launched, where the backend knows it."""
+        self.launched_at = time.time()
+        if hourly_usd is not None and self.price.source != "limits.hourly_rate_usd":
+            self.price = launched_price(self.price, hourly_usd)
+
+    def hourly_usd(self) -> float:
+        return self.price.hourly_usd
+
+    def output(self) -> None:
+        self.last_output_at = time.time()
+
+    def stop(self, reason: str, detail: str) -> bool:
+        """Stops the run for `reason`: downs the cluster now (ending whatever step runs). Only the first call acts."""
+        with self._lock:
+            if self.stop_reason is not None:
+                return False
+            self.stop_reason, self.stop_detail = reason, detail
+            self.teardown_requested_at = time.time()
+        self.log(f"{detail}: tearing down cluster {self.cluster_name}")
+        try:
+            self.down(self.cluster_name)
+        except Exception:  # the teardown at the end retries, and says why if it still fails
+            pass
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_reason is not None
+
+    # -- the end --------------------------------------------------------------------------------------
+    def teardown(self) -> float:
+        """Downs the cluster (idempotent; retried); returns the seconds it took. Raises TeardownFailed."""
+        if self.teardown_seconds is not None:
+            return self.teardown_seconds
+        self.teardown_requested_at = self.teardown_requested_at or time.time()
+        started = time.time()
+        self.log(f"tearing down cluster {self.cluster_name}")
+        for delay in (*TEARDOWN_DELAYS_S, None):
+            try:
+                self.down(self.cluster_name)
+                for launch in self._launches:  # downing cancelled it; wait, and down whatever it still made
+                    launch.wait()
+                    self.down(self.cluster_name)
+                self._launches.clear()
+                self.teardown_error = None
+                break
+            except Exception as exc:
+                self.teardown_error = exc
+                self.log(f"teardown of {self.cluster_name} failed: {type(exc).__name__}: {exc}")
+                if delay is None:
+                    raise TeardownFailed(
+                        f"could not tear down cluster {self.cluster_name} after {len(TEARDOWN_DELAYS_S) + 1} tries: "
+                        f"{type(exc).__name__}: {exc}. The reaper (flows/reaper.py) downs it on its next pass; "
+                        f"or run `gpuflow down {self.cluster_name}`") from exc
+                time.sleep(delay)
+        self.teardown_seconds = time.time() - started
+        self.log(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
+        return self.teardown_seconds
+
+    def outcome(self, error: BaseException | None) -> Outcome:
+        if self.stop_reason:
+            return Outcome(STATUS_FOR_STOP.get(self.stop_reason, "FAILED"), self.stop_reason, self.stop_detail)
+        if error is None:
+            return Outcome("FINISHED", None, "finished")
+        if not isinstance(error, Exception):  # Ctrl-C, SIGTERM, the runner's TerminationSignal
+            return Outcome("KILLED", "interrupted", f"interrupted ({type(error).__name__})")
+        return Outcome("FAILED", None, str(error))
+
+    def bill(self, ended: float | None = None) -> dict[str, float]:
+        """The run's cost: the cluster counts from the provision request to the end of teardown."""
+        cluster_seconds = max(0.0, (ended or time.time()) - self.requested_at)
+        price = self.price
+        metrics = {
+            "cost_usd": price.cost_usd(cluster_seconds),
+            "cluster_hours": cluster_seconds / 3600,
+            "gpu_hours": cluster_seconds / 3600 * price.gpus_per_node * price.num_nodes,
+            "hourly_cost_usd": price.hourly_usd,
+        }
+        if self.launched_at:
+            metrics["provision_seconds"] = self.launched_at - self.requested_at
+        if self.last_output_at and self.teardown_requested_at:
+            metrics["idle_seconds_before_teardown"] = max(0.0, self.teardown_requested_at - self.last_output_at)
+        if self.teardown_seconds is not None:
+            metrics["teardown_seconds"] = self.teardown_seconds
+        return metrics
+
+    def __enter__(self) -> Lifecycle:
+        return self
+
+    def __exit__(self, exc_type, error, tb) -> bool:
+        teardown_failure = None
+        try:
+            self.teardown()
+        except TeardownFailed as exc:
+            teardown_failure = exc
+        outcome = self.outcome(error)
+        if self.close:
+            self.close(outcome, self.bill())
+        if teardown_failure:
+            raise teardown_failure from error
+        if self.stop_reason == "cancelled":
+            return True  # meant: the flow reports Cancelled
+        if self.stop_reason:
+            raise RunStopped(self.stop_reason, self.stop_detail) from error
+        return False

@@ -1,0 +1,43 @@
+"""Kills a process once its owner is gone: Prefect's temporary API server must not outlive `gpuflow run`.
+
+    python -m flows.outlive --owner 1234 --kill 5678
+
+Prefect stops that server at exit, but not when `gpuflow run` is killed (kill -9, OOM): this watcher,
+in a session of its own, does. It imports nothing heavy: it costs a few MB for the life of the run.
+"""
+
+import argparse
+import os
+import signal
+import time
+
+POLL_S = 0.5
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--owner", type=int, required=True)
+    parser.add_argument("--kill", type=int, required=True)
+    args = parser.parse_args()
+    while alive(args.owner) and alive(args.kill):
+        time.sleep(POLL_S)
+    if alive(args.kill):
+        os.kill(args.kill, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while alive(args.kill) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive(args.kill):
+            os.kill(args.kill, signal.SIGKILL)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
