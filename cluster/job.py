@@ -36,6 +36,8 @@ def tune_ray_train() -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # A worker group that cannot start (a node gone) fails fit() after this long, and the flow relaunches.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 
 
 def loop_config(spec: ExperimentSpec) -> dict:
@@ -71,7 +73,10 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
             name=run_name,
             storage_path=spec.checkpoint_uri,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.storage.num_to_keep),
-            failure_config=ray.train.FailureConfig(max_failures=0),
+            # The flow, not Ray, decides about a lost node: left at their defaults, a missing node makes fit()
+            # retry forever (the worker group's start timeout and preemptions have budgets of their own).
+            failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
+                                                   max_preemption_failures=0),
         ),
     )
 
@@ -87,7 +92,8 @@ def system_metrics_monitor():
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, samples_before_logging=1)
+    # resume_logging: after a relaunch the series goes on from its last step instead of starting over
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, samples_before_logging=1, resume_logging=True)
     monitor.start()
     return monitor
 

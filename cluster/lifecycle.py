@@ -55,6 +55,11 @@ class Lifecycle:
         self.teardown_requested_at: float | None = None
         self.teardown_seconds: float | None = None
         self.teardown_error: BaseException | None = None
+        self.recoveries = 0
+        self.lost_compute_seconds = 0.0  # training since the last checkpoint when a cluster was lost: done again
+        self.recovery_seconds: list[float] = []  # each loss noticed → first resumed epoch
+        self._last_epoch_at: float | None = None
+        self._lost_at: float | None = None
         self.stop_reason: str | None = None
         self.stop_detail = ""
         self._lock = threading.Lock()
@@ -72,6 +77,20 @@ class Lifecycle:
 
     def hourly_usd(self) -> float:
         return self.price.hourly_usd
+
+    def epoch_done(self) -> None:
+        """An epoch reported (and checkpointed): the end of work a loss could take away, or of a recovery."""
+        self._last_epoch_at = time.time()
+        if self._lost_at is not None:
+            self.recovery_seconds.append(self._last_epoch_at - self._lost_at)
+            self._lost_at = None
+
+    def lost_cluster(self, why: str) -> None:
+        """The cluster was lost mid-job: the work since the last checkpoint is gone, and a recovery begins."""
+        self._lost_at = time.time()
+        self.lost_compute_seconds += self._lost_at - (self._last_epoch_at or self.launched_at or self._lost_at)
+        self.recoveries += 1
+        self.log(f"cluster {self.cluster_name} lost: {why}")
 
     def output(self) -> None:
         self.last_output_at = time.time()
@@ -102,7 +121,8 @@ class Lifecycle:
         self.teardown_requested_at = self.teardown_requested_at or time.time()
         started = time.time()
         self.log(f"tearing down cluster {self.cluster_name}")
-        for delay in (*TEARDOWN_DELAYS_S, None):
+        # after a failed teardown (the block then ends with it), one more try, not the whole series again
+        for delay in (None,) if self.teardown_error else (*TEARDOWN_DELAYS_S, None):
             try:
                 self.down(self.cluster_name)
                 for launch in self._launches:  # downing cancelled it; wait, and down whatever it still made
@@ -149,6 +169,10 @@ class Lifecycle:
             metrics["idle_seconds_before_teardown"] = max(0.0, self.teardown_requested_at - self.last_output_at)
         if self.teardown_seconds is not None:
             metrics["teardown_seconds"] = self.teardown_seconds
+        if self.recoveries:
+            metrics.update(recoveries=self.recoveries, lost_compute_seconds=self.lost_compute_seconds)
+            if self.recovery_seconds:
+                metrics["recovery_seconds"] = max(self.recovery_seconds)
         return metrics
 
     def __enter__(self) -> Lifecycle:

@@ -50,6 +50,8 @@ def restore(model, optimizer, scaler=None) -> int:
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
+    if rank() == 0:
+        print(f"[gpuflow] resuming at epoch {state['epoch'] + 1} from the checkpoint of epoch {state['epoch']}", flush=True)
     return state["epoch"] + 1
 
 
@@ -59,8 +61,6 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
     if rank() != 0:
         ray.train.report(metrics)
         return
-    log_metrics(metrics, step=epoch)
-    print(f"[gpuflow] epoch {epoch}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
     with tempfile.TemporaryDirectory() as folder:
         state = {"epoch": epoch, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
         if scaler is not None and scaler.is_enabled():
@@ -68,6 +68,10 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
         torch.save(state, os.path.join(folder, CHECKPOINT_FILE))
         # report() copies the folder to storage before it returns: the checkpoint survives a later failure.
         ray.train.report({**metrics, "epoch": epoch}, checkpoint=ray.train.Checkpoint.from_directory(folder))
+    # Logged once its checkpoint is persisted: a run resumed after a loss starts after this epoch, so no step
+    # is ever logged twice.
+    log_metrics(metrics, step=epoch)
+    print(f"[gpuflow] epoch {epoch}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
 
 
 def log_metrics(metrics: dict, step: int) -> None:

@@ -95,6 +95,16 @@ class ComputeSpec(Strict):
     disk_size_gb: int | None = Field(None, ge=10, description="Boot disk per node in GB.")
     memory_gb_per_node: float | None = Field(None, gt=0, description="Memory per node in GB; the cloud's default when unset.")
     max_hourly_cost_usd: float | None = Field(None, gt=0, description="Only consider instances up to this price per hour (per node).")
+    max_recoveries: int = Field(
+        3, ge=0, le=100,
+        description="Times a lost cluster (spot preemption, a node gone) is relaunched and training resumed from "
+        "the last checkpoint, in the same MLflow run; past it the run ends FAILED with stopped_by=preempted.",
+    )
+    worker_restarts: int = Field(
+        0, ge=0, le=100,
+        description="Times Ray Train restarts a crashed worker group from the last checkpoint on a cluster that is "
+        "still whole (a bug in the loop fails the same way again: keep 0 unless failures are transient).",
+    )
 
     @field_validator("accelerators")
     @classmethod

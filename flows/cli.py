@@ -37,12 +37,18 @@ def main(argv: list[str] | None = None) -> int:
                        help="override a field of the deployments' default spec, e.g. --set tracking.uri=http://...")
     serve.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="serve only this one (repeatable)")
     serve.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1)")
+    down = commands.add_parser("down", help="tear down a gpuflow cluster by name (what the reaper would do)")
+    down.add_argument("cluster", help="cluster name, gpuflow-<flow run id>")
+    down.add_argument("--backend", choices=["local", "skypilot"], default=None,
+                      help="where it runs (default: local if this machine has it, else skypilot)")
     deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with a work pool")
     deploy.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="deploy only this one (repeatable)")
     deploy.add_argument("--pool", default="gpuflow-process", help="work pool, created as a process pool if missing")
     args = parser.parse_args(argv)
     if args.command in ("serve", "deploy"):
         return deployments(args)
+    if args.command == "down":
+        return down_cluster(args.cluster, args.backend)
     try:
         if args.command == "cost":
             return cost_command.run(args)
@@ -67,6 +73,17 @@ def validate(spec, path: str) -> int:
         return 2
     print(f"{path}: valid. {describe(spec)}")
     print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes")
+    return 0
+
+
+def down_cluster(cluster: str, backend_name: str | None) -> int:
+    from cluster.backends import get_backend
+
+    if backend_name is None:
+        local = get_backend("local")
+        backend_name = "local" if any(status.name == cluster for status in local.status()) else "skypilot"
+    existed = get_backend(backend_name).down(cluster)
+    print(f"{backend_name} cluster {cluster} {'is down' if existed else 'was not found (nothing to tear down)'}")
     return 0
 
 
@@ -194,6 +211,10 @@ def run(spec) -> int:
     print("  metrics      " + "  ".join(f"{k}={v:.4g}" for k, v in summary["metrics"].items()))
     print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")
+    cost = summary.get("cost") or {}
+    if cost.get("recoveries"):
+        print(f"  recovered    {cost['recoveries']:g} time(s) from a lost cluster: {cost['lost_compute_seconds']:.0f}s "
+              f"of training redone, {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
     return 0
 
 

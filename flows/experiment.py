@@ -16,7 +16,7 @@ from cluster.lifecycle import Lifecycle
 from cluster.spec import ExperimentSpec
 from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from tasks.cancel import CancelWatcher
-from tasks.compute import cost_check, deadline_check, provision, teardown, train
+from tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
 from tasks.cost import idle_gpu_check
 from tasks.prepare import stage_data, validate
 from tasks.tracking import RunRecord, close_runs_of_flow_run, open_mlflow_run, publish_summary, register_model
@@ -76,7 +76,8 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
 
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
         stop_checks = [cost_check(spec, life), deadline_check(spec, time.time()), idle_gpu_check(spec, run_id)]
-        result = train(spec, handle, train_run_name(spec.name, flow_run["id"]), job_env(spec, run_id, life), life, stop_checks)
+        result = train_resuming(spec, handle, train_run_name(spec.name, flow_run["id"]), job_env(spec, run_id, life),
+                                life, stop_checks)  # a lost cluster is relaunched, and training resumes
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: down it before registering, which needs only MLflow.

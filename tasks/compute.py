@@ -84,6 +84,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             life.stop(stopped.group(1), stopped.group(2))
         epoch = EPOCH_LINE.search(line)
         if epoch:
+            life.epoch_done()
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
         (logger.debug if any(noise in line for noise in NOISE) else logger.info)(line)
@@ -93,12 +94,19 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             raise JobReported
 
     job_id = backend.exec(handle, spec, run_name, env)
-    with Watchdog(stop_checks, life.stop):
+    # Where asking is cheap (local), a lost node is noticed at once and its job ended, instead of Ray's own timeouts.
+    loss_checks = [loss_check(backend, handle.name)] if backend.loss_poll_s else []
+    with Watchdog(stop_checks, life.stop), \
+            Watchdog(loss_checks, lambda reason, why: backend.down(handle.name), interval_s=backend.loss_poll_s or 1):
         try:
             exit_code = backend.tail_logs(handle, job_id, on_line)
         except JobReported:
             # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
             exit_code = 0
+        except Exception as exc:  # the log stream broke (a node gone, its connection cut): judged like a failed job
+            if life.stopped:
+                raise RunStopped(life.stop_reason, life.stop_detail) from exc
+            raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
     result.train_seconds = time.time() - started
     if life.stopped:
         raise RunStopped(life.stop_reason, life.stop_detail)
@@ -106,6 +114,40 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
         raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above")
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
     return result
+
+
+def loss_check(backend, cluster_name: str) -> Check:
+    def check():
+        why = backend.lost(cluster_name)
+        return ("lost", why) if why else None
+
+    return check
+
+
+def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str], life: Lifecycle,
+                   stop_checks: list[Check] = ()) -> TrainResult:
+    """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it under the same name
+    and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
+
+    A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
+    backend = get_backend(spec.compute.backend)
+    for recovery in range(spec.compute.max_recoveries + 1):
+        try:
+            return train(spec, handle, run_name, env, life, stop_checks)
+        except JobFailed:
+            lost = None if life.stopped else backend.lost(handle.name)
+            if not lost:
+                raise
+            life.lost_cluster(lost)
+            if recovery == spec.compute.max_recoveries:
+                detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
+                life.stop("preempted", detail)
+                raise RunStopped("preempted", detail) from None
+            get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
+                                     f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
+            backend.down(handle.name)  # what is left of it
+            handle = provision(spec, handle.name)
+    raise AssertionError("unreachable")
 
 
 @task(name="teardown", cache_policy=NO_CACHE)

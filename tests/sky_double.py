@@ -3,7 +3,7 @@
 Calls return request ids; results and errors come out of `stream_and_get`/`get`; a request takes
 time and can be cancelled (`api_cancel`) while in flight; a failed setup leaves the cluster UP
 (SkyPilot does this on purpose, even with down=True); `down` of an unknown cluster raises
-ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job.
+ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job; `down_failures` makes deletions fail.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ class Request:
 class FakeSky:
     exceptions = sky.exceptions
 
-    def __init__(self, scenario: str = "ok", launch_s: float = 0.5, job_s: float = 0.5, job_log: list[str] = ()):
+    def __init__(self, scenario: str = "ok", launch_s: float = 0.5, job_s: float = 0.5, job_log: list[str] = (),
+                 down_failures: int = 0):
         self.scenario, self.launch_s, self.job_s = scenario, launch_s, job_s
+        self.down_failures = down_failures  # a cloud API that refuses the next N deletions, as in an outage
         self.job_log = list(job_log) or ["[gpuflow] epoch 0: train_loss=1.0 val_accuracy=0.9"]
         self.clusters: dict[str, dict] = {}
         self.requests: dict[str, Request] = {}
@@ -155,6 +157,11 @@ class FakeSky:
 
         def run(request):
             with self._lock:
+                if self.down_failures > 0 and cluster_name in self.clusters:
+                    self.down_failures -= 1
+                    request.lines.append("Failed to terminate instances: RequestLimitExceeded")
+                    raise RuntimeError(f"Failed to terminate the cluster {cluster_name}: RequestLimitExceeded "
+                                       "(the cloud's API refused the deletion; try again later)")
                 if self.clusters.pop(cluster_name, None) is None:
                     raise sky.exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
 

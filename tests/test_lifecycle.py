@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
@@ -19,18 +20,34 @@ FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 
 class GpuflowRun:
-    """`gpuflow run` as a user starts it, in its own process, its output read line by line."""
+    """`gpuflow run` as a user starts it, in its own process, its output read line by line.
 
-    def __init__(self, spec, gpuflow_home):
-        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_HOME": str(gpuflow_home)}
+    With `ephemeral_api`, it starts Prefect's temporary API itself (PREFECT_HOME under the gpuflow home), as a
+    user without a Prefect server would; otherwise it uses the tests' Prefect server."""
+
+    def __init__(self, spec, gpuflow_home, *overrides: str, ephemeral_api: bool = False):
+        env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home)}
+        if ephemeral_api:
+            env.pop("PREFECT_API_URL", None)
+            env["PREFECT_HOME"] = str(gpuflow_home / "prefect")
+        else:
+            env["PREFECT_API_URL"] = PREFECT_API_URL.value()
+        args = ["--set", "train.epochs=400", "--set", f"data.train={spec.data.train}",
+                "--set", f"data.validation={spec.data.validation}"]
+        for item in overrides:
+            args += ["--set", item]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "run", str(REPO / "experiments" / "digits.yaml"),
-             "--set", "train.epochs=400", "--set", f"data.train={spec.data.train}",
-             "--set", f"data.validation={spec.data.validation}"],
+            [sys.executable, "-m", "flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         self.lines, self.flow_run_id = [], None
         self.training = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
+
+    def wait_for_line(self, text: str, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in list(self.lines)):
+            assert time.monotonic() < deadline and self.process.poll() is None, "".join(self.lines[-30:])
+            time.sleep(0.05)
 
     def _read(self):
         for line in self.process.stdout:

@@ -128,8 +128,8 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     """Runs the real flow with the SkyPilot backend on the SDK double; stores on this machine count as shared."""
     monkeypatch.setenv("GPUFLOW_REACHABLE_PREFIX", str(gpuflow_home))
 
-    def run(scenario):
-        fake = FakeSky(scenario)
+    def run(scenario, **double):
+        fake = FakeSky(scenario, **double)
         monkeypatch.setattr("cluster.backends.skypilot.load_sdk", lambda: fake)
         spec = parse_spec({
             "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},

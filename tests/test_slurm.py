@@ -241,3 +241,81 @@ def test_sigterm_during_training_tears_down_and_every_launch_sets_autodown(gpufl
     assert mlflow_run.info.status == "KILLED"
     assert_nothing_left(slurm_infra, run.cluster)
     report("SIGTERM", run, mlflow_run.data.metrics)
+
+
+# -- faults on the real cluster (see tests/test_faults.py for the local ones) ---------------------------------
+
+def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_cluster(gpuflow_on_slurm, slurm_infra,
+                                                                                   mlflow_url):
+    """No flow is left to tear down: the job notices the lease, stops, shortens autostop; SkyPilot downs the cluster."""
+    run = gpuflow_on_slurm("limits.orphan_grace_minutes=0.25", "limits.idle_minutes_to_autostop=5", epochs=400)
+    run.wait_for("[gpuflow] epoch 1:")
+    os.killpg(run.process.pid, signal.SIGKILL)  # gpuflow run and anything it started in its session
+    killed = time.monotonic()
+    client = MlflowClient(mlflow_url)
+
+    def closed():
+        _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+        return mlflow_run if mlflow_run.info.status != "RUNNING" else None
+
+    mlflow_run = wait_for_value(closed, 180, "the job to close its MLflow run")
+    job_stopped_s = time.monotonic() - killed
+    assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
+    assert client.get_metric_history(mlflow_run.info.run_id, "val_accuracy")
+    wait_for_value(lambda: not [j for j in harness.slurm_jobs(user=slurm_infra.ssh_user)], 600,
+                   "autodown to release the Slurm allocation")
+    gone_s = time.monotonic() - killed
+    print(f"\n[sigkill on slurm] job stopped itself {job_stopped_s:.0f}s after the kill (grace 15 s); "
+          f"cluster gone by autodown after {gone_s:.0f}s")
+    assert job_stopped_s < 15 + 60  # the grace, plus the guard's poll and the MLflow round trips
+    assert run.cluster not in harness.sky_clusters(slurm_infra, refresh=True)  # SkyPilot agrees: it is gone
+    assert_nothing_left(slurm_infra, run.cluster)
+
+
+@pytest.mark.parametrize("limit, reason", [
+    (["limits.max_runtime_minutes=0.25"], "timeout"),
+    (["limits.hourly_rate_usd=360", "limits.max_cost_usd=10", "limits.max_runtime_minutes=1.5"], "budget"),
+])
+def test_limits_stop_a_skypilot_run(gpuflow_on_slurm, slurm_infra, mlflow_url, limit, reason):
+    run = gpuflow_on_slurm(*limit, epochs=400)
+    assert run.wait() == 1, run.output[-6000:]
+    assert f"stopped by {reason}" in run.output
+    client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("KILLED", reason)
+    if reason == "budget":
+        assert mlflow_run.data.metrics["cost_usd"] >= 10
+    assert_nothing_left(slurm_infra, run.cluster)
+    report(f"stopped by {reason}", run, mlflow_run.data.metrics)
+
+
+def wait_for_value(get, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = get()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    """`scancel` of the cluster's Slurm job is a real loss (SkyPilot submits with --no-requeue and wipes the node's
+    home): the flow relaunches under the same name and resumes from the checkpoints on the shared disk."""
+    epochs = 150
+    run = gpuflow_on_slurm(epochs=epochs)
+    run.wait_for("[gpuflow] epoch 3:")
+    [job] = harness.slurm_jobs(user=slurm_infra.ssh_user)
+    subprocess.run(["scancel", job["id"]], check=True, timeout=60)
+    lost_at = time.monotonic()
+    assert run.wait() == 0, run.output[-6000:]
+    client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.metrics["recoveries"] == 1
+    steps = sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy"))
+    assert steps == list(range(epochs)), "every epoch logged once"
+    resumed = re.findall(r"resuming at epoch (\d+)", run.output)
+    assert resumed and int(resumed[0]) >= 3
+    assert_nothing_left(slurm_infra, run.cluster)
+    print(f"\n[scancel on slurm] recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s (loss → first resumed "
+          f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
+          f"{time.monotonic() - lost_at:.0f}s after the scancel")
+    report("scancel", run, mlflow_run.data.metrics)

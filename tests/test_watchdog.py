@@ -58,9 +58,9 @@ def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
 def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    # $1 per second; the budget allows 150 s: the estimate (rate × max runtime) passes, but the bill also counts
-    # provisioning, so the budget runs out before the job's own 150 s do.
-    spec = long_job(digits_spec, hourly_rate_usd=3600.0, max_runtime_minutes=2.5, max_cost_usd=150.0)
+    # $2 per second; the budget allows 75 s: the estimate (rate × max runtime) passes, but the bill also counts
+    # provisioning, so the budget runs out before the job's own 75 s do.
+    spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=1.25, max_cost_usd=150.0)
     state = run_experiment(spec, return_state=True)
     assert "stopped by budget: $" in state.message and "of max_cost_usd=150.00" in state.message, state.message
     run = assert_stopped_and_clean(spec, state, gpuflow_home, "budget")
@@ -71,7 +71,7 @@ def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
 def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    spec = long_job(digits_spec, max_runtime_minutes=2.0)
+    spec = long_job(digits_spec, max_runtime_minutes=1.0)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by timeout" in state.message and "max_runtime_minutes is 2.0" in state.message, state.message
+    assert "stopped by timeout" in state.message and "max_runtime_minutes is 1" in state.message, state.message
     assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")

@@ -1,7 +1,8 @@
 """One interface for every place a Ray cluster can come from, with SkyPilot's verbs.
 
 launch(spec, name) -> handle; exec(handle, ...) -> job id; tail_logs(handle, job id, on_line) -> exit code;
-status() -> our clusters; down(name) tears a cluster down, idempotent and safe on a half-made one.
+status() -> our clusters; lost(name) -> why a cluster is no longer whole (a node or all of it gone), else None;
+down(name) tears a cluster down, idempotent and safe on a half-made one.
 `down` takes a name, not a handle: Prefect's cancel and crash hooks run in another process.
 """
 
@@ -34,6 +35,7 @@ class ClusterStatus:
 
 class Backend(Protocol):
     name: str
+    loss_poll_s: float | None  # how often the flow may ask `lost` while a job runs; None: only once it failed
 
     def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle: ...
 
@@ -42,6 +44,8 @@ class Backend(Protocol):
     def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int: ...
 
     def status(self) -> list[ClusterStatus]: ...
+
+    def lost(self, cluster_name: str) -> str | None: ...
 
     def down(self, cluster_name: str) -> bool: ...
 

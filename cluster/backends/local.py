@@ -24,11 +24,14 @@ from cluster.guard import LOCAL_CLUSTER_ENV
 from cluster.spec import ExperimentSpec, state_dir
 
 LAUNCH_TIMEOUT_S = 120
+NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
+LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
 WARM_CLUSTER_ENV = "GPUFLOW_WARM_CLUSTER"
 
 
 class LocalBackend:
     name = "local"
+    loss_poll_s = 1.0  # `lost` reads a file: the flow may ask every second
 
     def __init__(self, root: Path | None = None):
         self.root = root or state_dir() / "clusters"
@@ -150,6 +153,14 @@ class LocalBackend:
             up = bool(record) and session_alive(record.get("session", -1))
             found.append(ClusterStatus(folder.name, self.name, "UP" if up else "INIT", record.get("launched_at")))
         return found
+
+    def lost(self, cluster_name: str) -> str | None:
+        """Why the cluster is no longer whole: a node's processes died (its supervisor noticed), or it is gone."""
+        record = self._record(cluster_name)
+        if record is None or not session_alive(record["session"]):
+            return f"local cluster {cluster_name}: its processes are gone"
+        lost_file = Path(record["temp_dir"]) / LOST_FILE
+        return f"local cluster {cluster_name}: {lost_file.read_text()}" if lost_file.exists() else None
 
     def down(self, cluster_name: str) -> bool:
         """Stops every process of the cluster (jobs first), removes its state. Safe to repeat."""

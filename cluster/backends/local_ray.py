@@ -8,6 +8,7 @@ SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor te
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -23,6 +24,8 @@ import ray._private.utils  # noqa: E402
 ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 
 from ray.cluster_utils import Cluster  # noqa: E402
+
+from cluster.backends.local import LOST_FILE, NODES_FILE  # noqa: E402
 
 
 def main() -> int:
@@ -49,11 +52,16 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    with open(args.address_file + ".tmp", "w") as f:
-        f.write(cluster.address)
-    os.replace(args.address_file + ".tmp", args.address_file)
+    folder = Path(args.temp_dir)
+    write(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node)}
+                                          for node in cluster.list_all_nodes()]))
+    write(Path(args.address_file), cluster.address)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
+    lost = None
     while args.owner_pid is None or alive(args.owner_pid):
+        if lost is None and (lost := lost_nodes(cluster)):  # e.g. a node's raylet killed: the cluster is not whole
+            write(folder / LOST_FILE, lost)
+            print(f"cluster lost a node: {lost}", flush=True)
         time.sleep(OWNER_POLL_S)
     print(f"owner process {args.owner_pid} is gone: stopping the cluster", flush=True)
     release_orphan()
@@ -61,6 +69,24 @@ def main() -> int:
 
 
 OWNER_POLL_S = 1.0
+
+
+def write(path: Path, text: str) -> None:
+    path.with_suffix(".tmp").write_text(text)
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def raylet_pid(node) -> int:
+    from ray._private import ray_constants
+
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+
+
+def lost_nodes(cluster) -> str | None:
+    """Says which node processes died (a lost node), or None while every node is whole."""
+    dead = [f"{'head' if node is cluster.head_node else 'worker'} node's {kind} (pid {process.pid})"
+            for node in cluster.list_all_nodes() for kind, process in node.dead_processes()]
+    return ", ".join(dead) or None
 JOB_CLOSE_S = 8.0  # time for a job to end its MLflow run before it is killed with the cluster
 
 

@@ -144,6 +144,7 @@ def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
 
 class SkyPilotBackend:
     name = "skypilot"
+    loss_poll_s = None  # `lost` asks the cloud; a lost node ends the SkyPilot job anyway, so ask only then
 
     def __init__(self, sdk=None):
         self.sky = sdk or load_sdk()
@@ -217,6 +218,14 @@ class SkyPilotBackend:
         records = self.sky.get(self.sky.status())
         return [ClusterStatus(r["name"], self.name, getattr(r["status"], "value", str(r["status"])), r.get("launched_at"))
                 for r in records]
+
+    def lost(self, cluster_name: str) -> str | None:
+        """Asks the cloud, not SkyPilot's cache: without a forced refresh a preempted cluster still reads UP."""
+        records = self.sky.get(self.sky.status(cluster_names=[cluster_name], refresh=self.sky.StatusRefreshMode.FORCE))
+        if not records:
+            return f"cluster {cluster_name} is gone (preempted or its allocation lost)"
+        status = getattr(records[0]["status"], "value", str(records[0]["status"]))
+        return None if status == "UP" else f"cluster {cluster_name} is {status}: some of its nodes are gone"
 
     def cancel_requests(self, cluster_name: str) -> list[str]:
         """Cancels the cluster's requests still running on the API server (a launch in flight, say):

@@ -1,0 +1,179 @@
+"""The fault matrix: each fault injected for real, then what the user finds afterwards is checked.
+
+For every fault: no process of the run is left (found by its GPUFLOW_HOME, which every process of a run
+inherits: the cluster, the job, Ray's workers, Prefect's temporary server), the MLflow run's final status
+and `stopped_by`, the checkpoints it had made, and the Prefect run in a final state. The faults on the real
+SkyPilot-on-Slurm cluster are in tests/test_slurm.py; cancel and SIGTERM in tests/test_lifecycle.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import REPO, processes_of
+from tests.test_lifecycle import GpuflowRun, flow_run_state
+from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
+
+GRACE = "limits.orphan_grace_minutes=0.2"  # 12 s without a lease renewal: the job stops itself
+
+
+def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def mlflow_runs(spec) -> list:
+    client = MlflowClient(tracking_uri=spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    return client.search_runs([experiment.experiment_id]) if experiment else []
+
+
+def checkpoints_under(home: Path) -> list[Path]:
+    return sorted(home.glob("checkpoints/*/checkpoint_*/checkpoint.pt"))
+
+
+def reaper_in(gpuflow_home: Path, *, ephemeral_api: bool, api_url: str | None = None) -> str:
+    """`python -m flows.reaper` as the deployment (or a user) runs it, for this run's state; its output."""
+    env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home)}
+    if ephemeral_api:
+        env.pop("PREFECT_API_URL", None)
+        env["PREFECT_HOME"] = str(gpuflow_home / "prefect")
+    else:
+        from prefect.settings import PREFECT_API_URL
+
+        env["PREFECT_API_URL"] = api_url or PREFECT_API_URL.value()
+    done = subprocess.run([sys.executable, "-c", "from flows.reaper import reap_clusters; reap_clusters(backends=['local'])"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow_home):
+    """kill -9 of a plain `gpuflow run` (Prefect's temporary API, as a user without a server has it)."""
+    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)
+    run.wait_for_line("[gpuflow] epoch 2:")
+    run.process.kill()
+    killed_at = time.monotonic()
+    run.wait()
+
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "every process of the run gone (cluster, job, API)")
+    [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], 60,
+                              "the MLflow run closed")
+    print(f"kill -9 → nothing left and MLflow closed in {time.monotonic() - killed_at:.1f}s")
+    assert mlflow_run.info.status == "FAILED"
+    assert mlflow_run.data.tags["stopped_by"] == "orphaned"
+    assert len(checkpoints_under(gpuflow_home)) >= 3, "the checkpoints made before the kill are kept"
+
+    # The flow run still reads RUNNING (nothing was left to update it): the reaper tells the truth.
+    out = reaper_in(gpuflow_home, ephemeral_api=True)
+    assert "Crashed" in out and mlflow_run.data.tags["prefect.flow_run_id"] in out, out[-3000:]
+    assert processes_of(gpuflow_home) == [], "the reaper stops what it started (its API server)"
+
+
+def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec, gpuflow_home):
+    run = GpuflowRun(digits_spec, gpuflow_home, GRACE)
+    run.wait_for_line("provisioning local cluster")
+    run.process.kill()
+    run.wait()
+    wait_until(lambda: processes_of(gpuflow_home) == [], 30, "the half-made cluster gone with its owner")
+
+    time.sleep(15)  # let the lease (0.2 min) go stale, then the reaper's pass
+    out = reaper_in(gpuflow_home, ephemeral_api=False)
+    runs = mlflow_runs(digits_spec)
+    assert all(r.info.status == "FAILED" and r.data.tags.get("stopped_by") == "orphaned" for r in runs), out
+    if runs:  # the MLflow run opens side by side with provisioning: it may not exist yet
+        assert flow_run_state(runs[0].data.tags["prefect.flow_run_id"]).is_crashed()
+    assert processes_of(gpuflow_home) == []
+
+
+def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_home):
+    """SIGSTOP: the flow process lives on but does nothing; the job notices the lease, stops itself, and the
+    flow, once thawed, ends Failed with the same reason."""
+    run = GpuflowRun(digits_spec, gpuflow_home, GRACE)
+    flow_run_id = run.wait_for_training()
+    run.process.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], 90,
+                                  "the job closing the MLflow run on its own")
+        print(f"frozen flow → job stopped itself in {time.monotonic() - stopped_at:.1f}s")
+        assert mlflow_run.data.tags["stopped_by"] == "orphaned" and mlflow_run.info.status == "FAILED"
+        # the cluster is gone while the flow is still frozen: only the frozen process itself is left
+        wait_until(lambda: processes_of(gpuflow_home) == [run.process.pid], 30, "the cluster gone")
+    finally:
+        run.process.send_signal(signal.SIGCONT)
+    assert run.wait() != 0
+    assert "stopped: the flow stopped renewing its lease" in "".join(run.lines)
+    assert flow_run_state(flow_run_id).is_failed()
+    assert processes_of(gpuflow_home) == []
+    assert checkpoints_under(gpuflow_home)
+
+
+def test_sigterm_of_the_serve_runner_mid_run(tmp_path, gpuflow_home):
+    """The runner SIGKILLs its flow's process at once: no finally, no hook. The cluster goes with its owner,
+    the job ends its MLflow run, and the reaper marks the flow run Crashed."""
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.servers import gpuflow_serve, prefect_server
+
+    overrides = [f"workdir={REPO}", "train.epochs=400", "compute.workers_per_node=1", GRACE,
+                 f"data.train={gpuflow_home}/data/train.parquet", f"data.validation={gpuflow_home}/data/validation.parquet"]
+    # a Prefect server of its own: the session's `gpuflow serve` must not pick this deployment run up
+    with prefect_server(tmp_path / "prefect") as prefect_api, temporary_settings({PREFECT_API_URL: prefect_api}):
+        with gpuflow_serve(prefect_api, gpuflow_home, overrides, ("run-experiment",)) as runner:
+            flow_run = run_deployment("run-experiment/run-experiment", timeout=0)
+            spec = spec_of_served(gpuflow_home)
+            wait_until(lambda: [r for r in mlflow_runs(spec) if "train_loss" in r.data.metrics], 300, "training")
+            runner.send_signal(signal.SIGTERM)
+            runner.wait(60)
+        wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the served run's cluster and job gone")
+        [mlflow_run] = mlflow_runs(spec)
+        assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
+        assert flow_run_state(flow_run.id).is_running(), "nothing updates a run whose runner died"
+        out = reaper_in(gpuflow_home, ephemeral_api=False, api_url=prefect_api)
+        assert flow_run_state(flow_run.id).is_crashed(), out[-3000:]
+    assert checkpoints_under(gpuflow_home)
+
+
+def spec_of_served(home: Path):
+    """The served deployments' spec, as `gpuflow serve` was given it (its MLflow store is under `home`)."""
+    from cluster.spec import load_spec
+
+    previous = os.environ.get("GPUFLOW_HOME")
+    os.environ["GPUFLOW_HOME"] = str(home)
+    try:
+        return load_spec(REPO / "experiments" / "digits.yaml")
+    finally:
+        os.environ["GPUFLOW_HOME"] = previous or ""
+
+
+@pytest.mark.parametrize("failures", [4])
+def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky_flow, failures):
+    """A cloud API that will not delete the cluster: the flow says so, the MLflow run is closed anyway, and the
+    reaper's next pass downs the cluster (SkyPilot SDK double: no cloud here)."""
+    fake, state, mlflow_run, logs = sky_flow("ok", down_failures=failures)
+    assert state.is_failed() and "could not tear down cluster" in state.message and "reaper" in state.message
+    assert mlflow_run.info.status != "RUNNING"
+    from cluster.backends.skypilot import SkyPilotBackend
+    from flows.reaper import reap
+
+    backend = SkyPilotBackend(sdk=fake)
+    assert [s.name for s in backend.status()] == [mlflow_run.data.tags["gpuflow.cluster"]]
+    [verdict] = reap([backend], ttl_seconds=3600)
+    assert verdict.downed and "FAILED" in verdict.reason
+    assert backend.status() == []

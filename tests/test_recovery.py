@@ -1,0 +1,108 @@
+"""A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches under the
+same name, resumes from the last checkpoint, in the same MLflow run, and logs every epoch once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from cluster.backends.local import NODES_FILE, LocalBackend, stop_sessions
+from tests.conftest import processes_of
+from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+
+EPOCHS = 40
+
+
+def two_nodes(spec, **compute):
+    return spec.model_copy(update={
+        "train": spec.train.model_copy(update={"epochs": EPOCHS}),
+        "compute": spec.compute.model_copy(update={"num_nodes": 2, "workers_per_node": 1, "num_workers": 2, **compute}),
+        "tracking": spec.tracking.model_copy(update={"register_model": False}),
+    })
+
+
+class NodeKiller(threading.Thread):
+    """Once `after` checkpoints exist, SIGKILLs a part of the running local cluster, `times` times over."""
+
+    def __init__(self, home: Path, what: str, after: int = 3, times: int = 1):
+        super().__init__(daemon=True)
+        self.home, self.what, self.after, self.times = home, what, after, times
+        self.killed: list[str] = []
+
+    def checkpoints(self) -> int:
+        return len(list(self.home.glob("checkpoints/*/checkpoint_*")))
+
+    def run(self):
+        deadline = time.monotonic() + 600
+        target = self.after
+        while len(self.killed) < self.times and time.monotonic() < deadline:
+            clusters = [s for s in LocalBackend().status() if s.status == "UP"]
+            if self.checkpoints() >= target and clusters:
+                record = LocalBackend()._record(clusters[0].name)
+                nodes = Path(record["temp_dir"]) / NODES_FILE
+                if nodes.exists():
+                    self.kill(record, json.loads(nodes.read_text()))
+                    target = self.checkpoints() + 2  # the next loss after the resumed run checkpointed again
+            time.sleep(0.2)
+
+    def kill(self, record, nodes):
+        if self.what == "worker node":
+            [worker] = [node for node in nodes if not node["head"]]
+            os.kill(worker["raylet"], signal.SIGKILL)
+        else:  # the whole cluster, head included: every process of its session
+            stop_sessions([record["session"]])
+        self.killed.append(self.what)
+
+
+def epochs_logged(spec, run) -> list[int]:
+    client = MlflowClient(tracking_uri=spec.tracking_uri)
+    return sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy"))
+
+
+@pytest.mark.parametrize("what", ["worker node", "whole cluster"])
+def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_server, digits_spec, gpuflow_home,
+                                                                        what):
+    from flows.experiment import run_experiment
+
+    spec = two_nodes(digits_spec)
+    killer = NodeKiller(gpuflow_home, what)
+    killer.start()
+    state = run_experiment(spec, return_state=True)
+    assert killer.killed == [what]
+    assert state.is_completed(), state.message
+
+    _, run = mlflow_run_of(spec, state.state_details.flow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["recoveries"] == 1
+    assert run.data.metrics["lost_compute_seconds"] >= 0 and run.data.metrics["recovery_seconds"] > 0
+    assert epochs_logged(spec, run) == list(range(EPOCHS)), "every epoch logged once, none twice"
+    logs = flow_logs(state.state_details.flow_run_id)
+    resumed = [int(epoch) for epoch in re.findall(r"resuming at epoch (\d+)", logs)]
+    assert len(resumed) == 1 and resumed[0] >= 3, logs[-3000:]
+    print(f"\n[{what} lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → first resumed epoch), "
+          f"lost compute {run.data.metrics['lost_compute_seconds']:.1f}s")
+    assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
+
+
+def test_more_losses_than_allowed_fail_the_run_as_preempted(prefect_server, digits_spec, gpuflow_home):
+    from flows.experiment import run_experiment
+
+    spec = two_nodes(digits_spec, max_recoveries=1)
+    killer = NodeKiller(gpuflow_home, "worker node", times=2)
+    killer.start()
+    state = run_experiment(spec, return_state=True)
+    assert state.is_failed() and "max_recoveries=1" in state.message, state.message
+
+    _, run = mlflow_run_of(spec, state.state_details.flow_run_id)
+    assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "preempted")
+    assert run.data.metrics["recoveries"] == 2
+    assert list(gpuflow_home.glob("checkpoints/*/checkpoint_*/checkpoint.pt")), "checkpoints kept"
+    assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
