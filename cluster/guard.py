@@ -24,6 +24,12 @@ OWNER_DIED = signal.SIGUSR1  # the local backend's supervisor: the process that 
 LOCAL_CLUSTER_ENV = "GPUFLOW_LOCAL_CLUSTER_SESSION"
 
 
+def block_owner_signal() -> None:
+    """The job's first act: OWNER_DIED is blocked in every thread (threads inherit the mask), so that only our
+    sigwait takes it. A thread started before this would let it through, and its default action kills the job."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {OWNER_DIED})
+
+
 class JobGuard:
     """Watches the job's limits and lease from a thread; the first that fires stops the job for good."""
 
@@ -47,8 +53,7 @@ class JobGuard:
         return MlflowClient()
 
     def start(self) -> JobGuard:
-        """Call before any other thread starts: OWNER_DIED is then taken by one thread of ours, whatever the main does."""
-        signal.pthread_sigmask(signal.SIG_BLOCK, {OWNER_DIED})
+        """Watches from two threads; `block_owner_signal()` must have run before any thread started."""
         threading.Thread(target=self._wait_for_owner_death, daemon=True, name="gpuflow-owner-watch").start()
         self.watchdog.start()
         return self

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cluster.data import ensure_data
-from cluster.guard import JobGuard
+from cluster.guard import JobGuard, block_owner_signal
 from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
 
 # Ray and Ray Train are imported where the job runs them, not here: the flow imports this module
@@ -36,8 +36,6 @@ def tune_ray_train() -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    # A worker group that cannot start (a node gone) fails fit() after this long, and the flow relaunches.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
 
 
 def loop_config(spec: ExperimentSpec) -> dict:
@@ -74,7 +72,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
             storage_path=spec.checkpoint_uri,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.storage.num_to_keep),
             # The flow, not Ray, decides about a lost node: left at their defaults, a missing node makes fit()
-            # retry forever (the worker group's start timeout and preemptions have budgets of their own).
+            # retry forever (the worker group's start timeout, 60 s, and preemptions have budgets of their own).
             failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
                                                    max_preemption_failures=0),
         ),
@@ -99,6 +97,7 @@ def system_metrics_monitor():
 
 
 def main(argv=None) -> int:
+    block_owner_signal()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="spec as JSON (ExperimentSpec.model_dump_json)")
     parser.add_argument("--address", required=True, help="GCS address of the Ray cluster to run on")

@@ -71,7 +71,7 @@ def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
 def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    spec = long_job(digits_spec, max_runtime_minutes=1.0)
+    spec = long_job(digits_spec, max_runtime_minutes=1.25)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by timeout" in state.message and "max_runtime_minutes is 1" in state.message, state.message
+    assert "stopped by timeout" in state.message and "max_runtime_minutes is 1.25" in state.message, state.message
     assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")

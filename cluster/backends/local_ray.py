@@ -87,7 +87,7 @@ def lost_nodes(cluster) -> str | None:
     dead = [f"{'head' if node is cluster.head_node else 'worker'} node's {kind} (pid {process.pid})"
             for node in cluster.list_all_nodes() for kind, process in node.dead_processes()]
     return ", ".join(dead) or None
-JOB_CLOSE_S = 8.0  # time for a job to end its MLflow run before it is killed with the cluster
+JOB_CLOSE_S = 20.0  # time for a job to end its MLflow run before it is killed with the cluster
 
 
 def alive(pid: int) -> bool:
