@@ -99,12 +99,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 2 with --tiny)")
     parser.add_argument("--repeats", type=int, default=None, help="measurements of each loop (default 3; 2 with --tiny)")
     parser.add_argument("--precisions", default=None, help="comma-separated: fp32,tf32,bf16 (default: fp32,bf16, plus tf32 on CUDA)")
+    parser.add_argument("--batch-size", type=int, help="sequences per step (default: the spec's 16; 8 with --tiny)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (both loops)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    shape = TINY_SHAPE if args.tiny else GPU_SHAPE
+    shape = {**(TINY_SHAPE if args.tiny else GPU_SHAPE)}
+    if args.batch_size:
+        shape["batch_size"] = args.batch_size
     steps = args.steps or (5 if args.tiny else 30)
     warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5)
     repeats = args.repeats or (2 if args.tiny else 3)
