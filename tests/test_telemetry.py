@@ -163,7 +163,31 @@ def test_gpu_benchmark_measures_the_gpu_example():
     assert spec.compute.accelerators == "H100:1" and spec.precision == "bf16"
 
 
+def test_summary_shows_the_last_epochs_telemetry():
+    from tasks.tracking import telemetry_lines
+
+    lines = "\n".join(telemetry_lines({"val_accuracy": 0.97, "perf/samples_per_s": 1234.5, "perf/mfu_pct": 41.2,
+                                        "perf/data_wait_pct": 3.25}))
+    assert "| throughput | 1,234.5 samples/s |" in lines and "| MFU | 41.2 % |" in lines
+    assert "| waiting for data | 3.2 % of step time |" in lines and "val_accuracy" not in lines
+    assert telemetry_lines({"val_accuracy": 0.97}) == []
+
+
 # -- real runs: local Ray cluster, Ray Train, MLflow, under a real Prefect API ----------------------------------
+def prefect_artifact_of(flow_run_id) -> str:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            return "\n".join(str(artifact.data) for artifact in found)
+    return asyncio.run(read())
+
+
 def test_digits_logs_telemetry_per_epoch_and_a_profile(prefect_server, digits_spec, gpuflow_home, tmp_path):
     from flows.experiment import run_experiment
     from tests.test_experiment_e2e import mlflow_run_of
@@ -183,7 +207,9 @@ def test_digits_logs_telemetry_per_epoch_and_a_profile(prefect_server, digits_sp
         assert all(m.value > 0 for m in history), (key, history)
     assert client.get_metric_history(run.info.run_id, "perf/data_wait_pct")[0].value < 100
     assert "perf/mfu_pct" not in run.data.metrics  # a CPU has no known peak
-    assert state.result()["metrics"]["perf/samples_per_s"] > 0  # the summary and the Prefect artifact show it
+    assert state.result()["metrics"]["perf/samples_per_s"] > 0
+    artifact = prefect_artifact_of(state.state_details.flow_run_id)
+    assert "**Training telemetry, last epoch**" in artifact and "samples/s" in artifact and "MFU | n/a" in artifact
 
     trace = client.download_artifacts(run.info.run_id, "profile/trace.json", str(tmp_path))
     assert json.loads(open(trace).read())["traceEvents"]
