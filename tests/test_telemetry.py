@@ -229,7 +229,7 @@ def test_chargpt_cpu_spec_trains_on_the_local_backend(prefect_server, gpuflow_ho
     assert state.is_completed(), state.message
     client, run = mlflow_run_of(spec, state.state_details.flow_run_id)
     losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "val_loss"), key=lambda m: m.step)]
-    assert len(losses) == 2 and losses[-1] < 1.5  # from ln(32) = 3.5: it learns the sums' spelling
+    assert len(losses) == 2 and losses[1] < losses[0] < 2.5  # from ln(32) = 3.5: it learns the sums' spelling
     tokens = client.get_metric_history(run.info.run_id, "perf/tokens_per_s")
     assert len(tokens) == 2 and all(m.value > 0 for m in tokens)
     assert run.data.metrics["perf/tokens_per_s"] == pytest.approx(64 * run.data.metrics["perf/samples_per_s"])
