@@ -6,6 +6,7 @@ every rank calls `report` so that Ray Train's workers stay in step.
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -118,6 +119,7 @@ def log_profile(folder) -> None:
     from mlflow import MlflowClient
 
     MlflowClient().log_artifacts(run_id, str(folder), artifact_path="profile")
+    shutil.rmtree(folder, ignore_errors=True)
     print("[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
           "profile/top_operators.txt", flush=True)
 
