@@ -46,6 +46,7 @@ def loop_config(spec: ExperimentSpec) -> dict:
         "batch_size": spec.train.batch_size,
         "lr": spec.train.lr,
         "precision": spec.precision,
+        "profile": spec.profile.model_dump() if spec.profile else None,
         "train_path": absolute_uri(spec.data.train),
         "validation_path": absolute_uri(spec.data.validation) if spec.data.validation else None,
     }

@@ -6,15 +6,21 @@ every rank calls `report` so that Ray Train's workers stay in step.
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
 
+import psutil
 import pyarrow.dataset as ds
 import ray.train
 import torch
 
+from cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
+
 CHECKPOINT_FILE = "checkpoint.pt"
+# when this worker's previous epoch ended (the first: when the loop started), for perf/epoch_s
+_last_report_at = time.monotonic()
 
 
 def read_table(uri: str):
@@ -57,7 +63,7 @@ def restore(model, optimizer, scaler=None) -> int:
 
 def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
     """Ends an epoch: rank 0 checkpoints, logs metrics to MLflow (step = epoch) and prints progress."""
-    metrics = {key: float(value) for key, value in metrics.items()}
+    metrics = {key: float(value) for key, value in {**metrics, **epoch_figures()}.items()}
     if rank() != 0:
         ray.train.report(metrics)
         return
@@ -72,6 +78,54 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
     # is ever logged twice.
     log_metrics(metrics, step=epoch)
     print(f"[gpuflow] epoch {epoch}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
+
+
+def epoch_figures() -> dict[str, float]:
+    """What gpuflow measures for any loop: the epoch's wall time (since the previous report) and this worker's RSS."""
+    global _last_report_at
+    now = time.monotonic()
+    figures = {"perf/epoch_s": now - _last_report_at, "perf/worker_rss_mb": psutil.Process().memory_info().rss / 2**20}
+    _last_report_at = now
+    return figures
+
+
+def telemetry(config: dict, model=None, flops_per_sample: float | None = None,
+              tokens_per_sample: int | None = None) -> StepTimer:
+    """This worker's step timer (see cluster/telemetry.py); rank 0's also runs the spec's `profile` window.
+
+    Wrap the batches, `for batch in timer.steps(loader):`, add `**timer.end_epoch()` to the metrics of
+    `report`, and call `timer.close()` after the last epoch. MFU needs the model FLOPs per sample: give
+    flops_per_sample, or the model (6 × parameters × tokens_per_sample, 1 token per sample by default).
+    """
+    import ray.train.torch
+
+    device = ray.train.torch.get_device()
+    if flops_per_sample is None and model is not None:
+        flops_per_sample = model_flops_per_sample(model, tokens_per_sample or 1)
+    profile = None
+    if config.get("profile") and rank() == 0:
+        window = config["profile"]
+        profile = ProfileWindow(device, steps=window["steps"], after=window["after"], on_ready=log_profile)
+    timer = StepTimer(device, precision=config.get("precision", "fp32"), flops_per_sample=flops_per_sample,
+                      tokens_per_sample=tokens_per_sample, world_size=ray.train.get_context().get_world_size(),
+                      profile=profile)
+    if rank() == 0:
+        print(f"[gpuflow] telemetry: {timer.mfu_note}", flush=True)
+    return timer
+
+
+def log_profile(folder) -> None:
+    """Rank 0's profiler trace and operator table into the flow's MLflow run, under profile/."""
+    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    if not run_id:
+        print(f"[gpuflow] profile written to {folder} (no MLflow run to log it to)", flush=True)
+        return
+    from mlflow import MlflowClient
+
+    MlflowClient().log_artifacts(run_id, str(folder), artifact_path="profile")
+    shutil.rmtree(folder, ignore_errors=True)
+    print("[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
+          "profile/top_operators.txt", flush=True)
 
 
 def log_metrics(metrics: dict, step: int) -> None:

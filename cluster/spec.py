@@ -161,6 +161,11 @@ class LimitsSpec(Strict):
     )
 
 
+class ProfileSpec(Strict):
+    steps: int = Field(20, ge=1, le=1000, description="Training steps rank 0 records with torch.profiler (CPU and CUDA).")
+    after: int = Field(5, ge=0, description="Steps to skip first, so that the trace shows warm steps, not start-up.")
+
+
 class ExperimentSpec(Strict):
     """One experiment: what to train, on what data, on which compute, tracked where, within which limits."""
 
@@ -172,6 +177,12 @@ class ExperimentSpec(Strict):
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    profile: ProfileSpec | None = Field(
+        None,
+        description="Record a torch.profiler trace of some training steps on rank 0, logged to MLflow as "
+        "profile/trace.json (opens in Perfetto) and profile/top_operators.txt; for loops that use "
+        "cluster.loop.telemetry. Unset: no profiling.",
+    )
     workdir: str = Field(".", description="Project folder with the training code; synced to cloud clusters.")
     setup: str | None = Field(
         None,

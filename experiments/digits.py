@@ -54,6 +54,7 @@ def train_loop(config: dict) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     scaler = loop.grad_scaler(config["precision"], device)
     start_epoch = loop.restore(model, optimizer, scaler)
+    timer = loop.telemetry(config, model=model)  # an MLP does 6 FLOPs per parameter per sample
 
     for epoch in range(start_epoch, config["epochs"]):
         if epoch == config.get("fail_at_epoch"):  # lets tests and users rehearse a failure mid-run
@@ -64,7 +65,7 @@ def train_loop(config: dict) -> None:
         # forward, backward, update
         model.train()
         total_loss, batches = 0.0, 0
-        for pixels, labels in train:
+        for pixels, labels in timer.steps(train):
             with loop.autocast(config["precision"], device):
                 loss = nn.functional.cross_entropy(model(pixels), labels)
             optimizer.zero_grad()
@@ -78,6 +79,8 @@ def train_loop(config: dict) -> None:
         with torch.no_grad(), loop.autocast(config["precision"], device):
             pixels, labels = validation.tensors
             predictions = model(pixels.to(device)).argmax(dim=1).cpu()
-        loop.report(epoch, {"train_loss": total_loss / batches, "val_accuracy": (predictions == labels).float().mean()}, model, optimizer, scaler)
+        metrics = {"train_loss": total_loss / batches, "val_accuracy": (predictions == labels).float().mean()}
+        loop.report(epoch, {**metrics, **timer.end_epoch()}, model, optimizer, scaler)
 
+    timer.close()
     loop.log_model(model, input_example=validation.tensors[0][:2].numpy())

@@ -162,9 +162,33 @@ def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
     return version.version
 
 
+# The loop's per-epoch telemetry (cluster/telemetry.py), as the summary shows the last epoch's values.
+TELEMETRY_ROWS = {
+    "perf/samples_per_s": ("throughput", "{:,.1f} samples/s"),
+    "perf/tokens_per_s": ("tokens", "{:,.0f} tokens/s"),
+    "perf/step_time_ms": ("step time", "{:.1f} ms"),
+    "perf/data_wait_pct": ("waiting for data", "{:.1f} % of step time"),
+    "perf/mfu_pct": ("MFU", "{:.1f} %"),
+    "perf/peak_memory_mb": ("peak memory (rank 0)", "{:,.0f} MiB"),
+    "perf/epoch_s": ("epoch wall time", "{:.1f} s"),
+    "perf/worker_rss_mb": ("worker RSS (rank 0)", "{:,.0f} MiB"),
+}
+
+
+def telemetry_lines(metrics: dict) -> list[str]:
+    """A markdown table of the last epoch's telemetry; empty when the job reported none."""
+    rows = [f"| {label} | {unit.format(metrics[key])} |" for key, (label, unit) in TELEMETRY_ROWS.items() if key in metrics]
+    if not rows:
+        return []
+    if "perf/samples_per_s" in metrics and "perf/mfu_pct" not in metrics:
+        rows.append("| MFU | n/a: the loop states no FLOPs, or the device's peak is unknown (see the job's log) |")
+    return ["", "**Training telemetry, last epoch**", "", "| | |", "| --- | --- |", *rows]
+
+
 @task(name="publish-summary")
 def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
-    """A markdown artifact on the Prefect run: the MLflow run, its link, final metrics and timings."""
+    """A markdown artifact on the Prefect run: the MLflow run, its link, final metrics, timings and telemetry."""
+    metrics = summary.get("metrics", {})
     lines = [
         f"# {spec.name}",
         f"**MLflow run** `{run_id}`: [{run_url(spec, run_id)}]({run_url(spec, run_id)})",
@@ -172,9 +196,10 @@ def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
         "",
         "| metric | value |",
         "| --- | --- |",
-        *[f"| {key} | {value:.4g} |" for key, value in summary.get("metrics", {}).items()],
+        *[f"| {key} | {value:.4g} |" for key, value in metrics.items() if key not in TELEMETRY_ROWS],
         *[f"| {key} | {value:.1f} s |" for key, value in summary.get("phases", {}).items()],
         *[f"| cost | ${value:.2f} |" for value in [cost_of(summary)] if value is not None],
+        *telemetry_lines(metrics),
         "",
         f"Price: {summary['price']}" if summary.get("price") else "",
         f"Checkpoints: `{summary.get('checkpoint')}`",
