@@ -2,8 +2,9 @@
 
     python -m cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
 
-It imports no orchestrator. Rank 0 of the loop logs to the MLflow run named by
-GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI; checkpoints go to the spec's storage URI.
+It imports no orchestrator. Every `ray.train.report` of the loop goes to the MLflow run named by
+GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI (cluster/tracking.py); checkpoints go to the spec's
+storage URI; data.train / data.validation reach the loop as Ray Data shards.
 """
 
 from __future__ import annotations
@@ -39,26 +40,46 @@ def tune_ray_train() -> None:
 
 def loop_config(spec: ExperimentSpec) -> dict:
     """What the per-worker loop receives: the hyper-parameters, the data locations and the precision."""
+    data = data_uris(spec)
     return {
         **spec.train.params,
         "epochs": spec.train.epochs,
         "batch_size": spec.train.batch_size,
         "lr": spec.train.lr,
         "precision": spec.precision,
-        "train_path": absolute_uri(spec.data.train),
-        "validation_path": absolute_uri(spec.data.validation) if spec.data.validation else None,
+        "train_path": data.get("train"),
+        "validation_path": data.get("validation"),
     }
+
+
+def data_uris(spec: ExperimentSpec) -> dict[str, str]:
+    """The spec's Parquet locations by dataset name ('train', 'validation'), absolute."""
+    if spec.data is None:
+        return {}
+    uris = {"train": spec.data.train, "validation": spec.data.validation}
+    return {name: absolute_uri(uri) for name, uri in uris.items() if uri}
+
+
+def datasets_of(spec: ExperimentSpec) -> dict:
+    """Ray Datasets read lazily from Parquet: Ray Train streams them to the workers, each a split of its own
+    (ray.train.get_dataset_shard(name)), so no worker ever holds the whole table."""
+    import ray.data
+
+    return {name: ray.data.read_parquet(uri) for name, uri in data_uris(spec).items()}
 
 
 def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from cluster.tracking import tracking_callbacks
+
     compute = spec.compute
     gpus_per_worker = 1 if compute.use_gpu else 0
     return TorchTrainer(
         resolve(spec.train.loop),
         train_loop_config=loop_config(spec),
+        datasets=datasets_of(spec),
         scaling_config=ray.train.ScalingConfig(
             num_workers=compute.num_workers,
             use_gpu=compute.use_gpu,
@@ -71,6 +92,8 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
             storage_path=spec.checkpoint_uri,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.storage.num_to_keep),
             failure_config=ray.train.FailureConfig(max_failures=0),
+            # every report of any loop reaches the flow's MLflow run, from Ray Train's controller
+            callbacks=tracking_callbacks(os.environ.get("GPUFLOW_MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")),
         ),
     )
 
