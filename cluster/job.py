@@ -60,12 +60,29 @@ def data_uris(spec: ExperimentSpec) -> dict[str, str]:
     return {name: absolute_uri(uri) for name, uri in uris.items() if uri}
 
 
+# Below this, a dataset is read once and kept in Ray's object store: every epoch of a lazy dataset lists
+# and reads the files anew, whose start-up (seconds) dwarfs reading a few megabytes.
+SMALL_DATASET_BYTES = 64 * 1024**2
+
+
 def datasets_of(spec: ExperimentSpec) -> dict:
-    """Ray Datasets read lazily from Parquet: Ray Train streams them to the workers, each a split of its own
+    """Ray Datasets read from Parquet as streams: Ray Train splits them across the workers
     (ray.train.get_dataset_shard(name)), so no worker ever holds the whole table."""
     import ray.data
 
-    return {name: ray.data.read_parquet(uri) for name, uri in data_uris(spec).items()}
+    datasets = {}
+    for name, uri in data_uris(spec).items():
+        dataset = ray.data.read_parquet(uri)
+        datasets[name] = dataset.materialize() if parquet_bytes(uri) <= SMALL_DATASET_BYTES else dataset
+    return datasets
+
+
+def parquet_bytes(uri: str) -> int:
+    """Size on storage of a Parquet file or folder (any pyarrow filesystem)."""
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset(uri, format="parquet")
+    return sum(info.size or 0 for info in dataset.filesystem.get_file_info(dataset.files))
 
 
 def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
