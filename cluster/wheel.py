@@ -53,7 +53,9 @@ def build_wheel(folder: str | Path) -> Path:
     distribution = metadata.distribution(DISTRIBUTION)
     info = f"{DISTRIBUTION}-{version()}.dist-info"
     contents = [(name, path.read_bytes()) for name, path in package_files()]
-    contents.append((f"{info}/METADATA", distribution.read_text("METADATA").encode()))
+    # an editable install's source folder may hold an egg-info, whose PKG-INFO is the same metadata
+    core_metadata = distribution.read_text("METADATA") or distribution.read_text("PKG-INFO")
+    contents.append((f"{info}/METADATA", core_metadata.encode()))
     if distribution.read_text("entry_points.txt"):
         contents.append((f"{info}/entry_points.txt", distribution.read_text("entry_points.txt").encode()))
     contents.append((f"{info}/WHEEL", WHEEL_INFO.encode()))
