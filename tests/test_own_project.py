@@ -39,8 +39,12 @@ def fresh_venv(tmp_path_factory) -> Path:
 
 
 def gpuflow(venv: Path, project: Path, *args: str, env: dict) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(venv / "bin" / "gpuflow"), *args], cwd=project, env=env, capture_output=True,
-                            text=True, timeout=600)
+    # output to files, not pipes: a process the command leaves behind would hold a pipe open, and hang us
+    out, err = project.parent / "stdout.txt", project.parent / "stderr.txt"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        code = subprocess.run([str(venv / "bin" / "gpuflow"), *args], cwd=project, env=env, stdout=stdout,
+                              stderr=stderr, timeout=900).returncode
+    result = subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
     print(result.stdout[-4000:], result.stderr[-4000:])
     return result
 
@@ -50,7 +54,8 @@ def test_init_validate_run_in_an_own_project(fresh_venv, tmp_path):
     project.mkdir()
     home = project / ".gpuflow"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))}
-    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="")
+    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # a busy machine starts Prefect slowly
 
     # the installed gpuflow is the one that runs, not this repo
     where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import cluster; print(cluster.__file__)"],
