@@ -4,7 +4,11 @@ from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, readable, re
 
 
 def ensure_data(spec: ExperimentSpec) -> dict[str, str | None]:
-    """Runs data.generate when the data is missing; returns the resolved locations or says what is unreadable."""
+    """Runs data.generate when the data is missing; returns the resolved locations or says what is unreadable.
+
+    A spec without `data` (a loop that reads its own) has nothing to stage."""
+    if spec.data is None:
+        return {"train": None, "validation": None}
     uris = {"train": absolute_uri(spec.data.train),
             "validation": absolute_uri(spec.data.validation) if spec.data.validation else None}
     missing = [uri for uri in uris.values() if uri and not readable(uri)]

@@ -2,8 +2,9 @@
 
     python -m cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
 
-It imports no orchestrator. Rank 0 of the loop logs to the MLflow run named by
-GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI; checkpoints go to the spec's storage URI.
+It imports no orchestrator. Every `ray.train.report` of the loop goes to the MLflow run named by
+GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI (cluster/tracking.py); checkpoints go to the spec's
+storage URI; data.train / data.validation reach the loop as Ray Data shards.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def tune_ray_train() -> None:
 
 def loop_config(spec: ExperimentSpec) -> dict:
     """What the per-worker loop receives: the hyper-parameters, the data locations and the precision."""
+    data = data_uris(spec)
     return {
         **spec.train.params,
         "epochs": spec.train.epochs,
@@ -47,20 +49,56 @@ def loop_config(spec: ExperimentSpec) -> dict:
         "lr": spec.train.lr,
         "precision": spec.precision,
         "profile": spec.profile.model_dump() if spec.profile else None,
-        "train_path": absolute_uri(spec.data.train),
-        "validation_path": absolute_uri(spec.data.validation) if spec.data.validation else None,
+        "train_path": data.get("train"),
+        "validation_path": data.get("validation"),
     }
+
+
+def data_uris(spec: ExperimentSpec) -> dict[str, str]:
+    """The spec's Parquet locations by dataset name ('train', 'validation'), absolute."""
+    if spec.data is None:
+        return {}
+    uris = {"train": spec.data.train, "validation": spec.data.validation}
+    return {name: absolute_uri(uri) for name, uri in uris.items() if uri}
+
+
+# Below this, a dataset is read once and kept in Ray's object store: every epoch of a lazy dataset lists
+# and reads the files anew, whose start-up (seconds) dwarfs reading a few megabytes.
+SMALL_DATASET_BYTES = 64 * 1024**2
+
+
+def datasets_of(spec: ExperimentSpec) -> dict:
+    """Ray Datasets read from Parquet as streams: Ray Train splits them across the workers
+    (ray.train.get_dataset_shard(name)), so no worker ever holds the whole table."""
+    import ray.data
+
+    datasets = {}
+    for name, uri in data_uris(spec).items():
+        dataset = ray.data.read_parquet(uri)
+        datasets[name] = dataset.materialize() if parquet_bytes(uri) <= SMALL_DATASET_BYTES else dataset
+    return datasets
+
+
+def parquet_bytes(uri: str) -> int:
+    """Size on storage of a Parquet file or folder (any pyarrow filesystem)."""
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset(uri, format="parquet")
+    return sum(info.size or 0 for info in dataset.filesystem.get_file_info(dataset.files))
 
 
 def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from cluster.tracking import tracking_callbacks
+
     compute = spec.compute
     gpus_per_worker = 1 if compute.use_gpu else 0
     return TorchTrainer(
         resolve(spec.train.loop),
         train_loop_config=loop_config(spec),
+        datasets=datasets_of(spec),
         scaling_config=ray.train.ScalingConfig(
             num_workers=compute.num_workers,
             use_gpu=compute.use_gpu,
@@ -76,6 +114,8 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
             # retry forever (the worker group's start timeout, 60 s, and preemptions have budgets of their own).
             failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
                                                    max_preemption_failures=0),
+            # every report of any loop reaches the flow's MLflow run, from Ray Train's controller
+            callbacks=tracking_callbacks(os.environ.get("GPUFLOW_MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")),
         ),
     )
 

@@ -1,7 +1,8 @@
-"""What a Ray Train per-worker loop needs from gpuflow: data, precision, per-epoch reports, the final model.
+"""Conveniences for a Ray Train per-worker loop: restore, mixed precision, per-epoch checkpoints, the final model.
 
-Rank 0 logs to the flow's MLflow run (GPUFLOW_MLFLOW_RUN_ID) and writes the checkpoints;
-every rank calls `report` so that Ray Train's workers stay in step.
+None is required: gpuflow tracks every `ray.train.report` of any loop (cluster/tracking.py logs
+the metrics to the flow's MLflow run). Rank 0 writes the checkpoints; every rank calls `report` so
+that Ray Train's workers stay in step.
 """
 
 import contextlib
@@ -62,7 +63,8 @@ def restore(model, optimizer, scaler=None) -> int:
 
 
 def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
-    """Ends an epoch: rank 0 checkpoints, logs metrics to MLflow (step = epoch) and prints progress."""
+    """Ends an epoch: rank 0 checkpoints; gpuflow's tracking logs the metrics to MLflow at step = epoch
+    once the checkpoint is persisted, and prints the progress line."""
     metrics = {key: float(value) for key, value in {**metrics, **epoch_figures()}.items()}
     if rank() != 0:
         ray.train.report(metrics)
@@ -74,10 +76,6 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
         torch.save(state, os.path.join(folder, CHECKPOINT_FILE))
         # report() copies the folder to storage before it returns: the checkpoint survives a later failure.
         ray.train.report({**metrics, "epoch": epoch}, checkpoint=ray.train.Checkpoint.from_directory(folder))
-    # Logged once its checkpoint is persisted: a run resumed after a loss starts after this epoch, so no step
-    # is ever logged twice.
-    log_metrics(metrics, step=epoch)
-    print(f"[gpuflow] epoch {epoch}: " + " ".join(f"{k}={v:.4f}" for k, v in metrics.items()), flush=True)
 
 
 def epoch_figures() -> dict[str, float]:
@@ -126,17 +124,6 @@ def log_profile(folder) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     print("[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
           "profile/top_operators.txt", flush=True)
-
-
-def log_metrics(metrics: dict, step: int) -> None:
-    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
-    if not run_id:
-        return
-    from mlflow import MlflowClient
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    MlflowClient().log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in metrics.items()], synchronous=True)
 
 
 def log_model(model, input_example=None) -> None:

@@ -45,8 +45,8 @@ class Strict(BaseModel):
 
 class TrainSpec(Strict):
     loop: str = Field(
-        "experiments.digits:train_loop",
-        description="Ray Train per-worker loop as 'module:function', importable from the workdir.",
+        description="Ray Train per-worker loop as 'module:function' taking one argument (the config dict), "
+        "importable from the workdir, e.g. 'train:train_loop'.",
     )
     epochs: int = Field(10, ge=1, description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, description="Examples per worker per step.")
@@ -62,10 +62,13 @@ class TrainSpec(Strict):
 
 
 class DataSpec(Strict):
-    train: str = Field(".gpuflow/data/digits/train.parquet", description="Training data: Parquet file, folder or URI.")
+    train: str = Field(
+        description="Training data: Parquet file, folder or URI; reaches the loop as the Ray Data shard "
+        "ray.train.get_dataset_shard('train'), streamed and split across workers.",
+    )
     validation: str | None = Field(
-        ".gpuflow/data/digits/validation.parquet",
-        description="Held-out Parquet data the training never sees; its accuracy is logged as val_accuracy.",
+        None,
+        description="Held-out Parquet data the training never sees: ray.train.get_dataset_shard('validation').",
     )
     generate: str | None = Field(
         None,
@@ -170,8 +173,8 @@ class ExperimentSpec(Strict):
     """One experiment: what to train, on what data, on which compute, tracked where, within which limits."""
 
     name: str = Field("digits-mlp", description="Lowercase name: MLflow experiment, registered model and run names.")
-    train: TrainSpec = Field(default_factory=TrainSpec)
-    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(description="What to train: the loop and its hyper-parameters.")
+    data: DataSpec | None = Field(None, description="Parquet data streamed to the loop; none for a loop that reads its own.")
     compute: ComputeSpec = Field(default_factory=ComputeSpec)
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32, or bf16/fp16 mixed precision (autocast).")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
@@ -211,7 +214,7 @@ class ExperimentSpec(Strict):
                     "tracking.uri must be a server a cloud cluster can reach (http(s)://..., or databricks); "
                     f"got {self.tracking.uri!r}. Start `mlflow server` somewhere reachable and set tracking.uri"
                 )
-            if not self.data.generate and not is_remote_uri(self.data.train):
+            if self.data and not self.data.generate and not is_remote_uri(self.data.train):
                 raise ValueError(
                     f"data.train {self.data.train!r} is on this machine, which a cloud cluster cannot read; "
                     "upload it to a bucket (s3://, gs://) or set data.generate to make it on the cluster"
@@ -288,10 +291,20 @@ def parse_spec(raw: dict | ExperimentSpec) -> ExperimentSpec:
         raise SpecError([describe(error) for error in exc.errors()]) from None
 
 
+REQUIRED_EXAMPLES = {
+    "train": "train: {loop: 'train:train_loop'} (`gpuflow init` writes a starter spec and loop)",
+    "train.loop": "loop: 'train:train_loop' (a function in train.py of the workdir, taking the config)",
+    "data.train": "train: data/train.parquet (or remove data: if the loop reads its own)",
+}
+
+
 def describe(error: dict) -> str:
     """One pydantic error as 'field: problem (got value)' with the fix where pydantic does not give one."""
     field = ".".join(str(part) for part in error["loc"]) or "spec"
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        example = REQUIRED_EXAMPLES.get(field, "")
+        return f"{field}: required, and missing; add it to the spec{', e.g. ' + example if example else ''}"
     if error["type"] == "extra_forbidden":
         return f"{field}: unknown field (got {error['input']!r}); remove it or check its spelling"
     if error["type"] == "literal_error":
@@ -304,18 +317,22 @@ def describe(error: dict) -> str:
 def check_spec(spec: ExperimentSpec) -> list[str]:
     """What the model alone cannot check: the loop imports, the data is readable, stores are usable."""
     problems = []
+    generate = spec.data.generate if spec.data else None
     with on_sys_path(spec.workdir):
-        for field, entrypoint in (("train.loop", spec.train.loop), ("data.generate", spec.data.generate)):
+        for field, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
             if entrypoint:
                 try:
-                    resolve(entrypoint)
+                    function = resolve(entrypoint)
                 except Exception as exc:  # any import-time error is the user's to see
                     problems.append(f"{field}: cannot load {entrypoint!r} from workdir {spec.workdir!r}: {exc}")
+                    continue
+                if field == "train.loop":
+                    problems += loop_signature_problems(entrypoint, function)
     if not Path(spec.workdir).is_dir():
         problems.append(f"workdir: {spec.workdir!r} is not a folder")
     for field in ("train", "validation"):
-        uri = getattr(spec.data, field)
-        if uri and not spec.data.generate and not readable(uri):
+        uri = getattr(spec.data, field) if spec.data else None
+        if uri and not generate and not readable(uri):
             problems.append(
                 f"data.{field}: {uri!r} cannot be read as Parquet; give an existing Parquet file or folder, "
                 "or set data.generate to a function that writes it"
@@ -324,6 +341,23 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
         if secret not in os.environ:
             problems.append(f"secrets[{field}]: {secret!r} is not set in this environment; export it before running")
     return problems
+
+
+def loop_signature_problems(entrypoint: str, function) -> list[str]:
+    """Ray Train calls the loop with one argument, the config dict: anything else fails only on the cluster."""
+    import inspect
+
+    fix = f"write it as `def {entrypoint.split(':')[1]}(config: dict) -> None`"
+    if not inspect.isfunction(function):
+        return [f"train.loop: {entrypoint!r} is a {type(function).__name__}, not a Python function; {fix}"]
+    parameters = list(inspect.signature(function).parameters.values())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_varargs = any(p.kind == p.VAR_POSITIONAL for p in parameters)
+    if len(required) > 1 or (not positional and not takes_varargs) or any(p.kind == p.KEYWORD_ONLY for p in required):
+        names = ", ".join(p.name for p in parameters) or "no arguments"
+        return [f"train.loop: {entrypoint!r} takes ({names}), but Ray Train passes one argument, the config; {fix}"]
+    return []
 
 
 def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.train.torch
 import torch
+from ray.data.collate_fn import NumpyBatchCollateFn
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from cluster import loop
 
@@ -32,11 +32,28 @@ def write_parquet(train_uri: str, validation_uri: str) -> None:
         pq.write_table(table, uri)
 
 
-def load(uri: str) -> TensorDataset:
-    table = loop.read_table(uri)
-    pixels = np.stack(table.column("pixels").to_numpy(zero_copy_only=False))
-    labels = table.column("label").to_numpy().copy()  # Arrow's buffers are read-only; torch wants to own them
-    return TensorDataset(torch.from_numpy(pixels), torch.from_numpy(labels))
+class PixelsAndLabels(NumpyBatchCollateFn):
+    """A Ray Data batch (numpy columns) as the (pixels, labels) tensors the model takes."""
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(np.stack(batch["pixels"])), torch.from_numpy(np.array(batch["label"]))  # a copy: Arrow's buffers are read-only
+
+
+def batches(name: str, batch_size: int, shuffle: bool = False):
+    """This worker's share of a dataset, streamed from Parquet in batches (Ray Data splits it across workers)."""
+    return ray.train.get_dataset_shard(name).iter_torch_batches(
+        batch_size=batch_size, collate_fn=PixelsAndLabels(), local_shuffle_buffer_size=8 * batch_size if shuffle else None)
+
+
+def accuracy(model, device, precision: str) -> torch.Tensor:
+    """Accuracy on the whole held-out split: each worker scores its shard, the counts are summed over workers."""
+    counts = torch.zeros(2, device=device)
+    with torch.no_grad(), loop.autocast(precision, device):
+        for pixels, labels in batches("validation", batch_size=1024):
+            counts += torch.stack([(model(pixels).argmax(dim=1) == labels).sum(), torch.tensor(len(labels), device=device)])
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(counts)
+    return counts[0] / counts[1]
 
 
 def make_model(hidden: int) -> nn.Module:
@@ -44,9 +61,7 @@ def make_model(hidden: int) -> nn.Module:
 
 
 def train_loop(config: dict) -> None:
-    # data: each worker reads the Parquet; prepare_data_loader shards it with a DistributedSampler
-    train = ray.train.torch.prepare_data_loader(DataLoader(load(config["train_path"]), batch_size=config["batch_size"], shuffle=True))
-    validation = load(config["validation_path"])
+    # data: data.train / data.validation arrive as Ray Data shards, streamed and split across workers
     device = ray.train.torch.get_device()
 
     # model, optimizer, precision
@@ -59,28 +74,23 @@ def train_loop(config: dict) -> None:
     for epoch in range(start_epoch, config["epochs"]):
         if epoch == config.get("fail_at_epoch"):  # lets tests and users rehearse a failure mid-run
             raise RuntimeError(f"fail_at_epoch={epoch}: failing on purpose")
-        if ray.train.get_context().get_world_size() > 1:
-            train.sampler.set_epoch(epoch)
 
         # forward, backward, update
         model.train()
-        total_loss, batches = 0.0, 0
-        for pixels, labels in timer.steps(train):
+        total_loss, steps = 0.0, 0
+        for pixels, labels in timer.steps(batches("train", config["batch_size"], shuffle=True)):
             with loop.autocast(config["precision"], device):
                 loss = nn.functional.cross_entropy(model(pixels), labels)
             optimizer.zero_grad()
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            total_loss, batches = total_loss + loss.item(), batches + 1
+            total_loss, steps = total_loss + loss.item(), steps + 1
 
-        # evaluate on the held-out split, then checkpoint and log
+        # evaluate on the held-out split, then checkpoint (gpuflow logs the report to MLflow)
         model.eval()
-        with torch.no_grad(), loop.autocast(config["precision"], device):
-            pixels, labels = validation.tensors
-            predictions = model(pixels.to(device)).argmax(dim=1).cpu()
-        metrics = {"train_loss": total_loss / batches, "val_accuracy": (predictions == labels).float().mean()}
+        metrics = {"train_loss": total_loss / max(steps, 1), "val_accuracy": accuracy(model, device, config["precision"])}
         loop.report(epoch, {**metrics, **timer.end_epoch()}, model, optimizer, scaler)
 
     timer.close()
-    loop.log_model(model, input_example=validation.tensors[0][:2].numpy())
+    loop.log_model(model, input_example=np.zeros((2, 64), dtype=np.float32))

@@ -4,6 +4,7 @@
     gpuflow validate my.yaml
     gpuflow cost --since 7d
     gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
+    gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
 """
 
 from __future__ import annotations
@@ -44,7 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with a work pool")
     deploy.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="deploy only this one (repeatable)")
     deploy.add_argument("--pool", default="gpuflow-process", help="work pool, created as a process pool if missing")
+    init = commands.add_parser("init", help="write a starter project: experiment.yaml, train.py (a Ray Train loop), prefect.yaml")
+    init.add_argument("folder", nargs="?", default=".", help="where to write it (default: here)")
+    init.add_argument("--force", action="store_true", help="overwrite those files if they exist")
     args = parser.parse_args(argv)
+    if args.command == "init":
+        return init_project(args.folder, args.force)
     if args.command in ("serve", "deploy"):
         return deployments(args)
     if args.command == "down":
@@ -84,6 +90,22 @@ def down_cluster(cluster: str, backend_name: str | None) -> int:
         backend_name = "local" if any(status.name == cluster for status in local.status()) else "skypilot"
     existed = get_backend(backend_name).down(cluster)
     print(f"{backend_name} cluster {cluster} {'is down' if existed else 'was not found (nothing to tear down)'}")
+    return 0
+
+
+def init_project(folder: str, force: bool) -> int:
+    from pathlib import Path
+
+    from flows.starter import SPEC_FILE, init_project
+
+    try:
+        written = init_project(Path(folder), force)
+    except FileExistsError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return 2
+    print("gpuflow: wrote " + ", ".join(str(path) for path in written))
+    where = "" if Path(folder).absolute() == Path.cwd() else f"cd {folder} && "
+    print(f"  next: {where}gpuflow validate {SPEC_FILE} && gpuflow run {SPEC_FILE}")
     return 0
 
 

@@ -35,11 +35,21 @@ def runnable(entries: list[dict], only: list[str] = ()) -> tuple[list[dict], lis
         if only and entry["name"] not in only:
             continue
         path = entry["entrypoint"].split(":")[0]
-        if not Path(path).is_file():
+        # a file here (this repo's flows/experiment.py), or a module of an installed package (a user's project)
+        if not (Path(path).is_file() if path.endswith(".py") else importable(path)):
             skipped.append(f"{entry['name']}: {path} does not exist here yet")
             continue
         chosen.append(entry)
     return chosen, skipped
+
+
+def importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def with_overrides(parameters: dict, overrides: list[str]) -> dict:

@@ -15,7 +15,7 @@ from cluster.spend import parse_since, run_costs, start_of_today_utc
 from cluster.lifecycle import Lifecycle
 from cluster.limits import Watchdog, cost_check
 from tasks.cost import check_budget, idle_gpu_check, idle_verdict
-from tests.conftest import REPO
+from tests.conftest import A_LOOP, REPO
 
 CATALOG = REPO / "tests" / "data" / "skypilot-catalog"
 CATALOG_MODULES = ("sky.catalog.aws_catalog", "sky.catalog.lambda_catalog")
@@ -40,7 +40,7 @@ def sky_catalog(tmp_path, monkeypatch):
 
 
 def sky_spec(**compute):
-    return parse_spec({
+    return parse_spec({**A_LOOP,
         "workdir": str(REPO),
         "compute": {"backend": "skypilot", **compute},
         "tracking": {"uri": "http://127.0.0.1:1"},  # never contacted: no daily budget in these tests
@@ -87,12 +87,12 @@ def test_unknown_compute_and_missing_catalog_are_clear_errors(sky_catalog, tmp_p
     assert str(empty) in str(error.value)
     # a rate of the user's own needs no catalog
     assert hourly_cost(sky_spec(accelerators="H100:8", num_nodes=2).model_copy(
-        update={"limits": parse_spec({"limits": {"hourly_rate_usd": 10}}).limits})).per_node_hourly_usd == 5
+        update={"limits": parse_spec({**A_LOOP, "limits": {"hourly_rate_usd": 10}}).limits})).per_node_hourly_usd == 5
 
 
 def test_local_backend_is_free_unless_priced():
-    assert hourly_cost(parse_spec({})).hourly_usd == 0
-    priced = hourly_cost(parse_spec({"limits": {"hourly_rate_usd": 2.5}}))
+    assert hourly_cost(parse_spec(A_LOOP)).hourly_usd == 0
+    priced = hourly_cost(parse_spec({**A_LOOP, "limits": {"hourly_rate_usd": 2.5}}))
     assert (priced.hourly_usd, priced.source) == (2.5, "limits.hourly_rate_usd")
 
 
@@ -100,7 +100,7 @@ def test_local_backend_is_free_unless_priced():
 
 def test_run_over_max_cost_is_refused_with_both_figures_and_the_fix(sky_catalog):
     spec = sky_spec(accelerators="H100:8", cloud="lambda").model_copy(
-        update={"limits": parse_spec({"limits": {"max_runtime_minutes": 60, "max_cost_usd": 10}}).limits})
+        update={"limits": parse_spec({**A_LOOP, "limits": {"max_runtime_minutes": 60, "max_cost_usd": 10}}).limits})
     with pytest.raises(BudgetExceeded) as error:
         check_budget(spec)
     message = str(error.value)
@@ -191,7 +191,7 @@ def test_the_bill_of_a_run_counts_from_the_provision_request_at_the_launched_pri
     life.launched(hourly_usd=14.4)  # e.g. the dearer of two accelerator options launched
     assert life.bill(ended=life.requested_at + 3600)["cost_usd"] == pytest.approx(14.4)
     priced_by_user = Lifecycle("gpuflow-y", down=lambda name: True, price=hourly_cost(parse_spec(
-        {"train": {"loop": "experiments.digits:train_loop"}, "limits": {"hourly_rate_usd": 2.0}})))
+        {**A_LOOP, "limits": {"hourly_rate_usd": 2.0}})))
     priced_by_user.launched(hourly_usd=0.0)  # Slurm prices at 0: the user's own rate stands
     assert priced_by_user.hourly_usd() == 2.0
 
@@ -251,7 +251,7 @@ def test_watchdog_stops_on_idle_gpu(gpu_run, digits_spec):
 
 
 def test_spec_budget_check_allows_exactly_the_cap():
-    spec = parse_spec({"limits": {"hourly_rate_usd": 6.0, "max_runtime_minutes": 10, "max_cost_usd": 1.0}})
+    spec = parse_spec({**A_LOOP, "limits": {"hourly_rate_usd": 6.0, "max_runtime_minutes": 10, "max_cost_usd": 1.0}})
     check_run_budget(spec, hourly_cost(spec))  # $1.00 of $1.00
 
 
@@ -276,7 +276,7 @@ def test_clusters_without_a_catalog_cost_nothing_unless_priced():
     from cluster.cost import hourly_cost
     from cluster.spec import parse_spec
 
-    spec = {"compute": {"backend": "skypilot", "infra": "slurm/skyci"}, "tracking": {"uri": "http://127.0.0.1:5000"},
+    spec = {**A_LOOP, "compute": {"backend": "skypilot", "infra": "slurm/skyci"}, "tracking": {"uri": "http://127.0.0.1:5000"},
             "storage": {"checkpoints": "s3://b/c"}, "data": {"train": "s3://b/t.parquet", "validation": None}}
     assert hourly_cost(parse_spec(spec)).hourly_usd == 0
-    assert hourly_cost(parse_spec({**spec, "limits": {"hourly_rate_usd": 3.0}})).hourly_usd == 3.0
+    assert hourly_cost(parse_spec({**A_LOOP, **spec, "limits": {"hourly_rate_usd": 3.0}})).hourly_usd == 3.0

@@ -7,7 +7,7 @@ import sys
 from cluster.backends import cluster_name_for, flow_run_id_of
 from cluster.backends.local import LocalBackend, ray_env
 from cluster.spec import parse_spec
-from tests.conftest import alive
+from tests.conftest import A_LOOP, alive
 
 NAME = cluster_name_for("0d5f6a0e-1b1c-4c2e-9a55-2f2d1c3b4a59")
 
@@ -20,7 +20,7 @@ def test_cluster_names_encode_the_flow_run():
 
 def test_up_down_leaves_no_ray_process(gpuflow_home):
     backend = LocalBackend()
-    spec = parse_spec({"compute": {"workers_per_node": 1}})
+    spec = parse_spec({**A_LOOP, "compute": {"workers_per_node": 1}})
     handle = backend.launch(spec, NAME)
     pids = backend.pids(NAME)
     try:
@@ -37,7 +37,7 @@ def test_up_down_leaves_no_ray_process(gpuflow_home):
 
 def test_two_nodes_are_two_ray_nodes(gpuflow_home):
     backend = LocalBackend()
-    handle = backend.launch(parse_spec({"compute": {"num_nodes": 2, "workers_per_node": 1}}), NAME)
+    handle = backend.launch(parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "workers_per_node": 1}}), NAME)
     pids = backend.pids(NAME)
     # A driver in its own process, as the job is: Ray reads its address settings at import.
     driver = ("import json, ray; ray.init(address='%s', logging_level='ERROR'); "

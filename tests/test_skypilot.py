@@ -3,15 +3,19 @@ against an SDK double that behaves like SkyPilot where no cloud can be reached."
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import sky
 import yaml
 
 from cluster.backends import cluster_name_for
-from cluster.backends.skypilot import DEFAULT_SETUP, RUN, SkyPilotBackend, build_task, resources_for, task_yaml
+from cluster.backends.skypilot import (
+    DEFAULT_SETUP, RUN, WHEEL_MOUNT, SkyPilotBackend, build_task, resources_for, task_yaml,
+)
 from cluster.spec import parse_spec
 from flows.experiment import run_experiment
+from tests.conftest import A_LOOP, REPO
 from tests.sky_double import FakeSky
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
@@ -19,7 +23,7 @@ NAME = cluster_name_for("6f1e0c52-61d4-4a4b-8a0e-5a3b9d2c7e11")
 
 
 def gpu_spec(**compute):
-    return parse_spec({
+    return parse_spec({**A_LOOP,
         "name": "digits-gpu",
         "compute": {"backend": "skypilot", "num_nodes": 2, "workers_per_node": 1,
                     "accelerators": ["H100:1", "A100:1"], "use_spot": True, "region": "us-east-1", "cloud": "aws",
@@ -37,7 +41,7 @@ def test_task_from_spec(monkeypatch):
     spec = gpu_spec()
     task = build_task(spec, run_name="digits-gpu-2026", env={"GPUFLOW_MLFLOW_RUN_ID": "abc"})
     assert task.num_nodes == 2 and task.run == RUN
-    assert "pip install -e ." in task.setup
+    assert "pip install -e ." in task.setup and "gpuflow-" in task.setup
     assert task.envs["GPUFLOW_MLFLOW_RUN_ID"] == "abc" and task.envs["NCCL_DEBUG"] == "WARN"
     assert parse_spec(yaml.safe_load(task.envs["GPUFLOW_SPEC_JSON"])) == spec
     [h100, a100] = resources_for(spec)
@@ -50,9 +54,36 @@ def test_task_from_spec(monkeypatch):
 
 
 def test_own_setup_replaces_the_default():
-    assert build_task(gpu_spec()).setup == DEFAULT_SETUP
+    assert build_task(gpu_spec()).setup.startswith(DEFAULT_SETUP.split("{")[0])
     own = gpu_spec().model_copy(update={"setup": "uv pip install -e ."})
     assert build_task(own).setup == "uv pip install -e ."  # e.g. an image that has no pip, or has it all
+    assert not build_task(own).file_mounts
+
+
+def test_nodes_install_this_gpuflow_from_a_wheel_without_an_index(gpuflow_home, tmp_path):
+    """The default setup installs the client's gpuflow from a wheel that a file mount carries to every node."""
+    import subprocess
+    import sys
+    import zipfile
+    from importlib import metadata
+
+    task = build_task(gpu_spec())
+    [(remote, local)] = task.file_mounts.items()
+    assert remote == WHEEL_MOUNT and local.startswith(str(gpuflow_home))
+    [wheel] = Path(local).glob("*.whl")
+    assert wheel.name == f"gpuflow-{metadata.version('gpuflow')}-py3-none-any.whl"
+    assert f"pip install {WHEEL_MOUNT}/{wheel.name}" in task.setup
+    # the same mapping survives SkyPilot's own YAML round trip
+    assert sky.Task.from_yaml_config(task.to_yaml_config()).file_mounts == {WHEEL_MOUNT: local}
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert {"cluster/job.py", "cluster/tracking.py", "flows/cli.py", "tasks/compute.py"} <= names
+    # pip accepts it offline, and what it installs runs the job's module
+    target = tmp_path / "installed"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
+                    str(wheel)], check=True)
+    assert (target / "cluster" / "job.py").read_bytes() == (REPO / "cluster" / "job.py").read_bytes()
+    assert (target / "bin" / "gpuflow").is_file()
 
 
 def test_each_job_gets_its_own_ray_token_as_a_secret():
@@ -131,7 +162,7 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     def run(scenario, **double):
         fake = FakeSky(scenario, **double)
         monkeypatch.setattr("cluster.backends.skypilot.load_sdk", lambda: fake)
-        spec = parse_spec({
+        spec = parse_spec({**A_LOOP,
             "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},
             "limits": {"hourly_rate_usd": 2.5},  # no price catalog offline: price it as a user may
             "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},

@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
-from tests.conftest import REPO
+from tests.conftest import A_LOOP, REPO
 
 DIGITS = REPO / "experiments" / "digits.yaml"
 
@@ -41,7 +41,7 @@ BAD_SPECS = [
 @pytest.mark.parametrize("fields, field, fix", BAD_SPECS, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD_SPECS)])
 def test_bad_spec_names_field_and_fix(fields, field, fix):
     with pytest.raises(SpecError) as error:
-        parse_spec(fields)
+        parse_spec({**A_LOOP, **fields})
     message = str(error.value)
     assert field in message and fix in message, message
 
@@ -76,14 +76,15 @@ def test_missing_and_malformed_files(tmp_path):
 @pytest.mark.parametrize("fields, field", [
     ({"train": {"loop": "experiments.nope:train_loop"}}, "train.loop"),
     ({"train": {"loop": "experiments.digits:no_such_loop"}}, "train.loop"),
-    ({"data": {"generate": "experiments.digits:missing"}}, "data.generate"),
+    ({"data": {"train": "t.parquet", "generate": "experiments.digits:missing"}}, "data.generate"),
     ({"data": {"train": "/nonexistent/train.parquet"}}, "data.train"),
-    ({"data": {"validation": "/nonexistent/val.parquet"}}, "data.validation"),
+    ({"data": {"train": str(REPO / "README.md"), "validation": "/nonexistent/val.parquet"}}, "data.validation"),
+    ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop"),  # a function, but not a loop
     ({"workdir": "/nonexistent-folder"}, "workdir"),
     ({"secrets": ["GPUFLOW_TEST_UNSET_TOKEN"]}, "secrets[0]"),
 ])
 def test_checks_beyond_the_model(fields, field):
-    spec = parse_spec({"workdir": str(REPO), **fields})
+    spec = parse_spec({**A_LOOP, "workdir": str(REPO), **fields})
     problems = check_spec(spec)
     assert any(problem.startswith(field) for problem in problems), problems
 
@@ -91,12 +92,12 @@ def test_checks_beyond_the_model(fields, field):
 def test_unreadable_data_file_is_refused(tmp_path):
     junk = tmp_path / "train.parquet"
     junk.write_text("not parquet")
-    problems = check_spec(parse_spec({"workdir": str(REPO), "data": {"train": str(junk), "validation": None}}))
+    problems = check_spec(parse_spec({**A_LOOP, "workdir": str(REPO), "data": {"train": str(junk), "validation": None}}))
     assert any("data.train" in p and "Parquet" in p for p in problems), problems
 
 
 def test_skypilot_accepts_remote_stores():
-    spec = ExperimentSpec.model_validate({
+    spec = ExperimentSpec.model_validate({**A_LOOP,
         "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},
         "tracking": {"uri": "https://mlflow.example.com"},
         "storage": {"checkpoints": "s3://bucket/ckpt"},
@@ -107,5 +108,32 @@ def test_skypilot_accepts_remote_stores():
 
 def test_skypilot_refuses_data_only_this_machine_has():
     with pytest.raises(SpecError, match="data.train .* cannot read"):
-        parse_spec({"compute": {"backend": "skypilot", "accelerators": "H100:1"},
+        parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "H100:1"}, "data": {"train": "d.parquet"},
                     "tracking": {"uri": "https://mlflow.example.com"}, "storage": {"checkpoints": "s3://b/c"}})
+
+
+def test_the_schema_holds_no_example(tmp_path):
+    """An empty spec names what it needs; a loop that reads its own data needs no `data`."""
+    with pytest.raises(SpecError) as error:
+        parse_spec({})
+    assert "train: required" in str(error.value) and "gpuflow init" in str(error.value)
+    with pytest.raises(SpecError, match="train.loop: required"):
+        parse_spec({"train": {"epochs": 3}})
+    with pytest.raises(SpecError, match="data.train: required"):
+        parse_spec({**A_LOOP, "data": {"validation": "v.parquet"}})
+    spec = parse_spec({**A_LOOP, "workdir": str(REPO)})
+    assert spec.data is None and check_spec(spec) == []
+    assert ExperimentSpec.model_fields["train"].is_required() and ExperimentSpec.model_fields["data"].default is None
+
+
+@pytest.mark.parametrize("signature, ok", [
+    ("config", True), ("config: dict", True), ("config, extra=1", True), ("*args", True),
+    ("", False), ("config, other", False), ("*, config", False),
+])
+def test_the_loop_must_take_the_config(tmp_path, signature, ok):
+    module = "userloop_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name)  # imported modules are cached
+    (tmp_path / f"{module}.py").write_text(f"def train_loop({signature}):\n    pass\n")
+    problems = check_spec(parse_spec({"train": {"loop": f"{module}:train_loop"}, "workdir": str(tmp_path)}))
+    assert (problems == []) == ok, problems
+    if not ok:
+        assert problems[0].startswith("train.loop:") and "def train_loop(config: dict)" in problems[0]

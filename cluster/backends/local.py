@@ -56,6 +56,8 @@ class LocalBackend:
         # Unix socket paths are limited to 107 bytes: Ray's temp dir must be short.
         temp_dir = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
         cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
+        if spec.data is not None:  # Ray Data's read tasks need a logical CPU the training workers have not taken
+            cpus += 1
         with open(folder / "ray.log", "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),

@@ -15,7 +15,24 @@ from cluster.backends import ClusterHandle, ClusterStatus
 from cluster.spec import ExperimentSpec
 
 RUN = "python -m cluster.node"  # the whole job, see cluster/node.py
-DEFAULT_SETUP = "python -m pip install -e ."  # the synced workdir is a project that depends on gpuflow
+# gpuflow need not be on any package index: the client's own version travels as a wheel in a file mount.
+WHEEL_MOUNT = "~/.gpuflow/wheel"
+# The wheel first (its dependencies come from the index), then the workdir if it is a project of its own
+# (this repo, or a user's project with a pyproject.toml/setup.py), else its requirements.txt if any.
+DEFAULT_SETUP = (
+    f"python -m pip install {WHEEL_MOUNT}/{{wheel}} && "
+    "if [ -f pyproject.toml ] || [ -f setup.py ]; then python -m pip install -e .; "
+    "elif [ -f requirements.txt ]; then python -m pip install -r requirements.txt; fi"
+)
+
+
+def default_setup() -> tuple[str, dict[str, str]]:
+    """The setup that installs this machine's gpuflow on a node, and the file mount that carries its wheel."""
+    from cluster.spec import state_dir
+    from cluster.wheel import build_wheel
+
+    wheel = build_wheel(state_dir() / "wheel")
+    return DEFAULT_SETUP.format(wheel=wheel.name), {WHEEL_MOUNT: str(wheel.parent)}
 
 
 def resources_for(spec: ExperimentSpec) -> list:
@@ -47,11 +64,15 @@ def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[s
 
     import sky
 
+    setup, file_mounts = None, None
+    if with_setup:
+        setup, file_mounts = (spec.setup, None) if spec.setup else default_setup()  # a user's setup replaces ours
     task = sky.Task(
         name=spec.name,
         workdir=os.path.abspath(spec.workdir),
         num_nodes=spec.compute.num_nodes,
-        setup=(spec.setup or DEFAULT_SETUP) if with_setup else None,  # a user's setup replaces ours (own image)
+        setup=setup,
+        file_mounts=file_mounts,
         run=RUN if with_run else None,
         envs=job_envs(spec, run_name or "<flow run name>", env or {}) if with_run else dict(spec.envs),
         # Values come from this machine's environment and never appear in logs, MLflow or `gpuflow plan`.

@@ -1,0 +1,229 @@
+"""Every `ray.train.report` of any loop, logged to the flow's MLflow run by Ray Train's controller.
+
+    TorchTrainer(loop, run_config=RunConfig(callbacks=tracking_callbacks(run_id, tracking_uri)))
+
+The callbacks run in Ray Train's controller, not in the workers: a loop needs no gpuflow code to be
+tracked. Ray Train calls `after_report` once all workers have reported and after the report's
+checkpoint is persisted to storage, so a step's metrics are logged only once its checkpoint exists.
+Logging happens on a background thread in batches (MLflow's per-call latency would otherwise hold up
+the workers' next report), and a resumed attempt skips steps the run already holds.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.train.v2._internal.execution.callback import ControllerCallback  # end of run: no public hook yet
+from ray.train.v2.api.callback import UserCallback
+
+STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
+CHECKPOINT_TAG = "gpuflow.checkpoint"
+MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
+KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
+FINISH_TIMEOUT_S = 120
+
+
+@dataclass
+class Report:
+    """One round of `ray.train.report`: rank 0's numbers, its step (None: use the index), its checkpoint URI."""
+
+    index: int
+    step: int | None
+    metrics: dict[str, float]
+    checkpoint_uri: str | None
+    at_ms: int = field(default_factory=lambda: int(time.time() * 1000))
+
+
+def numbers_of(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """The numeric values of a report (nested dicts flattened with '/'), as MLflow metric keys."""
+    found = {}
+    for key, value in metrics.items():
+        name = KEY_NOT_ALLOWED.sub("_", f"{prefix}{key}")
+        if isinstance(value, dict):
+            found.update(numbers_of(value, name + "/"))
+        elif isinstance(value, bool) or isinstance(value, str):
+            continue
+        elif isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0 or getattr(value, "shape", None) == ():
+            try:
+                found[name] = float(value)  # numpy scalars and 0-d tensors too
+            except (TypeError, ValueError):
+                continue
+    return found
+
+
+def step_of(metrics: dict[str, Any]) -> tuple[str | None, int | None]:
+    for key in STEP_KEYS:
+        value = metrics.get(key)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer():
+            return key, int(value)
+    return None, None
+
+
+def uri_of(checkpoint) -> str:
+    """A checkpoint's location as a URI another machine can open (s3://..., gs://..., or a local path)."""
+    scheme = {"s3": "s3", "gcs": "gs", "hdfs": "hdfs", "abfs": "abfs"}.get(checkpoint.filesystem.type_name)
+    return f"{scheme}://{checkpoint.path}" if scheme else checkpoint.path
+
+
+class MlflowTracker:
+    """Owns the MLflow client and the background thread; the two callbacks below share one tracker."""
+
+    def __init__(self, run_id: str, tracking_uri: str, print_progress: bool = True):
+        self.run_id, self.tracking_uri, self.print_progress = run_id, tracking_uri, print_progress
+        self.reports_seen = 0
+        self.checkpoints: list[dict] = []
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        self._logged_before: dict[str, int] = {}  # key -> max step the run held when this attempt first saw it
+        self._logged: dict[str, int] = {}  # key -> max step logged so far
+        self._client = None
+
+    def __getstate__(self):  # pickled into Ray Train's controller: threads and clients are made there
+        return {**self.__dict__, "_queue": None, "_thread": None, "_client": None}
+
+    @property
+    def client(self):
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    # -- on the controller's thread: cheap, never waits for MLflow ---------------------------------------
+    def add(self, metrics: dict[str, Any], checkpoint) -> Report:
+        step_key, step = step_of(metrics)
+        values = numbers_of({k: v for k, v in metrics.items() if k != step_key})
+        report = Report(self.reports_seen, step, values, uri_of(checkpoint) if checkpoint else None)
+        self.reports_seen += 1
+        if self._thread is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._drain, name="gpuflow-mlflow", daemon=True)
+            self._thread.start()
+        self._queue.put(report)
+        if self.print_progress:
+            label = f"epoch {step}" if step_key == "epoch" else f"report {report.index}" + (f" (step {step})" if step is not None else "")
+            print(f"[gpuflow] {label}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
+        return report
+
+    def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
+        """Logs everything still queued; returns when it is in MLflow (or the timeout passed)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    # -- on the background thread -------------------------------------------------------------------------
+    def _drain(self) -> None:
+        done = False
+        while not done:
+            batch = [self._queue.get()]
+            while True:  # everything that queued up meanwhile goes in the same batch
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            done = None in batch
+            reports = [report for report in batch if report is not None]
+            if reports:
+                self._log(reports)
+
+    def _first_seen(self, key: str) -> int:
+        """The highest step the run held for this key before this attempt (-1: none): a resume skips those."""
+        if key not in self._logged_before:
+            try:
+                history = self.client.get_metric_history(self.run_id, key)
+            except Exception:
+                history = []
+            self._logged_before[key] = max((m.step for m in history), default=-1)
+            self._logged[key] = self._logged_before[key]
+        return self._logged_before[key]
+
+    def _log(self, reports: list[Report]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        metrics, tags = [], []
+        for report in reports:
+            for key, value in report.metrics.items():
+                before = self._first_seen(key)
+                # no step of its own: count on after what an earlier attempt logged
+                step = report.step if report.step is not None else before + 1 + report.index
+                if step <= self._logged[key]:
+                    continue  # a resumed attempt repeating a step the run already holds
+                self._logged[key] = step
+                metrics.append(Metric(key, value, report.at_ms, step))
+            if report.checkpoint_uri:
+                step = report.step if report.step is not None else report.index
+                self.checkpoints.append({"step": step, "uri": report.checkpoint_uri})
+                tags = [RunTag(CHECKPOINT_TAG, report.checkpoint_uri), RunTag(CHECKPOINT_TAG + "_step", str(step))]
+        for start in range(0, max(len(metrics), 1), MAX_METRICS_PER_CALL):
+            chunk = metrics[start:start + MAX_METRICS_PER_CALL]
+            self._call(lambda: self.client.log_batch(self.run_id, metrics=chunk, tags=tags if start == 0 else [],
+                                                     synchronous=True))
+
+    def _call(self, log) -> None:
+        for attempt in range(3):  # a blip of the tracking server must not lose an epoch, nor stop training
+            try:
+                return log()
+            except Exception as exc:
+                if attempt == 2:
+                    print(f"[gpuflow] warning: MLflow logging failed, some values are not in the run: {exc}", flush=True)
+                else:
+                    time.sleep(1 + attempt * 4)
+
+    # -- at the end of the run ------------------------------------------------------------------------------
+    def close_run_records(self, checkpoint, succeeded: bool) -> None:
+        """The list of checkpoints as an artifact; and a run that logged no model gets its last checkpoint."""
+        self.finish()
+        if self.checkpoints:
+            self._call(lambda: self.client.log_text(self.run_id, json.dumps(self.checkpoints, indent=1), "checkpoints.json"))
+        if succeeded and checkpoint is not None and not self.logged_a_model():
+            def upload():
+                with checkpoint.as_directory() as folder:
+                    self.client.log_artifacts(self.run_id, folder, "checkpoint")
+            self._call(upload)
+            print(f"[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run", flush=True)
+
+    def logged_a_model(self) -> bool:
+        try:
+            experiment = self.client.get_run(self.run_id).info.experiment_id
+            return bool(self.client.search_logged_models([experiment], filter_string=f"source_run_id = '{self.run_id}'"))
+        except Exception:
+            return False
+
+
+class ReportToMlflow(UserCallback):
+    """Ray Train's public hook: each round of reports, checkpoint already persisted."""
+
+    def __init__(self, tracker: MlflowTracker):
+        self.tracker = tracker
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        self.tracker.add(metrics[0] if metrics else {}, checkpoint)  # rank 0's metrics
+
+
+class FinishTracking(ControllerCallback):
+    """Flushes what is queued before the controller exits, whatever the outcome."""
+
+    def __init__(self, tracker: MlflowTracker):
+        self.tracker = tracker
+
+    def after_controller_finish(self, result) -> None:
+        self.tracker.close_run_records(result.checkpoint, succeeded=result.error is None)
+
+    def before_controller_abort(self) -> None:
+        self.tracker.finish(timeout_s=10)
+
+
+def tracking_callbacks(run_id: str | None, tracking_uri: str | None) -> list:
+    """The Ray Train callbacks that log to the run; none when the job runs without an MLflow run."""
+    if not run_id or not tracking_uri:
+        return []
+    tracker = MlflowTracker(run_id, tracking_uri)  # one object, pickled once with both: state is shared
+    return [ReportToMlflow(tracker), FinishTracking(tracker)]

@@ -1,0 +1,27 @@
+"""Training loops written against Ray Train alone (no gpuflow import), as a user would; the tracking tests run them."""
+
+import json
+import os
+import tempfile
+
+import ray.train
+
+
+def epochs_with_checkpoints(config: dict) -> None:
+    """Reports `loss` = offset + epoch at step = epoch, rank 0 with a checkpoint; starts at config['first_epoch']."""
+    rank = ray.train.get_context().get_world_rank()
+    for epoch in range(config.get("first_epoch", 0), config["epochs"]):
+        metrics = {"epoch": epoch, "loss": config["offset"] + epoch, "eval": {"accuracy": 0.5}, "note": "text is skipped"}
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                with open(os.path.join(folder, "state.json"), "w") as f:
+                    json.dump({"epoch": epoch}, f)
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+        else:
+            ray.train.report(metrics)
+
+
+def no_step_given(config: dict) -> None:
+    """Reports without an epoch or step: the report's index is the step."""
+    for value in (3.0, 2.0, 1.0):
+        ray.train.report({"loss": value})

@@ -1,0 +1,72 @@
+"""Every ray.train.report of a plain Ray Train loop reaches the MLflow run (cluster/tracking.py), with the right
+steps, the checkpoints' locations, the last checkpoint when no model was logged, and no step twice on a resume."""
+
+import json
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from cluster.backends.local import LocalBackend
+from cluster.spec import parse_spec
+from cluster.tracking import numbers_of, step_of
+from tests.conftest import REPO, processes_of
+
+NAME = "gpuflow-7ac0ffee0000000000000000000000a1"
+
+
+def run_job(backend, handle, spec, run_name, env) -> str:
+    lines = []
+    job = backend.exec(handle, spec, run_name, env)
+    assert backend.tail_logs(handle, job, lines.append) == 0, "\n".join(lines[-60:])
+    return "\n".join(lines)
+
+
+def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
+    tracking_uri = f"sqlite:///{gpuflow_home}/mlflow.db"
+    client = MlflowClient(tracking_uri)
+    run_id = client.create_run(client.create_experiment("plain")).info.run_id
+    env = {"MLFLOW_TRACKING_URI": tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
+
+    def spec(loop, **params):
+        return parse_spec({"train": {"loop": f"tests.loops.plain:{loop}", "epochs": params.pop("epochs", 1),
+                                     "params": params}, "workdir": str(REPO), "compute": {"workers_per_node": 2}})
+
+    backend = LocalBackend()
+    handle = backend.launch(spec("no_step_given"), NAME)
+    try:
+        # attempt 1: epochs 0-2; attempt 2 (a resume that repeats epochs 1-2 with other values) goes on to 4
+        log = run_job(backend, handle, spec("epochs_with_checkpoints", epochs=3, offset=0.0), "attempt-1", env)
+        assert "[gpuflow] epoch 2: loss=2" in log  # the progress line the flow follows, for any loop
+        run_job(backend, handle, spec("epochs_with_checkpoints", epochs=5, offset=100.0, first_epoch=1),
+                "attempt-2", env)
+        history = client.get_metric_history(run_id, "loss")
+        assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0)]
+        assert [m.step for m in client.get_metric_history(run_id, "eval/accuracy")] == [0, 1, 2, 3, 4]
+        run = client.get_run(run_id)
+        assert "epoch" not in run.data.metrics and "note" not in run.data.metrics  # the step, and text: not metrics
+        checkpoint = Path(run.data.tags["gpuflow.checkpoint"])
+        assert json.loads((checkpoint / "state.json").read_text()) == {"epoch": 4}
+        assert run.data.tags["gpuflow.checkpoint_step"] == "4" and "attempt-2" in str(checkpoint)
+        listed = json.loads(Path(client.download_artifacts(run_id, "checkpoints.json", str(gpuflow_home))).read_text())
+        assert [c["step"] for c in listed] == [1, 2, 3, 4]  # this attempt's checkpoints
+        # no model was logged: the last checkpoint is kept in the run itself
+        assert [a.path for a in client.list_artifacts(run_id, "checkpoint")] == ["checkpoint/state.json"]
+
+        # a loop that gives no step: the report's index, counted on after what the run already holds
+        run_job(backend, handle, spec("no_step_given"), "no-step", env)
+        assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))[-3:] == [
+            (5, 3.0), (6, 2.0), (7, 1.0)]
+    finally:
+        backend.down(NAME)
+    assert processes_of(gpuflow_home) == []
+
+
+def test_what_counts_as_a_metric_and_a_step():
+    import numpy as np
+    import torch
+
+    assert numbers_of({"a": 1, "b": np.float32(0.5), "c": torch.tensor(2.0), "d": "x", "e": True, "f": [1, 2],
+                       "g": {"h": 3}, "bad key!": 1.0}) == {"a": 1.0, "b": 0.5, "c": 2.0, "g/h": 3.0, "bad key_": 1.0}
+    assert step_of({"epoch": 3, "step": 70}) == ("epoch", 3)
+    assert step_of({"step": 70.0}) == ("step", 70)
+    assert step_of({"epoch": 1.5}) == (None, None) and step_of({}) == (None, None)
