@@ -84,6 +84,8 @@ class MlflowTracker:
         self._logged_before: dict[str, int] = {}  # key -> max step the run held when this attempt first saw it
         self._logged: dict[str, int] = {}  # key -> max step logged so far
         self._client = None
+        self._pending: list[tuple[list, list]] = []  # batches MLflow has not taken yet (the server was down)
+        self._unreachable = False
 
     def __getstate__(self):  # pickled into Ray Train's controller: threads and clients are made there
         return {**self.__dict__, "_queue": None, "_thread": None, "_client": None}
@@ -133,6 +135,7 @@ class MlflowTracker:
             reports = [report for report in batch if report is not None]
             if reports:
                 self._log(reports)
+        self._deliver(deadline=time.monotonic() + FINISH_TIMEOUT_S)
 
     def _first_seen(self, key: str) -> int:
         """The highest step the run held for this key before this attempt (-1: none): a resume skips those."""
@@ -162,13 +165,35 @@ class MlflowTracker:
                 step = report.step if report.step is not None else report.index
                 self.checkpoints.append({"step": step, "uri": report.checkpoint_uri})
                 tags = [RunTag(CHECKPOINT_TAG, report.checkpoint_uri), RunTag(CHECKPOINT_TAG + "_step", str(step))]
-        for start in range(0, max(len(metrics), 1), MAX_METRICS_PER_CALL):
-            chunk = metrics[start:start + MAX_METRICS_PER_CALL]
-            self._call(lambda: self.client.log_batch(self.run_id, metrics=chunk, tags=tags if start == 0 else [],
-                                                     synchronous=True))
+        self._pending.append((metrics, tags))
+        self._deliver()
+
+    def _deliver(self, deadline: float | None = None) -> bool:
+        """Logs what is pending, oldest first. A tracking server that is down keeps it pending (training goes on),
+        delivered with the next report once the server is back, or at the end (until `deadline`)."""
+        while self._pending:
+            metrics, tags = self._pending[0]
+            try:
+                for start in range(0, max(len(metrics), 1), MAX_METRICS_PER_CALL):
+                    self.client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS_PER_CALL],
+                                          tags=tags if start == 0 else [], synchronous=True)
+            except Exception as exc:
+                if not self._unreachable:
+                    print(f"[gpuflow] warning: MLflow unreachable ({type(exc).__name__}); metrics are kept and "
+                          "logged once it is back", flush=True)
+                self._unreachable = True
+                if deadline is None or time.monotonic() > deadline:
+                    return False
+                time.sleep(2)
+                continue
+            self._pending.pop(0)
+            if self._unreachable:
+                print("[gpuflow] MLflow is back: the metrics kept meanwhile are logged", flush=True)
+                self._unreachable = False
+        return True
 
     def _call(self, log) -> None:
-        for attempt in range(3):  # a blip of the tracking server must not lose an epoch, nor stop training
+        for attempt in range(3):  # a blip of the tracking server must not stop the run's end
             try:
                 return log()
             except Exception as exc:

@@ -93,9 +93,10 @@ def prefect_server(home: Path):
 
 
 @contextlib.contextmanager
-def mlflow_server(home: Path):
-    """`mlflow server` with a sqlite store and proxied artifacts; yields its URL."""
-    port = free_port()
+def mlflow_server(home: Path, port: int | None = None):
+    """`mlflow server` with a sqlite store and proxied artifacts; yields its URL. The same home and port again:
+    the same server, restarted."""
+    port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

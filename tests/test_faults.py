@@ -177,3 +177,42 @@ def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky
     [verdict] = reap([backend], ttl_seconds=3600)
     assert verdict.downed and "FAILED" in verdict.reason
     assert backend.status() == []
+
+
+def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_server, digits_spec, gpuflow_home,
+                                                                     tmp_path, monkeypatch):
+    """Training goes on while MLflow is down; what it logged meanwhile arrives once the server is back."""
+    import threading
+
+    from flows.experiment import run_experiment
+    from tests.servers import free_port, mlflow_server
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # MLflow's client would retry for minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    store, port, epochs = tmp_path / "mlflow-server", free_port(), 150
+    spec = digits_spec.model_copy(update={
+        "train": digits_spec.train.model_copy(update={"epochs": epochs}),
+        "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
+        "tracking": digits_spec.tracking.model_copy(update={"uri": f"http://127.0.0.1:{port}", "register_model": False}),
+    })
+    outcome = {}
+    with mlflow_server(store, port):
+        flow = threading.Thread(target=lambda: outcome.update(state=run_experiment(spec, return_state=True)))
+        flow.start()
+        wait_until(lambda: len(history(spec, "val_accuracy")) >= 3, 600, "three epochs in MLflow")
+    down_at = time.monotonic()
+    time.sleep(10)  # training goes on meanwhile
+    with mlflow_server(store, port):
+        print(f"MLflow was down {time.monotonic() - down_at:.0f}s")
+        flow.join(900)
+        state = outcome["state"]
+        assert state.is_completed(), state.message
+        [run] = mlflow_runs(spec)
+        assert run.info.status == "FINISHED"
+        assert sorted(m.step for m in history(spec, "val_accuracy")) == list(range(epochs)), "each epoch once"
+    assert processes_of(gpuflow_home) == []
+
+
+def history(spec, key: str) -> list:
+    runs = mlflow_runs(spec)
+    return MlflowClient(tracking_uri=spec.tracking_uri).get_metric_history(runs[0].info.run_id, key) if runs else []
