@@ -16,7 +16,7 @@ from cluster.spec import ExperimentSpec
 from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from tasks.cancel import CancelWatcher
 from tasks.compute import RunStopped, cost_check, deadline_check, provision, teardown, train
-from tasks.cost import cost_metrics, idle_gpu_check, record_estimate
+from tasks.cost import cost_metrics, idle_gpu_check, record_estimate, settle_budget
 from tasks.prepare import stage_data, validate
 from tasks.tracking import (
     close_mlflow_run, close_runs_of_flow_run, mlflow_status_for, open_mlflow_run, publish_summary, register_model,
@@ -112,6 +112,7 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
                              tags={"stopped_by": failure.reason} if isinstance(failure, RunStopped) else None)
         elif failure is not None:
             close_runs_of_flow_run(spec, this_run["id"], status)
+        settle_budget(spec, this_run["id"])  # the daily-budget reservation gives way to the cost just logged
 
     if cancel_watcher.cancelled:
         return Cancelled(message="cancelled from Prefect: cluster torn down, MLflow run KILLED")
