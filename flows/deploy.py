@@ -42,9 +42,10 @@ def runnable(entries: list[dict], only: list[str] = ()) -> tuple[list[dict], lis
     return chosen, skipped
 
 
-def with_overrides(parameters: dict, overrides: list[str]) -> dict:
-    """Applies `field=value` overrides to a deployment's spec parameter, and validates the result."""
-    if "spec" not in parameters or not overrides:
+def with_overrides(parameters: dict, overrides: list[str], force: bool = False) -> dict:
+    """Applies `field=value` overrides to a deployment's spec parameter, and validates the result (force: a copy
+    even with no overrides)."""
+    if "spec" not in parameters or not (overrides or force):
         return parameters
     spec = yaml.safe_load(yaml.safe_dump(parameters["spec"]))  # a deep copy: anchors share one dict
     for item in overrides:
