@@ -271,6 +271,17 @@ class ExperimentSpec(Strict):
         return absolute_uri(self.storage.checkpoints or str(state_dir() / "checkpoints"))
 
 
+# A team's MLflow server asks for these (its basic-auth app); the cluster logs to the same server.
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def job_secrets(spec: ExperimentSpec) -> list[str]:
+    """The names passed to the job as secrets: spec.secrets, plus the MLflow server's credentials set here."""
+    if not spec.tracking_uri.startswith(("http://", "https://")):
+        return list(spec.secrets)
+    return [*spec.secrets, *(name for name in TRACKING_CREDENTIALS if name in os.environ and name not in spec.secrets)]
+
+
 def is_remote_uri(uri: str) -> bool:
     """True for a location another machine can reach, and for a GPUFLOW_REACHABLE_PREFIX (tests' shared disk)."""
     reachable = os.environ.get("GPUFLOW_REACHABLE_PREFIX")

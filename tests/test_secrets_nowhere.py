@@ -76,3 +76,23 @@ def test_canary_secret_appears_nowhere(prefect_server, digits_spec, gpuflow_home
     assert active_reservations(spec.tracking_uri, since=0) == []
     assert run.data.metrics["cost_usd"] > 0
     assert processes_of(gpuflow_home) == []
+
+
+def test_mlflow_credentials_travel_to_the_cluster_as_secrets(monkeypatch):
+    """A team's MLflow server wants credentials on the cluster too: they go as SkyPilot secrets, redacted in plans."""
+    from cluster.backends.skypilot import build_task, task_yaml
+    from cluster.spec import parse_spec
+    from tests.test_skypilot import gpu_spec
+
+    monkeypatch.setenv("HF_TOKEN", "hf_value")
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "canary-mlflow-password")
+    task = build_task(gpu_spec(), run_name="digits-gpu-2026")
+    secrets = {name: getattr(value, "get_secret_value", lambda: value)() for name, value in task.secrets.items()}
+    assert secrets == {"HF_TOKEN": "hf_value", "MLFLOW_TRACKING_USERNAME": "alice",
+                       "MLFLOW_TRACKING_PASSWORD": "canary-mlflow-password"}
+    assert not any("MLFLOW_TRACKING_PASSWORD" in key for key in task.envs)
+    assert "canary-mlflow-password" not in task_yaml(gpu_spec())
+    local = parse_spec({})  # a local store needs no credentials: none are passed
+    assert "MLFLOW_TRACKING_PASSWORD" not in (build_task(local.model_copy(
+        update={"compute": local.compute.model_copy(update={"backend": "skypilot"})})).secrets or {})
