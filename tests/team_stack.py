@@ -99,11 +99,15 @@ def mlflow_on_postgres(home: Path, pg: harness.Postgres):
 
 def wait_until_final(stack: TeamStack, flow_run_ids, timeout_s: float = READY_TIMEOUT_S * 4, log: Path | None = None):
     """Polls the runs until every one is final; returns them."""
-    deadline = time.monotonic() + timeout_s
+    started, deadline, reported = time.monotonic(), time.monotonic() + timeout_s, 0
     with stack.prefect_client() as client:
         while True:
             runs = [client.read_flow_run(run_id) for run_id in flow_run_ids]
-            if all(run.state and run.state.is_final() for run in runs):
+            final = sum(1 for run in runs if run.state and run.state.is_final())
+            if final != reported:  # progress, for a long load run (pytest -s)
+                print(f"[team] {final}/{len(runs)} runs final after {time.monotonic() - started:.0f} s", flush=True)
+                reported = final
+            if final == len(runs):
                 return runs
             if time.monotonic() > deadline:
                 states = sorted(str(run.state_name) for run in runs)

@@ -14,6 +14,7 @@ import psycopg2
 import pytest
 from mlflow import MlflowClient
 
+from cluster.backends.local import LocalBackend
 from tests.conftest import REPO, processes_of
 from tests.infra.postgres import harness
 from tests.servers import BIN, READY_TIMEOUT_S, base_env, started
@@ -71,14 +72,20 @@ def serving(stack: TeamStack, home, limit: int):
     env = base_env(**stack.client_env(), GPUFLOW_HOME=str(home), PREFECT_RUNNER_POLL_FREQUENCY="1")
     command = [str(BIN / "gpuflow"), "serve", "--only", "run-experiment", "--limit", str(limit),
                *[f"--set={item}" for item in overrides]]
-    with started(command, home / "serve.log", env) as process:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        with stack.prefect_client() as client:
-            while not [d for d in client.read_deployments() if d.name == "run-experiment"]:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gpuflow serve did not register:\n{(home / 'serve.log').read_text()[-3000:]}")
-                time.sleep(0.5)
-        yield process
+    try:
+        with started(command, home / "serve.log", env) as process:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            with stack.prefect_client() as client:
+                while not [d for d in client.read_deployments() if d.name == "run-experiment"]:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"gpuflow serve did not register:\n{(home / 'serve.log').read_text()[-3000:]}")
+                    time.sleep(0.5)
+            yield process
+    finally:
+        # Stopping the runner SIGKILLs flow runs still going (no `finally`): down what they left, as the reaper would.
+        backend = LocalBackend(home / "clusters")
+        for cluster in backend.status():
+            backend.down(cluster.name)
 
 
 def submit(stack: TeamStack, count: int, **train) -> list:
@@ -126,6 +133,7 @@ def test_an_authenticated_run_works_end_to_end_on_postgres(stack, mlflow_credent
 
 
 @pytest.mark.load
+@pytest.mark.timeout(4 * 3600)  # 20 runs two at a time: about 1-2 minutes each alone, far more on a busy machine
 def test_runs_submitted_at_once_all_complete(stack, mlflow_credentials):
     home = stack.home / "served-load"
     with serving(stack, home, limit=LOAD_LIMIT):
