@@ -6,14 +6,20 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator,
+    model_validator,
+)
+
+from cluster import checks
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
@@ -31,12 +37,48 @@ def default_tracking_uri() -> str:
     return f"sqlite:///{state_dir() / 'mlflow.db'}"
 
 
+MAX_PROBLEMS_SHOWN = 8
+MAX_PROBLEM_CHARS = 400  # with MAX_PROBLEMS_SHOWN: a refusal always prints under 4 KB
+
+
 class SpecError(ValueError):
-    """A spec that cannot run: each line names the field, the bad value and the fix."""
+    """A spec that cannot run: each line names the field, the bad value and the fix; never more than a screenful."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("invalid experiment spec:\n" + "\n".join(f"  - {p}" for p in problems))
+        shown = [cut(problem, MAX_PROBLEM_CHARS) for problem in problems[:MAX_PROBLEMS_SHOWN]]
+        if len(problems) > MAX_PROBLEMS_SHOWN:
+            shown.append(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems; fix these first")
+        super().__init__("invalid experiment spec:\n" + "\n".join(f"  - {p}" for p in shown))
+
+
+def cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 20] + f" ... ({len(text)} chars)"
+
+
+def _no_problem(check):
+    """A pydantic AfterValidator from a check that returns a problem (str) or None."""
+    def validate(value):
+        problem = value is not None and check(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+    return AfterValidator(validate)
+
+
+# Numbers are strict (`epochs: true` is not 1, "10" is not 10), finite, and bounded to what a run can mean.
+def Count(ge: int, le: int):  # noqa: N802  (a type)
+    return Annotated[int, Field(strict=True, ge=ge, le=le)]
+
+
+def Amount(le: float, gt: float | None = 0, ge: float | None = None):  # noqa: N802
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, gt=None if ge is not None else gt, ge=ge, le=le)]
+
+
+Text = Annotated[str, Field(max_length=4096), _no_problem(checks.control_character_problem)]
+Entrypoint = Annotated[str, Field(max_length=200)]
+StorageUri = Annotated[Text, _no_problem(checks.storage_uri_problem)]
+EnvName = Annotated[str, Field(max_length=128), _no_problem(checks.env_name_problem)]
 
 
 class Strict(BaseModel):
@@ -44,14 +86,22 @@ class Strict(BaseModel):
 
 
 class TrainSpec(Strict):
-    loop: str = Field(
+    loop: Entrypoint = Field(
         description="Ray Train per-worker loop as 'module:function' taking one argument (the config dict), "
         "importable from the workdir, e.g. 'train:train_loop'.",
     )
-    epochs: int = Field(10, ge=1, description="Passes over the training data.")
-    batch_size: int = Field(64, ge=1, description="Examples per worker per step.")
-    lr: float = Field(1e-3, gt=0, description="Learning rate.")
+    epochs: Count(1, 100_000) = Field(10, description="Passes over the training data.")
+    batch_size: Count(1, 10_000_000) = Field(64, description="Examples per worker per step.")
+    lr: Amount(le=10) = Field(1e-3, description="Learning rate.")
     params: dict[str, Any] = Field(default_factory=dict, description="Other hyper-parameters, passed to the loop as-is.")
+
+    @field_validator("params")
+    @classmethod
+    def _finite_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"params.{checks.shorten(key)} is {item!r}; give a finite number")
+        return value
 
     @field_validator("loop")
     @classmethod
@@ -62,15 +112,15 @@ class TrainSpec(Strict):
 
 
 class DataSpec(Strict):
-    train: str = Field(
+    train: StorageUri = Field(
         description="Training data: Parquet file, folder or URI; reaches the loop as the Ray Data shard "
         "ray.train.get_dataset_shard('train'), streamed and split across workers.",
     )
-    validation: str | None = Field(
+    validation: StorageUri | None = Field(
         None,
         description="Held-out Parquet data the training never sees: ray.train.get_dataset_shard('validation').",
     )
-    generate: str | None = Field(
+    generate: Entrypoint | None = Field(
         None,
         description="Optional 'module:function(train_uri, validation_uri)' that writes the data when it is missing.",
     )
@@ -85,26 +135,26 @@ class DataSpec(Strict):
 
 class ComputeSpec(Strict):
     backend: Literal["local", "skypilot"] = Field("local", description="'local': a Ray cluster on this machine; 'skypilot': a cloud cluster.")
-    num_nodes: int = Field(1, ge=1, le=512, description="Machines in the cluster.")
-    workers_per_node: int = Field(2, ge=1, le=64, description="Ray Train workers on each node.")
-    num_workers: int | None = Field(None, ge=1, description="Total workers; if set, must equal num_nodes × workers_per_node, or sets workers_per_node.")
-    cpus_per_worker: float = Field(1, gt=0, description="CPUs reserved for each worker.")
-    accelerators: str | list[str] | None = Field(None, description="GPUs per node in SkyPilot form, e.g. 'H100:8' or ['H100:1', 'A100:1'].")
-    use_gpu: bool | None = Field(None, description="Train on GPUs; defaults to true when accelerators are set.")
-    use_spot: bool = Field(False, description="Use spot instances (cheaper, may be preempted).")
-    infra: str | None = Field(None, description="SkyPilot infra, e.g. 'aws', 'aws/us-east-1', 'slurm/mycluster'.")
-    cloud: str | None = Field(None, description="Cloud name, e.g. 'aws', 'gcp' (or use infra).")
-    region: str | None = Field(None, description="Cloud region, e.g. 'us-east-1'.")
-    disk_size_gb: int | None = Field(None, ge=10, description="Boot disk per node in GB.")
-    memory_gb_per_node: float | None = Field(None, gt=0, description="Memory per node in GB; the cloud's default when unset.")
-    max_hourly_cost_usd: float | None = Field(None, gt=0, description="Only consider instances up to this price per hour (per node).")
-    max_recoveries: int = Field(
-        3, ge=0, le=100,
+    num_nodes: Count(1, 512) = Field(1, description="Machines in the cluster.")
+    workers_per_node: Count(1, 64) = Field(2, description="Ray Train workers on each node.")
+    num_workers: Count(1, 512 * 64) | None = Field(None, description="Total workers; if set, must equal num_nodes × workers_per_node, or sets workers_per_node.")
+    cpus_per_worker: Amount(le=1024) = Field(1, description="CPUs reserved for each worker.")
+    accelerators: Annotated[str, Field(max_length=64)] | Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=32)] | None = Field(None, description="GPUs per node in SkyPilot form, e.g. 'H100:8' or ['H100:1', 'A100:1'].")
+    use_gpu: StrictBool | None = Field(None, description="Train on GPUs; defaults to true when accelerators are set.")
+    use_spot: StrictBool = Field(False, description="Use spot instances (cheaper, may be preempted).")
+    infra: Annotated[str, Field(max_length=200)] | None = Field(None, description="SkyPilot infra, e.g. 'aws', 'aws/us-east-1', 'slurm/mycluster'.")
+    cloud: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud name, e.g. 'aws', 'gcp' (or use infra).")
+    region: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud region, e.g. 'us-east-1'.")
+    disk_size_gb: Count(10, 65_536) | None = Field(None, description="Boot disk per node in GB.")
+    memory_gb_per_node: Amount(le=65_536) | None = Field(None, description="Memory per node in GB; the cloud's default when unset.")
+    max_hourly_cost_usd: Amount(le=100_000) | None = Field(None, description="Only consider instances up to this price per hour (per node).")
+    max_recoveries: Count(0, 100) = Field(
+        3,
         description="Times a lost cluster (spot preemption, a node gone) is relaunched and training resumed from "
         "the last checkpoint, in the same MLflow run; past it the run ends FAILED with stopped_by=preempted.",
     )
-    worker_restarts: int = Field(
-        0, ge=0, le=100,
+    worker_restarts: Count(0, 100) = Field(
+        0,
         description="Times Ray Train restarts a crashed worker group from the last checkpoint on a cluster that is "
         "still whole (a bug in the loop fails the same way again: keep 0 unless failures are transient).",
     )
@@ -140,33 +190,33 @@ class ComputeSpec(Strict):
 
 
 class TrackingSpec(Strict):
-    experiment: str | None = Field(None, description="MLflow experiment; defaults to the spec's name.")
-    uri: str | None = Field(None, description="MLflow tracking URI; defaults to a local store under .gpuflow/.")
-    register_model: bool = Field(True, description="Register the trained model under the spec's name.")
+    experiment: Annotated[Text, Field(max_length=256)] | None = Field(None, description="MLflow experiment; defaults to the spec's name.")
+    uri: Annotated[Text, _no_problem(checks.tracking_uri_problem)] | None = Field(None, description="MLflow tracking URI; defaults to a local store under .gpuflow/.")
+    register_model: StrictBool = Field(True, description="Register the trained model under the spec's name.")
 
 
 class StorageSpec(Strict):
-    checkpoints: str | None = Field(None, description="Checkpoint folder or URI (s3://, gs://, ...); defaults to .gpuflow/checkpoints.")
-    num_to_keep: int | None = Field(None, ge=1, description="Keep only the newest N checkpoints; all when unset.")
+    checkpoints: StorageUri | None = Field(None, description="Checkpoint folder or URI (s3://, gs://, ...); defaults to .gpuflow/checkpoints.")
+    num_to_keep: Count(1, 100_000) | None = Field(None, description="Keep only the newest N checkpoints; all when unset.")
 
 
 class LimitsSpec(Strict):
-    max_runtime_minutes: float = Field(60, gt=0, description="Stop the job and tear down after this long.")
-    max_cost_usd: float | None = Field(None, gt=0, description="Refuse or stop the run above this cost.")
-    idle_minutes_to_autostop: int = Field(10, ge=1, description="A cloud cluster deletes itself after this many idle minutes.")
-    hourly_rate_usd: float | None = Field(None, ge=0, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
-    min_gpu_utilization: float | None = Field(None, gt=0, le=100, description="Stop when GPU use stays below this percent.")
-    idle_gpu_minutes: float = Field(10, gt=0, description="How long GPU use may stay under min_gpu_utilization.")
-    orphan_grace_minutes: float = Field(
-        2, gt=0, le=60,
+    max_runtime_minutes: Amount(le=43_200) = Field(60, description="Stop the job and tear down after this long (at most 30 days).")
+    max_cost_usd: Amount(le=10_000_000) | None = Field(None, description="Refuse or stop the run above this cost.")
+    idle_minutes_to_autostop: Count(1, 10_080) = Field(10, description="A cloud cluster deletes itself after this many idle minutes.")
+    hourly_rate_usd: Amount(le=100_000, ge=0) | None = Field(None, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
+    min_gpu_utilization: Amount(le=100) | None = Field(None, description="Stop when GPU use stays below this percent.")
+    idle_gpu_minutes: Amount(le=10_080) = Field(10, description="How long GPU use may stay under min_gpu_utilization.")
+    orphan_grace_minutes: Amount(le=60) = Field(
+        2,
         description="The job stops itself (checkpoints kept, MLflow run FAILED, stopped_by=orphaned) when the flow "
         "has not renewed its lease for this long: the flow process was killed, frozen or cut off.",
     )
 
 
 class ProfileSpec(Strict):
-    steps: int = Field(20, ge=1, le=1000, description="Training steps rank 0 records with torch.profiler (CPU and CUDA).")
-    after: int = Field(5, ge=0, description="Steps to skip first, so that the trace shows warm steps, not start-up.")
+    steps: Count(1, 1000) = Field(20, description="Training steps rank 0 records with torch.profiler (CPU and CUDA).")
+    after: Count(0, 1_000_000) = Field(5, description="Steps to skip first, so that the trace shows warm steps, not start-up.")
 
 
 class ExperimentSpec(Strict):
@@ -186,16 +236,26 @@ class ExperimentSpec(Strict):
         "profile/trace.json (opens in Perfetto) and profile/top_operators.txt; for loops that use "
         "cluster.loop.telemetry. Unset: no profiling.",
     )
-    workdir: str = Field(".", description="Project folder with the training code; synced to cloud clusters.")
-    setup: str | None = Field(
+    workdir: Text = Field(".", description="Project folder with the training code; synced to cloud clusters.")
+    setup: Annotated[str, Field(max_length=20_000)] | None = Field(
         None,
         description="Shell setup on each cloud node, run in the synced workdir before the job. Unset: "
         "'python -m pip install -e .' (the workdir is a project that depends on gpuflow). When set it REPLACES "
         "that default, so it must install gpuflow and the loop's packages itself (or do nothing, on an image "
         "that has them), e.g. 'uv pip install -r requirements.txt -e .'.",
     )
-    envs: dict[str, str] = Field(default_factory=dict, description="Environment variables for the job.")
-    secrets: list[str] = Field(default_factory=list, description="Names of environment variables passed to the job but never printed or logged.")
+    envs: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=200)] = Field(
+        default_factory=dict, description="Environment variables for the job (logged with the spec: no credentials; use secrets).")
+    secrets: Annotated[list[EnvName], Field(max_length=100)] = Field(
+        default_factory=list, description="Names of environment variables passed to the job but never printed or logged.")
+
+    @field_validator("envs")
+    @classmethod
+    def _no_credentials_in_envs(cls, value: dict[str, str]) -> dict[str, str]:
+        problems = checks.envs_problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
 
     @field_validator("name")
     @classmethod
@@ -240,6 +300,17 @@ class ExperimentSpec(Strict):
         return absolute_uri(self.storage.checkpoints or str(state_dir() / "checkpoints"))
 
 
+# A team's MLflow server asks for these (its basic-auth app); the cluster logs to the same server.
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def job_secrets(spec: ExperimentSpec) -> list[str]:
+    """The names passed to the job as secrets: spec.secrets, plus the MLflow server's credentials set here."""
+    if not spec.tracking_uri.startswith(("http://", "https://")):
+        return list(spec.secrets)
+    return [*spec.secrets, *(name for name in TRACKING_CREDENTIALS if name in os.environ and name not in spec.secrets)]
+
+
 def is_remote_uri(uri: str) -> bool:
     """True for a location another machine can reach, and for a GPUFLOW_REACHABLE_PREFIX (tests' shared disk)."""
     reachable = os.environ.get("GPUFLOW_REACHABLE_PREFIX")
@@ -257,18 +328,26 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
     """Reads a YAML spec and applies `key.sub=value` overrides (values parsed as YAML)."""
     path = Path(path)
     try:
+        if path.stat().st_size > checks.MAX_SPEC_FILE_BYTES:
+            raise SpecError([f"spec file: {str(path)!r} is {path.stat().st_size} bytes, more than a spec can be "
+                             f"({checks.MAX_SPEC_FILE_BYTES}); give the experiment's YAML spec"])
         raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise SpecError([f"spec file: {str(path)!r} does not exist; pass the path of a YAML spec"]) from None
-    except yaml.YAMLError as exc:
-        raise SpecError([f"spec file: {str(path)!r} is not valid YAML: {exc}"]) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise SpecError([f"spec file: {str(path)!r} is not valid YAML: {cut(str(exc), 300)}"]) from None
+    except RecursionError:
+        raise SpecError([f"spec file: {str(path)!r} is nested too deeply to be a spec; flatten it"]) from None
     if not isinstance(raw, dict):
         raise SpecError([f"spec file: {str(path)!r} must hold a mapping of fields, got {type(raw).__name__}"])
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError([f"--set {item!r}: write it as field.path=value, e.g. train.lr=0.01"])
-        apply_override(raw, key.strip(), yaml.safe_load(value))
+        try:
+            apply_override(raw, key.strip(), yaml.safe_load(value))
+        except yaml.YAMLError as exc:
+            raise SpecError([f"--set {checks.shorten(item)}: the value is not valid YAML: {cut(str(exc), 200)}"]) from None
     return parse_spec(raw)
 
 
@@ -285,6 +364,9 @@ def apply_override(raw: dict, dotted: str, value: Any) -> None:
 def parse_spec(raw: dict | ExperimentSpec) -> ExperimentSpec:
     if isinstance(raw, ExperimentSpec):
         return raw
+    too_big = checks.size_problem(raw)
+    if too_big:
+        raise SpecError([too_big])
     try:
         return ExperimentSpec.model_validate(raw)
     except ValidationError as exc:
@@ -300,22 +382,32 @@ REQUIRED_EXAMPLES = {
 
 def describe(error: dict) -> str:
     """One pydantic error as 'field: problem (got value)' with the fix where pydantic does not give one."""
-    field = ".".join(str(part) for part in error["loc"]) or "spec"
-    message = error["msg"].removeprefix("Value error, ")
+    # Pydantic adds the union member (e.g. 'constrained-str') to the location: the user knows no such field.
+    parts = [str(part) for part in error["loc"] if not re.match(r"^(constrained-|function-|lax-|strict-)|^(str|int|float|list\[.*\]|dict\[.*\])$", str(part))]
+    field = cut(".".join(parts), 120) or "spec"
+    message = cut(error["msg"].removeprefix("Value error, "), 600)
+    got = checks.shorten(error.get("input"))
     if error["type"] == "missing":
         example = REQUIRED_EXAMPLES.get(field, "")
         return f"{field}: required, and missing; add it to the spec{', e.g. ' + example if example else ''}"
     if error["type"] == "extra_forbidden":
-        return f"{field}: unknown field (got {error['input']!r}); remove it or check its spelling"
+        return f"{field}: unknown field (got {got}); remove it or check its spelling"
     if error["type"] == "literal_error":
-        return f"{field}: {error['input']!r} is not allowed; {message.lower()}"
+        return f"{field}: {got} is not allowed; {message.lower()}"
     if error["type"] in ("value_error", "assertion_error"):
         return f"{field}: {message}"
-    return f"{field}: {message} (got {error['input']!r})"
+    if error["type"] in ("bool_type", "int_type", "float_type") and isinstance(error.get("input"), bool):
+        return f"{field}: {message}, not a boolean (got {got}); write a number"
+    if error["type"] == "finite_number":
+        return f"{field}: {message} (got {got}); give a finite number"
+    if error["type"] in ("less_than_equal", "less_than"):
+        return f"{field}: {message} (got {got}); that is beyond what a run can mean, lower it"
+    return f"{field}: {message} (got {got})"
 
 
 def check_spec(spec: ExperimentSpec) -> list[str]:
-    """What the model alone cannot check: the loop imports, the data is readable, stores are usable."""
+    """What the model alone cannot check: the loop imports and takes the right arguments, the data is readable,
+    the checkpoint storage is writable, the tracking server answers."""
     problems = []
     generate = spec.data.generate if spec.data else None
     with on_sys_path(spec.workdir):
@@ -324,10 +416,13 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
                 try:
                     function = resolve(entrypoint)
                 except Exception as exc:  # any import-time error is the user's to see
-                    problems.append(f"{field}: cannot load {entrypoint!r} from workdir {spec.workdir!r}: {exc}")
+                    problems.append(f"{field}: cannot load {entrypoint!r} from workdir {spec.workdir!r}: "
+                                    f"{cut(str(exc), 200)}")
                     continue
-                if field == "train.loop":
-                    problems += loop_signature_problems(entrypoint, function)
+                arguments, what = ENTRYPOINT_ARGUMENTS[field]
+                wrong = checks.signature_problem(function, arguments, what)
+                if wrong:
+                    problems.append(f"{field}: {entrypoint!r} {wrong}")
     if not Path(spec.workdir).is_dir():
         problems.append(f"workdir: {spec.workdir!r} is not a folder")
     for field in ("train", "validation"):
@@ -340,24 +435,20 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     for field, secret in enumerate(spec.secrets):
         if secret not in os.environ:
             problems.append(f"secrets[{field}]: {secret!r} is not set in this environment; export it before running")
+    unwritable = checks.storage_write_problem(spec.checkpoint_uri)
+    if unwritable:
+        problems.append(f"storage.checkpoints: {unwritable}; give a folder or bucket this machine can write")
+    down = checks.tracking_server_problem(spec.tracking_uri)
+    if down:
+        problems.append(f"tracking.uri: {down}")
     return problems
 
 
-def loop_signature_problems(entrypoint: str, function) -> list[str]:
-    """Ray Train calls the loop with one argument, the config dict: anything else fails only on the cluster."""
-    import inspect
-
-    fix = f"write it as `def {entrypoint.split(':')[1]}(config: dict) -> None`"
-    if not inspect.isfunction(function):
-        return [f"train.loop: {entrypoint!r} is a {type(function).__name__}, not a Python function; {fix}"]
-    parameters = list(inspect.signature(function).parameters.values())
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in parameters if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    takes_varargs = any(p.kind == p.VAR_POSITIONAL for p in parameters)
-    if len(required) > 1 or (not positional and not takes_varargs) or any(p.kind == p.KEYWORD_ONLY for p in required):
-        names = ", ".join(p.name for p in parameters) or "no arguments"
-        return [f"train.loop: {entrypoint!r} takes ({names}), but Ray Train passes one argument, the config; {fix}"]
-    return []
+# How gpuflow calls each entrypoint: (positional arguments, what they are).
+ENTRYPOINT_ARGUMENTS = {
+    "train.loop": (1, "a Ray Train loop is `def train_loop(config: dict)`"),
+    "data.generate": (2, "a data generator is `def write_parquet(train_uri, validation_uri)`"),
+}
 
 
 def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:

@@ -33,6 +33,7 @@ class RunCost:
     spot: str
     stopped_by: str
     estimated: bool  # cost from the hourly price, not from the run's own cost_usd
+    flow_run_id: str = ""  # the Prefect flow run it belongs to (its budget reservation has the same owner)
 
 
 def run_costs(tracking_uri: str, since: float) -> list[RunCost]:
@@ -62,7 +63,8 @@ def row_of(run, experiments: dict[str, str]) -> RunCost:
         cost = metrics["cost_usd"]
     return RunCost(info.run_id, experiments.get(info.experiment_id, info.experiment_id), info.run_name or "",
                    info.status, info.start_time / 1000, cost, metrics.get("gpu_hours", 0.0),
-                   metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get("stopped_by", ""), estimated)
+                   metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get("stopped_by", ""), estimated,
+                   tags.get("prefect.flow_run_id", ""))
 
 
 def spent_since_usd(tracking_uri: str, since: float) -> float:

@@ -52,9 +52,10 @@ def importable(module: str) -> bool:
         return False
 
 
-def with_overrides(parameters: dict, overrides: list[str]) -> dict:
-    """Applies `field=value` overrides to a deployment's spec parameter, and validates the result."""
-    if "spec" not in parameters or not overrides:
+def with_overrides(parameters: dict, overrides: list[str], force: bool = False) -> dict:
+    """Applies `field=value` overrides to a deployment's spec parameter, and validates the result (force: a copy
+    even with no overrides)."""
+    if "spec" not in parameters or not (overrides or force):
         return parameters
     spec = yaml.safe_load(yaml.safe_dump(parameters["spec"]))  # a deep copy: anchors share one dict
     for item in overrides:

@@ -5,18 +5,51 @@
 
 from __future__ import annotations
 
+import json
+import os
 from datetime import datetime, timezone
+from pathlib import Path
 
+from cluster.form_policy import FormPolicy, policy_from
 from cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
+from flows.deploy import PREFECT_YAML, declared, with_overrides
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
-    """The spec a run uses: the YAML file when one is given, else the form's (or Python's) spec."""
+    """The spec a run uses: the YAML file when one is given, else the form's (or Python's) spec.
+
+    A run of a deployment with a form_policy (prefect.yaml) may change only what the policy allows: anything
+    else is refused here, before anything exists."""
+    policy = form_policy_of_this_run()
+    if policy and spec_file and not policy.allows("spec_file"):
+        return policy.enforce(policy.baseline, spec_file)  # refused without reading a file of the worker
     if spec_file:
-        return load_spec(spec_file)
-    if spec is None:
+        chosen = load_spec(spec_file)
+    elif spec is None:
         raise SpecError(["spec: give an experiment spec, or spec_file with the path of a YAML spec"])
-    return parse_spec(spec)
+    else:
+        chosen = parse_spec(spec)
+    return policy.enforce(chosen, spec_file) if policy else chosen
+
+
+SERVE_OVERRIDES_ENV = "GPUFLOW_SERVE_OVERRIDES"  # `gpuflow serve --set ...`, inherited by the runs it starts
+
+
+def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | None:
+    """The form_policy of the deployment this flow run belongs to, read from prefect.yaml on this machine.
+
+    Read here, not from the server: whoever can edit a deployment in the UI could otherwise widen its policy.
+    The baseline is the deployment's spec with `gpuflow serve --set` overrides applied, as it was served."""
+    from prefect import runtime
+
+    deployment = runtime.deployment.name
+    if not deployment or not Path(prefect_yaml).is_file():
+        return None
+    entry = next((item for item in declared(prefect_yaml) if item.get("name") == deployment), None)
+    if entry is None or "form_policy" not in entry:
+        return None
+    overrides = json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")
+    return policy_from(deployment, entry, with_overrides(entry.get("parameters") or {}, overrides, force=True)["spec"])
 
 
 def run_name_for(parameters: dict) -> str:

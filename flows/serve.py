@@ -6,14 +6,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 from prefect import serve as prefect_serve
 
 from flows.deploy import runner_deployments
+from flows.run_info import SERVE_OVERRIDES_ENV
 
 
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:
     """Blocks, polling the Prefect server (PREFECT_API_URL) for runs of these deployments, scheduled or from the UI."""
     deployments = runner_deployments(overrides, only)
+    # The runs this process starts inherit it: a form_policy compares a run with the spec as served here.
+    os.environ[SERVE_OVERRIDES_ENV] = json.dumps(list(overrides))
     # limit=1 by default: two experiments at once would fight over the same machine's CPUs.
     prefect_serve(*deployments, limit=limit)
 

@@ -13,20 +13,35 @@ from mlflow import MlflowClient
 
 from cluster.cost import Estimate, check_daily_budget, check_run_budget, daily_budget_usd, hourly_cost
 from cluster.spec import ExperimentSpec
-from cluster.spend import HOURLY_METRIC, spent_since_usd, start_of_today_utc
+from cluster.budget import committed_since_usd, release_reservations_of, reserve_within_budget
+from cluster.spend import HOURLY_METRIC, start_of_today_utc
 
 GPU_UTILIZATION = re.compile(r"^system/gpu_(\d+)_utilization_percentage$")
 IDLE_POLL_S = 30.0  # MLflow is read at most this often: the window is minutes long
 
 
-def check_budget(spec: ExperimentSpec) -> Estimate:
-    """Prices the cluster and refuses the run if it could break limits.max_cost_usd or the daily budget."""
+def check_budget(spec: ExperimentSpec, flow_run_id: str | None = None) -> Estimate:
+    """Prices the cluster and refuses the run if it could break limits.max_cost_usd or the daily budget.
+
+    With a flow run id the run's most is reserved first (write, then read), so that runs started together
+    cannot all pass a budget that fits one; the flow calls settle_budget(spec, flow_run_id) at its end.
+    Without one (`gpuflow validate`), it only reads."""
     estimate = hourly_cost(spec)
     check_run_budget(spec, estimate)
     budget = daily_budget_usd()
     if budget is not None:
-        check_daily_budget(spec, estimate, spent_since_usd(spec.tracking_uri, start_of_today_utc()), budget)
+        if flow_run_id:
+            reserve_within_budget(spec, estimate, budget, str(flow_run_id))
+        else:
+            committed, _ = committed_since_usd(spec.tracking_uri, start_of_today_utc())
+            check_daily_budget(spec, estimate, committed, budget)
     return estimate
+
+
+def settle_budget(spec: ExperimentSpec, flow_run_id: str) -> None:
+    """At the run's end: its budget reservation gives way to the real cost logged in its MLflow run (cost_usd)."""
+    if daily_budget_usd() is not None:
+        release_reservations_of(spec.tracking_uri, str(flow_run_id))
 
 
 def record_estimate(spec: ExperimentSpec, run_id: str, estimate: Estimate) -> None:

@@ -1,6 +1,6 @@
 """Before any cluster exists: check the spec, and put the data where the cluster can read it."""
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger, runtime, task
 
 from cluster.data import ensure_data
 from cluster.spec import ExperimentSpec, validate_spec
@@ -11,7 +11,7 @@ from tasks.cost import check_budget
 def validate(spec: ExperimentSpec) -> ExperimentSpec:
     """Fails with every problem listed (field, value, fix) before anything is started or billed."""
     spec = validate_spec(spec)
-    estimate = check_budget(spec)  # refuses here, before any cluster exists
+    estimate = check_budget(spec, runtime.flow_run.id)  # reserves, then refuses here, before any cluster exists
     get_run_logger().info(
         f"spec {spec.name!r} is valid: backend={spec.compute.backend} nodes={spec.compute.num_nodes} "
         f"workers={spec.compute.num_workers} precision={spec.precision}; "

@@ -17,7 +17,7 @@ from cluster.lease import STOPPED_BY_TAG, LeaseKeeper
 from cluster.lifecycle import Outcome
 from cluster.mlflow_run import close_run
 from cluster.spec import ExperimentSpec, state_dir
-from tasks.cost import record_estimate
+from tasks.cost import record_estimate, settle_budget
 
 FLOW_RUN_TAG = "prefect.flow_run_id"
 CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
@@ -110,6 +110,7 @@ class RunRecord:
                                          "left RUNNING; the reaper closes it")
         else:
             close_runs_of_flow_run(self.spec, self.flow_run_id, outcome.status)
+        settle_budget(self.spec, self.flow_run_id)  # the daily-budget reservation gives way to the cost just logged
         if self._lease:
             self._lease.finish()
 

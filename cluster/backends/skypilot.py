@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from cluster.backends import ClusterHandle, ClusterStatus
-from cluster.spec import ExperimentSpec
+from cluster.spec import ExperimentSpec, job_secrets
 
 RUN = "python -m cluster.node"  # the whole job, see cluster/node.py
 # gpuflow need not be on any package index: the client's own version travels as a wheel in a file mount.
@@ -76,7 +76,7 @@ def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[s
         run=RUN if with_run else None,
         envs=job_envs(spec, run_name or "<flow run name>", env or {}) if with_run else dict(spec.envs),
         # Values come from this machine's environment and never appear in logs, MLflow or `gpuflow plan`.
-        secrets={name: os.environ.get(name, "") for name in spec.secrets} or None,
+        secrets={name: os.environ.get(name, "") for name in job_secrets(spec)} or None,
     )
     task.set_resources(resources_for(spec))
     return task

@@ -1,0 +1,120 @@
+"""The daily budget under concurrency: a run writes a reservation of the most it may cost, then reads the day's total.
+
+    GPUFLOW_DAILY_BUDGET_USD=50 gpuflow run my.yaml     # two runs at once never both pass a budget that fits one
+
+Write-then-read: each run counts every reservation written before it reads, its rivals' included, so of
+two runs that fit the budget only together, at least one sees both and is refused. The ledger is the
+tracking store, which every worker of a team already shares. A reservation is released (replaced by the
+run's real cost, logged to its MLflow run) at the end of the run; if the flow died, it lapses after the
+run's maximum runtime plus a margin, and the run's own MLflow record is counted from then on.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from mlflow import MlflowClient
+
+from cluster.cost import BudgetExceeded, Estimate, check_daily_budget
+from cluster.spec import ExperimentSpec
+from cluster.spend import run_costs, start_of_today_utc
+
+RESERVATIONS_EXPERIMENT = "gpuflow-budget-reservations"
+RESERVED_METRIC = "reserved_usd"
+OWNER_TAG = "gpuflow.reserved_for"  # the flow run id, the same as the run's prefect.flow_run_id tag
+EXPIRES_TAG = "gpuflow.reservation_expires_at"
+LAPSE_MARGIN_S = 1800  # provisioning and teardown come on top of max_runtime_minutes
+ATTEMPTS = 4  # refused only because of rivals' reservations: release, wait a little, try again
+
+
+@dataclass(frozen=True)
+class Reservation:
+    tracking_uri: str
+    run_id: str
+    owner: str
+    amount_usd: float
+
+
+def reserve(tracking_uri: str, owner: str, amount_usd: float, hold_s: float) -> Reservation:
+    """Writes a reservation of `amount_usd` for `owner`, valid for `hold_s` seconds."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    run = client.create_run(reservations_experiment(client), run_name=f"reserved-{owner}",
+                            tags={OWNER_TAG: owner, EXPIRES_TAG: f"{time.time() + hold_s:.0f}"})
+    client.log_metric(run.info.run_id, RESERVED_METRIC, amount_usd, synchronous=True)
+    return Reservation(tracking_uri, run.info.run_id, owner, amount_usd)
+
+
+def reservations_experiment(client: MlflowClient) -> str:
+    experiment = client.get_experiment_by_name(RESERVATIONS_EXPERIMENT)
+    if experiment:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(RESERVATIONS_EXPERIMENT)
+    except Exception:  # created at the same moment by another run
+        return client.get_experiment_by_name(RESERVATIONS_EXPERIMENT).experiment_id
+
+
+def active_reservations(tracking_uri: str, since: float, now: float | None = None) -> list[Reservation]:
+    """Reservations written since `since`, neither released nor lapsed."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(RESERVATIONS_EXPERIMENT)
+    if not experiment:
+        return []
+    now = time.time() if now is None else now
+    runs = client.search_runs([experiment.experiment_id], max_results=10_000,
+                              filter_string=f"attributes.status = 'RUNNING' and attributes.start_time >= {int(since * 1000)}")
+    return [Reservation(tracking_uri, run.info.run_id, run.data.tags.get(OWNER_TAG, ""),
+                        run.data.metrics.get(RESERVED_METRIC, 0.0))
+            for run in runs if float(run.data.tags.get(EXPIRES_TAG, 0)) > now]
+
+
+def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | None = None) -> tuple[float, int]:
+    """What today's runs cost or may still cost, and how many rivals' reservations that includes.
+
+    A run with a live reservation counts as its reservation (its most), not as its cost so far."""
+    reservations = [r for r in active_reservations(tracking_uri, since) if not exclude or r.run_id != exclude.run_id]
+    reserved_owners = {r.owner for r in reservations} | ({exclude.owner} if exclude else set())
+    spent = sum(row.cost_usd for row in run_costs(tracking_uri, since) if row.flow_run_id not in reserved_owners)
+    return spent + sum(r.amount_usd for r in reservations), len(reservations)
+
+
+def reserve_within_budget(spec: ExperimentSpec, estimate: Estimate, budget_usd: float, owner: str,
+                          attempts: int = ATTEMPTS) -> Reservation | None:
+    """Reserves the run's most (price × max runtime), then refuses it (BudgetExceeded) if today's total breaks the budget.
+
+    Returns the reservation to release at the run's end (None for a free run: nothing to reserve)."""
+    worst = estimate.max_runtime_cost_usd(spec)
+    since = start_of_today_utc()
+    if worst <= 0:
+        check_daily_budget(spec, estimate, committed_since_usd(spec.tracking_uri, since)[0], budget_usd)
+        return None
+    hold_s = spec.limits.max_runtime_minutes * 60 + LAPSE_MARGIN_S
+    for attempt in range(attempts):
+        reservation = reserve(spec.tracking_uri, owner, worst, hold_s)
+        others, rivals = committed_since_usd(spec.tracking_uri, since, exclude=reservation)
+        try:
+            check_daily_budget(spec, estimate, others, budget_usd)
+            return reservation
+        except BudgetExceeded:
+            release(reservation)
+            if not rivals or attempt == attempts - 1:
+                raise
+        # Rivals may be refused too and release theirs: back off by a random amount so that one gets through.
+        time.sleep(random.uniform(0.2, 1.5))
+    raise AssertionError("unreachable")
+
+
+def release(reservation: Reservation) -> None:
+    MlflowClient(tracking_uri=reservation.tracking_uri).set_terminated(reservation.run_id, "FINISHED")
+
+
+def release_reservations_of(tracking_uri: str, owner: str) -> int:
+    """Releases every live reservation of a run (found by its flow run id, so any process can do it)."""
+    released = 0
+    for reservation in active_reservations(tracking_uri, since=0):
+        if reservation.owner == owner:
+            release(reservation)
+            released += 1
+    return released

@@ -1,0 +1,201 @@
+"""Checks a spec needs beyond its model: bounded YAML, credential-looking names, entrypoint signatures, and
+probes of the checkpoint storage and the tracking server. No Prefect; spec.py's check_spec calls them.
+
+    gpuflow validate my.yaml          # runs every check here before anything starts
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+MAX_SPEC_FILE_BYTES = 256 * 1024  # a spec is a page of YAML; anything bigger is a mistake or an attack
+MAX_SPEC_NODES = 5_000  # values in the spec, aliases counted as often as they are used
+MAX_SPEC_DEPTH = 16
+MAX_VALUE_CHARS = 120  # a bad value is quoted up to this length in a message
+TRACKING_PROBE_TIMEOUT_S = 5.0
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+# Words that make an environment variable a credential: its value must not be logged anywhere.
+CREDENTIAL_WORDS = {"KEY", "KEYS", "APIKEY", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS",
+                    "PWD", "CREDENTIAL", "CREDENTIALS", "AUTH", "PRIVATE", "CERT", "SESSION", "SIGNATURE", "DSN"}
+# What gpuflow itself sets for the job: an `envs` entry must not redirect it.
+RESERVED_ENV = re.compile(r"^(GPUFLOW_.*|MLFLOW_TRACKING_URI|MLFLOW_RUN_ID|RAY_AUTH_.*|RAY_ADDRESS|PYTHONPATH)$")
+
+TRACKING_SCHEMES = {"http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc"}
+STORAGE_SCHEMES = {"file", "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "r2"}
+SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def shorten(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """repr(value), cut in the middle when long, so that a hostile value cannot flood a message."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[-half:]} ({len(text)} chars)"
+
+
+# -- the size of what was loaded ------------------------------------------------------------------
+
+def size_problem(raw: Any) -> str | None:
+    """Refuses a structure too big or too deep to be a spec, without expanding it: the walk stops at the limit.
+
+    YAML aliases share one object, so a "billion laughs" file loads small; it is every later walk
+    (validation, printing, logging) that explodes. Counting through aliases catches it here."""
+    seen = 0
+    stack: list[tuple[Any, int]] = [(raw, 0)]
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_SPEC_NODES:
+            return (f"spec: more than {MAX_SPEC_NODES} values (YAML aliases count each time they are used); "
+                    "a spec is a short file: write each value once, without nested aliases")
+        if depth > MAX_SPEC_DEPTH:
+            return f"spec: nested deeper than {MAX_SPEC_DEPTH} levels (or a recursive alias); flatten it"
+        if isinstance(node, dict):
+            stack.extend((item, depth + 1) for pair in node.items() for item in pair)
+        elif isinstance(node, (list, tuple)):
+            stack.extend((item, depth + 1) for item in node)
+    return None
+
+
+# -- environment variable names -------------------------------------------------------------------
+
+def looks_like_credential(name: str) -> str | None:
+    """The word of `name` that makes it a credential (WANDB_API_KEY → KEY), or None."""
+    words = re.split(r"[_\-.]+", name.upper())
+    return next((word for word in words if word in CREDENTIAL_WORDS), None)
+
+
+def env_name_problem(name: str) -> str | None:
+    if not ENV_NAME.match(name):
+        return f"{shorten(name)} is not an environment variable name; use letters, digits and '_', e.g. WANDB_PROJECT"
+    return None
+
+
+def envs_problems(envs: dict[str, str]) -> list[str]:
+    problems = []
+    for name in envs:
+        problem = env_name_problem(name)
+        if problem:
+            problems.append(problem)
+        elif looks_like_credential(name):
+            problems.append(
+                f"{name!r} looks like a credential ({looks_like_credential(name)}): its value would be logged with "
+                f"the spec; move it to secrets: remove it from envs, add `secrets: [{name}]` and export {name} "
+                "where the flow runs")
+        elif RESERVED_ENV.match(name):
+            problems.append(f"{name!r} is set by gpuflow for the job; remove it from envs")
+    return problems
+
+
+# -- URIs -----------------------------------------------------------------------------------------
+
+def scheme_of(uri: str) -> str | None:
+    match = SCHEME.match(uri)
+    if not match or (len(match.group(1)) == 1 and uri[1:3] in (":\\", ":/")):  # a Windows drive, not a scheme
+        return None
+    return match.group(1).lower().split("+")[0]
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    scheme = scheme_of(uri)
+    if scheme is None:
+        return None  # a local folder: MLflow's file store
+    if scheme not in TRACKING_SCHEMES:
+        return (f"{shorten(uri)}: MLflow cannot track to a {scheme}:// URI; use http(s)://host:port of an MLflow "
+                "server, sqlite:///path.db, postgresql://..., or leave it unset for the local store")
+    if scheme in ("http", "https"):
+        from urllib.parse import urlparse
+
+        parsed = urlparse(uri)
+        if not parsed.hostname:
+            return f"{shorten(uri)} has no host; write e.g. http://127.0.0.1:5000"
+        if parsed.username or parsed.password:
+            return ("credentials in tracking.uri would be logged with the spec; remove them and add "
+                    "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to secrets")
+    return None
+
+
+def storage_uri_problem(uri: str) -> str | None:
+    scheme = scheme_of(uri)
+    if scheme is None or scheme in STORAGE_SCHEMES:
+        return None
+    return (f"{shorten(uri)}: {scheme}:// is not a storage gpuflow can use; give a folder, or a bucket URI "
+            f"({', '.join(sorted(s + '://' for s in STORAGE_SCHEMES))})")
+
+
+def control_character_problem(text: str) -> str | None:
+    if any(ord(ch) < 32 and ch not in "\t\n\r" for ch in text):
+        return f"{shorten(text)} holds control characters (NUL, ...); remove them"
+    return None
+
+
+# -- entrypoints ----------------------------------------------------------------------------------
+
+def signature_problem(function: Callable, arguments: int, what: str) -> str | None:
+    """None if `function` can be called with `arguments` positional arguments, else why not."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to say here
+    try:
+        signature.bind(*range(arguments))
+    except TypeError:
+        return f"takes {signature} but gpuflow calls it with {arguments} argument(s): {what}"
+    return None
+
+
+# -- probes ---------------------------------------------------------------------------------------
+
+def storage_write_problem(uri: str) -> str | None:
+    """Writes and removes a probe file under the checkpoint location (local or a bucket, through pyarrow)."""
+    import pyarrow.fs as pafs
+
+    probe_name = f".gpuflow-write-probe-{uuid.uuid4().hex}"
+    try:
+        if scheme_of(uri) is None:
+            folder = Path(uri).expanduser().absolute()
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / probe_name
+            probe.write_bytes(b"probe")
+            probe.unlink()
+            return None
+        filesystem, path = pafs.FileSystem.from_uri(uri)
+    except ValueError as exc:  # pyarrow's ArrowInvalid is a ValueError
+        if "Unrecognized filesystem type" in str(exc) or "not supported" in str(exc):
+            return None  # a bucket only the cluster's tools know (e.g. r2://): SkyPilot mounts it there
+        return f"cannot write under {shorten(uri)}: {shorten(str(exc), 300)}"
+    except OSError as exc:
+        return f"cannot write under {shorten(uri)}: {shorten(exc.strerror or str(exc), 300)}"
+    try:
+        filesystem.create_dir(path, recursive=True)
+        probe_path = f"{path.rstrip('/')}/{probe_name}"
+        with filesystem.open_output_stream(probe_path) as out:
+            out.write(b"probe")
+        filesystem.delete_file(probe_path)
+    except Exception as exc:  # pyarrow raises OSError or ArrowException subclasses per filesystem
+        return f"cannot write under {shorten(uri)}: {shorten(str(exc), 300)}"
+    return None
+
+
+def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> str | None:
+    """An http(s) tracking URI must answer; any HTTP answer counts (a 401 means it is up, behind auth)."""
+    if scheme_of(uri) not in ("http", "https"):
+        return None
+    health = uri.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(health, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(str(reason), 200)} within "
+                f"{timeout_s:g}s); start it, or fix the host and port")

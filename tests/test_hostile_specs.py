@@ -1,0 +1,160 @@
+"""Hostile specs: each refused before anything exists, in a short message (< 4 KB) naming the field and the fix."""
+
+import math
+import socket
+
+import pytest
+
+from cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
+from flows.cli import main as gpuflow
+from tests.conftest import REPO
+
+MAX_MESSAGE_BYTES = 4096
+HUGE = "x" * 100_000
+
+HOSTILE_SPECS = [
+    # (fields, field named in the message, a word of the fix or the value)
+    # booleans and strings where numbers belong: not silently 1, 0 or 10
+    ({"train": {"epochs": True}}, "train.epochs", "not a boolean"),
+    ({"train": {"batch_size": False}}, "train.batch_size", "not a boolean"),
+    ({"train": {"lr": True}}, "train.lr", "not a boolean"),
+    ({"compute": {"num_nodes": True}}, "compute.num_nodes", "not a boolean"),
+    ({"compute": {"workers_per_node": True}}, "compute.workers_per_node", "not a boolean"),
+    ({"storage": {"num_to_keep": True}}, "storage.num_to_keep", "not a boolean"),
+    ({"limits": {"max_runtime_minutes": "15"}}, "limits.max_runtime_minutes", "'15'"),
+    ({"train": {"epochs": 2.0}}, "train.epochs", "2.0"),
+    ({"compute": {"use_spot": "no"}}, "compute.use_spot", "'no'"),
+    # non-finite and absurd numbers
+    ({"train": {"lr": math.inf}}, "train.lr", "finite"),
+    ({"train": {"lr": math.nan}}, "train.lr", "finite"),
+    ({"limits": {"max_runtime_minutes": 1e308}}, "limits.max_runtime_minutes", "less than or equal to 43200"),
+    ({"limits": {"max_cost_usd": math.inf}}, "limits.max_cost_usd", "finite"),
+    ({"limits": {"hourly_rate_usd": math.nan}}, "limits.hourly_rate_usd", "finite"),
+    ({"limits": {"idle_gpu_minutes": -math.inf}}, "limits.idle_gpu_minutes", "finite"),
+    ({"limits": {"min_gpu_utilization": math.nan}}, "limits.min_gpu_utilization", "finite"),
+    ({"limits": {"idle_minutes_to_autostop": 10**9}}, "limits.idle_minutes_to_autostop", "lower it"),
+    ({"train": {"epochs": 10**12}}, "train.epochs", "lower it"),
+    ({"train": {"lr": 1e9}}, "train.lr", "lower it"),
+    ({"compute": {"cpus_per_worker": 1e6}}, "compute.cpus_per_worker", "lower it"),
+    ({"compute": {"backend": "skypilot", "memory_gb_per_node": math.inf}}, "compute.memory_gb_per_node", "finite"),
+    ({"compute": {"backend": "skypilot", "disk_size_gb": 10**9}}, "compute.disk_size_gb", "lower it"),
+    ({"compute": {"max_hourly_cost_usd": math.inf}}, "compute.max_hourly_cost_usd", "finite"),
+    ({"train": {"params": {"dropout": math.nan}}}, "train.params", "finite"),
+    # locations: unknown schemes, no host, credentials inside, control characters
+    ({"tracking": {"uri": "ftp://nowhere"}}, "tracking.uri", "http(s)://host:port"),
+    ({"tracking": {"uri": "javascript:alert(1)"}}, "tracking.uri", "javascript://"),
+    ({"tracking": {"uri": "http://"}}, "tracking.uri", "no host"),
+    ({"tracking": {"uri": "https://alice:hunter2@mlflow.example.com"}}, "tracking.uri", "MLFLOW_TRACKING_PASSWORD"),
+    ({"storage": {"checkpoints": "ftp://host/ckpt"}}, "storage.checkpoints", "s3://"),
+    ({"data": {"train": "gopher://host/train.parquet"}}, "data.train", "bucket URI"),
+    ({"workdir": "/tmp/\x00evil"}, "workdir", "control characters"),
+    # credentials in envs, and names that are not environment variables
+    ({"envs": {"WANDB_API_KEY": "sk-123"}}, "envs", "move it to secrets"),
+    ({"envs": {"AWS_SECRET_ACCESS_KEY": "abc"}}, "envs", "move it to secrets"),
+    ({"envs": {"HF_TOKEN": "hf_abc"}}, "envs", "move it to secrets"),
+    ({"envs": {"DB_PASSWORD": "pw"}}, "envs", "move it to secrets"),
+    ({"envs": {"1BAD NAME": "x"}}, "envs", "not an environment variable name"),
+    ({"envs": {"GPUFLOW_MLFLOW_RUN_ID": "other-run"}}, "envs", "set by gpuflow"),
+    ({"envs": {"PROJECT": 7}}, "envs.PROJECT", "valid string"),
+    ({"secrets": ["not a name; rm -rf /"]}, "secrets.0", "not an environment variable name"),
+    # sizes: long values are shortened, floods are cut
+    ({"name": HUGE}, "name", "chars)"),
+    ({"setup": HUGE}, "setup", "at most 20000"),
+    ({HUGE: 1}, "spec", "unknown field"),
+    ({"envs": {f"V{i}": "x" for i in range(500)}}, "envs", "at most 200"),
+    ({"train": {"params": {f"p{i}": i for i in range(10_000)}}}, "spec", "more than 5000 values"),
+    ({"train": {"params": {"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}}}, "spec", "nested deeper"),
+    ({f"field{i}": i for i in range(50)}, "more problems", "fix these first"),
+]
+
+
+@pytest.mark.parametrize("fields, field, fix", HOSTILE_SPECS,
+                         ids=[f"{b[1][:30]}-{i}" for i, b in enumerate(HOSTILE_SPECS)])
+def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix):
+    with pytest.raises(SpecError) as error:
+        parse_spec(fields)
+    message = str(error.value)
+    assert field in message and fix in message, message
+    assert len(message.encode()) < MAX_MESSAGE_BYTES, len(message)
+
+
+def test_epochs_true_is_not_one():
+    with pytest.raises(SpecError, match="train.epochs"):
+        parse_spec({"train": {"epochs": True}})
+    assert parse_spec({"train": {"epochs": 3, "lr": 1}}).train.lr == 1.0  # an int is still a fine float
+
+
+BILLION_LAUGHS = "\n".join(
+    ["name: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    + [f"l{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 8)]
+    + ["train: {params: {bomb: *a7}}"]
+)
+
+
+def test_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, capsys):
+    bomb = tmp_path / "laughs.yaml"
+    bomb.write_text(BILLION_LAUGHS)
+    assert gpuflow(["validate", str(bomb)]) == 2
+    err = capsys.readouterr().err
+    assert "more than 5000 values" in err and "aliases" in err, err[:500]
+    assert len(err.encode()) < MAX_MESSAGE_BYTES
+
+
+def test_recursive_alias_is_refused(tmp_path):
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("train: {params: &p {self: *p}}\n")
+    with pytest.raises(SpecError, match="nested deeper"):
+        load_spec(loop)
+
+
+def test_oversized_spec_file_is_refused_unread(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("name: digits-mlp\n" + "# padding\n" * 50_000)
+    with pytest.raises(SpecError, match="bytes, more than a spec can be"):
+        load_spec(big)
+
+
+def test_bad_override_yaml_is_a_short_error():
+    with pytest.raises(SpecError, match=r"--set .*not valid YAML"):
+        load_spec(REPO / "experiments" / "digits.yaml", ["train.params={unclosed: [1"])
+
+
+# -- checks beyond the model: signatures, storage, tracking server ------------------------------------
+
+def checked(fields):
+    return check_spec(parse_spec({"workdir": str(REPO), "data": {"generate": "experiments.digits:write_parquet"},
+                                  **fields}))
+
+
+@pytest.mark.parametrize("fields, field, fix", [
+    ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop", "def train_loop(config: dict)"),
+    ({"data": {"generate": "experiments.digits:train_loop"}}, "data.generate", "train_uri, validation_uri"),
+    ({"storage": {"checkpoints": "/etc/hostname/checkpoints"}}, "storage.checkpoints", "cannot write"),
+    ({"storage": {"checkpoints": "file:///proc/gpuflow-checkpoints"}}, "storage.checkpoints", "cannot write"),
+])
+def test_checks_refuse_what_cannot_run(fields, field, fix, gpuflow_home):
+    problems = checked(fields)
+    assert any(p.startswith(field) and fix in p for p in problems), problems
+
+
+def test_storage_probe_leaves_nothing_behind(tmp_path, gpuflow_home):
+    folder = tmp_path / "ckpt"
+    assert checked({"storage": {"checkpoints": f"file://{folder}"}}) == []
+    assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+def test_tracking_server_that_is_down_is_a_clear_error(gpuflow_home):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    problems = checked({"tracking": {"uri": f"http://127.0.0.1:{port}"}})
+    assert any(p.startswith("tracking.uri") and "does not answer" in p for p in problems), problems
+
+
+def test_tracking_server_that_answers_passes(mlflow_url, gpuflow_home):
+    assert checked({"tracking": {"uri": mlflow_url}}) == []
+
+
+def test_every_default_still_validates():
+    spec = ExperimentSpec()
+    assert spec.train.epochs == 10 and spec.limits.max_runtime_minutes == 60
