@@ -15,7 +15,7 @@ from cluster.spend import parse_since, run_costs, start_of_today_utc
 from cluster.lifecycle import Lifecycle
 from cluster.limits import Watchdog, cost_check
 from tasks.cost import check_budget, idle_gpu_check, idle_verdict
-from tests.conftest import A_LOOP, REPO
+from tests.conftest import A_LOOP, DIGITS_DATA, REPO
 
 CATALOG = REPO / "tests" / "data" / "skypilot-catalog"
 CATALOG_MODULES = ("sky.catalog.aws_catalog", "sky.catalog.lambda_catalog")
@@ -45,7 +45,7 @@ def sky_spec(**compute):
         "compute": {"backend": "skypilot", **compute},
         "tracking": {"uri": "http://127.0.0.1:1"},  # never contacted: no daily budget in these tests
         "storage": {"checkpoints": "s3://bucket/ckpt"},
-        "data": {"generate": "experiments.digits:write_parquet"},
+        "data": DIGITS_DATA,
     })
 
 

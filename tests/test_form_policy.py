@@ -5,14 +5,14 @@ import pytest
 from cluster.form_policy import FormPolicy, differences
 from cluster.spec import SpecError, parse_spec
 from flows.deploy import declared
-from tests.conftest import REPO
+from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
 
 ALLOW = ["train.epochs", "train.lr", "train.params.*", "compute.num_nodes"]
 
 
 @pytest.fixture
 def policy():
-    baseline = parse_spec({"workdir": str(REPO), "data": {"generate": "experiments.digits:write_parquet"}})
+    baseline = parse_spec({**A_LOOP, "workdir": str(REPO), "data": DIGITS_DATA})
     return FormPolicy("team-digits", baseline, list(ALLOW))
 
 

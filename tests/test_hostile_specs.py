@@ -7,7 +7,7 @@ import pytest
 
 from cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
 from flows.cli import main as gpuflow
-from tests.conftest import REPO
+from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
 
 MAX_MESSAGE_BYTES = 4096
 HUGE = "x" * 100_000
@@ -72,7 +72,7 @@ HOSTILE_SPECS = [
                          ids=[f"{b[1][:30]}-{i}" for i, b in enumerate(HOSTILE_SPECS)])
 def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix):
     with pytest.raises(SpecError) as error:
-        parse_spec(fields)
+        parse_spec(with_loop(fields))
     message = str(error.value)
     assert field in message and fix in message, message
     assert len(message.encode()) < MAX_MESSAGE_BYTES, len(message)
@@ -80,8 +80,8 @@ def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix
 
 def test_epochs_true_is_not_one():
     with pytest.raises(SpecError, match="train.epochs"):
-        parse_spec({"train": {"epochs": True}})
-    assert parse_spec({"train": {"epochs": 3, "lr": 1}}).train.lr == 1.0  # an int is still a fine float
+        parse_spec(with_loop({"train": {"epochs": True}}))
+    assert parse_spec(with_loop({"train": {"epochs": 3, "lr": 1}})).train.lr == 1.0  # an int is still a fine float
 
 
 BILLION_LAUGHS = "\n".join(
@@ -122,13 +122,12 @@ def test_bad_override_yaml_is_a_short_error():
 # -- checks beyond the model: signatures, storage, tracking server ------------------------------------
 
 def checked(fields):
-    return check_spec(parse_spec({"workdir": str(REPO), "data": {"generate": "experiments.digits:write_parquet"},
-                                  **fields}))
+    return check_spec(parse_spec(with_loop({"workdir": str(REPO), "data": DIGITS_DATA, **fields})))
 
 
 @pytest.mark.parametrize("fields, field, fix", [
     ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop", "def train_loop(config: dict)"),
-    ({"data": {"generate": "experiments.digits:train_loop"}}, "data.generate", "train_uri, validation_uri"),
+    ({"data": {**DIGITS_DATA, "generate": "experiments.digits:train_loop"}}, "data.generate", "train_uri, validation_uri"),
     ({"storage": {"checkpoints": "/etc/hostname/checkpoints"}}, "storage.checkpoints", "cannot write"),
     ({"storage": {"checkpoints": "file:///proc/gpuflow-checkpoints"}}, "storage.checkpoints", "cannot write"),
 ])
@@ -156,5 +155,5 @@ def test_tracking_server_that_answers_passes(mlflow_url, gpuflow_home):
 
 
 def test_every_default_still_validates():
-    spec = ExperimentSpec()
+    spec = ExperimentSpec.model_validate(A_LOOP)
     assert spec.train.epochs == 10 and spec.limits.max_runtime_minutes == 60

@@ -30,6 +30,7 @@ class GpuflowRun:
         if ephemeral_api:
             env.pop("PREFECT_API_URL", None)
             env["PREFECT_HOME"] = str(gpuflow_home / "prefect")
+            (gpuflow_home / "prefect").mkdir(parents=True, exist_ok=True)
         else:
             env["PREFECT_API_URL"] = PREFECT_API_URL.value()
         args = ["--set", "train.epochs=400", "--set", f"data.train={spec.data.train}",

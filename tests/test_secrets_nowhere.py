@@ -11,7 +11,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from cluster.budget import active_reservations
 from flows.experiment import run_experiment
-from tests.conftest import processes_of
+from tests.conftest import A_LOOP, processes_of
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
 
@@ -93,6 +93,6 @@ def test_mlflow_credentials_travel_to_the_cluster_as_secrets(monkeypatch):
                        "MLFLOW_TRACKING_PASSWORD": "canary-mlflow-password"}
     assert not any("MLFLOW_TRACKING_PASSWORD" in key for key in task.envs)
     assert "canary-mlflow-password" not in task_yaml(gpu_spec())
-    local = parse_spec({})  # a local store needs no credentials: none are passed
+    local = parse_spec(A_LOOP)  # a local store needs no credentials: none are passed
     assert "MLFLOW_TRACKING_PASSWORD" not in (build_task(local.model_copy(
         update={"compute": local.compute.model_copy(update={"backend": "skypilot"})})).secrets or {})

@@ -12,7 +12,7 @@ from torch import nn
 
 from cluster.spec import SpecError, load_spec, parse_spec
 from cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample, peak_tflops
-from tests.conftest import REPO
+from tests.conftest import A_LOOP, REPO
 
 PERF_KEYS = ("perf/samples_per_s", "perf/step_time_ms", "perf/data_wait_pct", "perf/peak_memory_mb",
              "perf/epoch_s", "perf/worker_rss_mb")
@@ -131,12 +131,12 @@ def test_a_run_shorter_than_the_window_writes_what_it_recorded(tmp_path):
 
 
 def test_profile_field_is_checked_before_anything_runs():
-    assert parse_spec({}).profile is None
-    assert parse_spec({"profile": {}}).profile.model_dump() == {"steps": 20, "after": 5}
+    assert parse_spec(A_LOOP).profile is None
+    assert parse_spec({**A_LOOP, "profile": {}}).profile.model_dump() == {"steps": 20, "after": 5}
     with pytest.raises(SpecError, match=r"profile\.steps: .*greater than or equal to 1 \(got 0\)"):
-        parse_spec({"profile": {"steps": 0}})
+        parse_spec({**A_LOOP, "profile": {"steps": 0}})
     with pytest.raises(SpecError, match=r"profile\.every: unknown field"):
-        parse_spec({"profile": {"every": 3}})
+        parse_spec({**A_LOOP, "profile": {"every": 3}})
 
 
 def test_gpu_benchmark_runs_on_cpu_with_plain_torch(tmp_path):
@@ -200,7 +200,7 @@ def test_digits_logs_telemetry_per_epoch_and_a_profile(prefect_server, digits_sp
     spec = digits_spec.model_copy(update={
         "train": digits_spec.train.model_copy(update={"epochs": 2}),
         "tracking": digits_spec.tracking.model_copy(update={"register_model": False}),
-        "profile": parse_spec({"profile": {"steps": 4, "after": 2}}).profile,
+        "profile": parse_spec({**A_LOOP, "profile": {"steps": 4, "after": 2}}).profile,
     })
     state = run_experiment(spec, return_state=True)
     assert state.is_completed(), state.message
