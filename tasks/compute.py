@@ -29,6 +29,15 @@ NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed
 class JobFailed(RuntimeError):
     """The training job exited non-zero; the message holds the end of its log (the traceback)."""
 
+    def __init__(self, message: str, exit_code: int | None = None):
+        self.exit_code = exit_code  # None: its log stream broke
+        super().__init__(message)
+
+    @property
+    def killed(self) -> bool:
+        """Ended by a signal or a broken stream, not by its own error: what a lost node looks like at first."""
+        return self.exit_code is None or self.exit_code < 0 or self.exit_code >= 128
+
 
 class JobReported(Exception):
     """The job printed its result, its last act: the flow stops tailing instead of waiting for it to exit."""
@@ -111,7 +120,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     if life.stopped:
         raise RunStopped(life.stop_reason, life.stop_detail)
     if exit_code != 0:
-        raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above")
+        raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above", exit_code)
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
     return result
 
@@ -124,6 +133,20 @@ def loss_check(backend, cluster_name: str) -> Check:
     return check
 
 
+LOSS_SETTLE_S = 90  # a job killed with its node: the cloud (or Slurm) may take this long to report the node gone
+
+
+def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
+    """Why the cluster is lost, asking again for up to `settle_s` (a job killed by a signal usually means a node
+    went, but the cloud's view of it lags); None if it stays whole."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        why = backend.lost(cluster_name)
+        if why or time.monotonic() >= deadline:
+            return why
+        time.sleep(min(10.0, settle_s / 6))
+
+
 def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str], life: Lifecycle,
                    stop_checks: list[Check] = ()) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it under the same name
@@ -134,8 +157,8 @@ def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, e
     for recovery in range(spec.compute.max_recoveries + 1):
         try:
             return train(spec, handle, run_name, env, life, stop_checks)
-        except JobFailed:
-            lost = None if life.stopped else backend.lost(handle.name)
+        except JobFailed as failure:
+            lost = None if life.stopped else lost_after(backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
             if not lost:
                 raise
             life.lost_cluster(lost)
