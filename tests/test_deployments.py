@@ -75,7 +75,8 @@ def test_a_value_outside_the_schema_is_refused_at_submission(served):
 
 def test_spec_file_is_used_instead_of_the_form(served, tmp_path):
     spec_file = tmp_path / "from-file.yaml"
-    spec_file.write_text(f"name: from-file\nworkdir: {REPO}\ndata: {{train: /nonexistent/train.parquet, validation: null}}\n")
+    spec_file.write_text(f"name: from-file\nworkdir: {REPO}\ntrain: {{loop: 'experiments.digits:train_loop'}}\n"
+                         "data: {train: /nonexistent/train.parquet, validation: null}\n")
     deployment = served.deployment("run-experiment")
     with served.client() as client:
         flow_run = client.create_flow_run_from_deployment(
