@@ -110,12 +110,14 @@ def reap(backends: list[Backend], ttl_seconds: float, dry_run: bool = False,
 
 
 def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
-    """flow run id → is its lease stale (None: no MLflow run with a lease found), from the runs' tags."""
+    """flow run id → is it dead: its lease is stale, or its job closed its run as orphaned (None: no lease found)."""
     from mlflow import MlflowClient
 
     def lease_stale(flow_run_id: str) -> bool | None:
         for uri in tracking_uris:
             for run in runs_of_flow_run(MlflowClient(tracking_uri=uri), flow_run_id):
+                if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":
+                    return True  # the job on the cluster found its flow gone and said so
                 verdict = stale(run.data.tags, time.time(), DEFAULT_GRACE_S)
                 if verdict is not None:
                     return verdict
@@ -160,10 +162,10 @@ def close_stale_mlflow_runs(tracking_uri: str,
     experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     if not experiment_ids:
         return []
-    candidates = client.search_runs(
-        experiment_ids, max_results=5000,
-        filter_string=f"attributes.status = 'RUNNING' or tags.`{STOPPED_BY_TAG}` = 'orphaned'")
-    candidates = [run for run in candidates if run.data.tags.get(FLOW_RUN_TAG)]
+    # MLflow's filter has no `or`: the runs left RUNNING, and those the job closed as orphaned
+    found = {run.info.run_id: run for where in ("attributes.status = 'RUNNING'", f"tags.`{STOPPED_BY_TAG}` = 'orphaned'")
+             for run in client.search_runs(experiment_ids, filter_string=where, max_results=5000)}
+    candidates = [run for run in found.values() if run.data.tags.get(FLOW_RUN_TAG)]
     states = states_of({run.data.tags[FLOW_RUN_TAG] for run in candidates}) if candidates else {}
     closed = []
     for run in candidates:

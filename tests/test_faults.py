@@ -89,7 +89,7 @@ def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec,
     run.wait_for_line("provisioning local cluster")
     run.process.kill()
     run.wait()
-    wait_until(lambda: processes_of(gpuflow_home) == [], 30, "the half-made cluster gone with its owner")
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the half-made cluster gone with its owner")
 
     time.sleep(15)  # let the lease (0.2 min) go stale, then the reaper's pass
     out = reaper_in(gpuflow_home, ephemeral_api=False)

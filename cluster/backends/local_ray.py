@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def main() -> int:
     parser.add_argument("--owner-pid", type=int, default=None, help="stop the cluster when this process is gone")
     args = parser.parse_args()
 
+    if args.owner_pid is not None:  # from the start: an owner killed while Ray starts must not leave it behind
+        threading.Thread(target=watch_owner, args=(args.owner_pid,), daemon=True, name="owner-watch").start()
     node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2}
     cluster = Cluster(
         initialize_head=True,
@@ -58,14 +61,18 @@ def main() -> int:
     write(Path(args.address_file), cluster.address)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
     lost = None
-    while args.owner_pid is None or alive(args.owner_pid):
+    while True:
         if lost is None and (lost := lost_nodes(cluster)):  # e.g. a node's raylet killed: the cluster is not whole
             write(folder / LOST_FILE, lost)
             print(f"cluster lost a node: {lost}", flush=True)
         time.sleep(OWNER_POLL_S)
-    print(f"owner process {args.owner_pid} is gone: stopping the cluster", flush=True)
+
+
+def watch_owner(owner_pid: int) -> None:
+    while alive(owner_pid):
+        time.sleep(OWNER_POLL_S)
+    print(f"owner process {owner_pid} is gone: stopping the cluster", flush=True)
     release_orphan()
-    return 0
 
 
 OWNER_POLL_S = 1.0
