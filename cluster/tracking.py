@@ -84,6 +84,7 @@ class MlflowTracker:
         self._logged_before: dict[str, int] = {}  # key -> max step the run held when this attempt first saw it
         self._logged: dict[str, int] = {}  # key -> max step logged so far
         self._client = None
+        self._keys_in_run: set[str] | None = None
         self._pending: list[tuple[list, list]] = []  # batches MLflow has not taken yet (the server was down)
         self._unreachable = False
 
@@ -141,7 +142,9 @@ class MlflowTracker:
         """The highest step the run held for this key before this attempt (-1: none): a resume skips those."""
         if key not in self._logged_before:
             try:
-                history = self.client.get_metric_history(self.run_id, key)
+                if self._keys_in_run is None:  # one read: only a resumed run's keys need their history
+                    self._keys_in_run = set(self.client.get_run(self.run_id).data.metrics)
+                history = self.client.get_metric_history(self.run_id, key) if key in self._keys_in_run else []
             except Exception:
                 history = []
             self._logged_before[key] = max((m.step for m in history), default=-1)

