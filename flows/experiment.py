@@ -13,9 +13,10 @@ from prefect.states import Cancelled
 from cluster.backends import cluster_name_for, get_backend, train_run_name
 from cluster.cost import hourly_cost
 from cluster.lifecycle import Lifecycle
+from cluster.limits import Watchdog
 from cluster.spec import ExperimentSpec
 from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
-from tasks.cancel import CancelWatcher
+from tasks.cancel import CANCEL_POLL_S, cancel_check
 from tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
 from tasks.cost import idle_gpu_check
 from tasks.prepare import stage_data, validate
@@ -61,8 +62,8 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     cluster_name = cluster_name_for(flow_run["id"])
     record = RunRecord(spec, flow_run["id"])
     life = Lifecycle(cluster_name, get_backend(spec.compute.backend).down, hourly_cost(spec), record.close, logger.info)
-    # A cancel from the UI reaches a `gpuflow run` process only through the API: the watcher stops the run.
-    with life, CancelWatcher(flow_run["id"], on_cancel=lambda: life.stop("cancelled", "cancelled from Prefect")):
+    # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
+    with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
         # Data, tracking and the cluster have no order between them: start them together.
         data = stage_data.submit(spec)
         mlflow_run = open_mlflow_run.submit(spec, cluster_name, flow_run)
