@@ -7,6 +7,7 @@ probes of the checkpoint storage and the tracking server. No Prefect; spec.py's 
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import urllib.error
 import urllib.request
@@ -154,6 +155,20 @@ def signature_problem(function: Callable, arguments: int, what: str) -> str | No
 
 # -- probes ---------------------------------------------------------------------------------------
 
+def folder_write_problem(folder: Path, probe_name: str) -> str | None:
+    """Whether a local folder can be written, without creating it: the job creates it, maybe as another user
+    on a shared disk, and a folder made here by the flow's user could lock it out."""
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    if not existing.is_dir():
+        return f"cannot write under {shorten(str(folder))}: {existing} is a file"
+    if existing != folder:
+        return None if os.access(existing, os.W_OK | os.X_OK) else \
+            f"cannot write under {shorten(str(folder))}: {existing} is not writable"
+    probe = folder / probe_name
+    probe.write_bytes(b"probe")
+    probe.unlink()
+    return None
+
 def storage_write_problem(uri: str) -> str | None:
     """Writes and removes a probe file under the checkpoint location (local or a bucket, through pyarrow)."""
     import pyarrow.fs as pafs
@@ -161,12 +176,7 @@ def storage_write_problem(uri: str) -> str | None:
     probe_name = f".gpuflow-write-probe-{uuid.uuid4().hex}"
     try:
         if scheme_of(uri) is None:
-            folder = Path(uri).expanduser().absolute()
-            folder.mkdir(parents=True, exist_ok=True)
-            probe = folder / probe_name
-            probe.write_bytes(b"probe")
-            probe.unlink()
-            return None
+            return folder_write_problem(Path(uri).expanduser().absolute(), probe_name)
         filesystem, path = pafs.FileSystem.from_uri(uri)
     except ValueError as exc:  # pyarrow's ArrowInvalid is a ValueError
         if "Unrecognized filesystem type" in str(exc) or "not supported" in str(exc):

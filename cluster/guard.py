@@ -14,7 +14,7 @@ import signal
 import threading
 import time
 
-from cluster.lease import STOPPED_BY_TAG, LeaseWatch
+from cluster.lease import STOP_DETAIL_TAG, STOPPED_BY_TAG, LeaseWatch
 from cluster.limits import Watchdog, cost_check, deadline_check
 from cluster.spec import ExperimentSpec
 
@@ -67,12 +67,12 @@ class JobGuard:
             return
         print(f"{STOP_PREFIX}{reason}: {detail}", flush=True)
         try:
-            self.close_run(reason)
+            self.close_run(reason, detail)
         finally:
             self.release_cluster()
             os._exit(SELF_STOP_EXIT_CODE)
 
-    def close_run(self, reason: str) -> None:
+    def close_run(self, reason: str, detail: str) -> None:
         """Ends the MLflow run with the reason; the flow, if it still lives, keeps this status and adds its bill."""
         if not self.run_id:
             return
@@ -81,7 +81,8 @@ class JobGuard:
 
         seconds = time.time() - self.requested_at
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
-        close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill, {STOPPED_BY_TAG: reason})
+        close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill,
+                  {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]})
 
     def release_cluster(self) -> None:
         """The cluster must not idle once the job is gone: a local one is stopped now, a cloud one sooner."""

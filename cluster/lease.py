@@ -14,6 +14,7 @@ import time
 RENEWED_TAG = "gpuflow.lease_renewed_at"
 GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"
+STOP_DETAIL_TAG = "gpuflow.stop_detail"
 
 
 def renew_interval_s(grace_s: float) -> float:

@@ -31,3 +31,18 @@ def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None
                 return False
             time.sleep(delay)
     return False
+
+
+def stop_of_closed_run(client, run_id: str) -> tuple[str, str] | None:
+    """(stopped_by, detail) when the job on the cluster stopped the run itself and closed it; None otherwise
+    (still RUNNING, or the tracking server unreachable)."""
+    from cluster.lease import STOP_DETAIL_TAG, STOPPED_BY_TAG
+
+    try:
+        run = client.get_run(run_id)
+    except Exception:
+        return None
+    reason = run.data.tags.get(STOPPED_BY_TAG)
+    if run.info.status == "RUNNING" or not reason:
+        return None
+    return reason, run.data.tags.get(STOP_DETAIL_TAG, f"stopped: {reason} (by the job on the cluster)")

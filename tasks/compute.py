@@ -113,16 +113,29 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
             exit_code = 0
         except Exception as exc:  # the log stream broke (a node gone, its connection cut): judged like a failed job
-            if life.stopped:
+            if life.stopped or stopped_by_the_job(env, life):
                 raise RunStopped(life.stop_reason, life.stop_detail) from exc
             raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
     result.train_seconds = time.time() - started
-    if life.stopped:
+    if life.stopped or (exit_code != 0 and stopped_by_the_job(env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)
     if exit_code != 0:
         raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above", exit_code)
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
     return result
+
+
+def stopped_by_the_job(env: dict[str, str], life: Lifecycle) -> bool:
+    """Whether the job stopped the run itself (a limit, or its lease gone stale while this process was frozen),
+    even if its stop line never reached us: it closed the MLflow run with the reason. Never relaunch such a run."""
+    from mlflow import MlflowClient
+
+    from cluster.mlflow_run import stop_of_closed_run
+
+    stop = stop_of_closed_run(MlflowClient(env["MLFLOW_TRACKING_URI"]), env["GPUFLOW_MLFLOW_RUN_ID"])
+    if stop:
+        life.stop(*stop)
+    return stop is not None
 
 
 def loss_check(backend, cluster_name: str) -> Check:

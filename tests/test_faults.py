@@ -116,7 +116,7 @@ def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_h
         wait_until(lambda: processes_of(gpuflow_home) == [run.process.pid], 30, "the cluster gone")
     finally:
         run.process.send_signal(signal.SIGCONT)
-    assert run.wait() != 0
+    assert run.wait(60) != 0
     assert "stopped: the flow stopped renewing its lease" in "".join(run.lines)
     assert flow_run_state(flow_run_id).is_failed()
     assert processes_of(gpuflow_home) == []

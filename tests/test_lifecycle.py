@@ -63,9 +63,11 @@ class GpuflowRun:
         assert self.training.wait(300), "".join(self.lines[-30:])
         return self.flow_run_id
 
-    def wait(self):
+    def wait(self, timeout_s: float = 180):
         try:
-            return self.process.wait(timeout=180)
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"gpuflow run still running after {timeout_s}s:\n{''.join(self.lines[-40:])}")
         finally:
             if self.process.poll() is None:
                 self.process.kill()
