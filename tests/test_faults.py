@@ -143,13 +143,21 @@ def test_sigterm_of_the_serve_runner_mid_run(tmp_path, gpuflow_home):
             wait_until(lambda: [r for r in mlflow_runs(spec) if "train_loss" in r.data.metrics], 300, "training")
             runner.send_signal(signal.SIGTERM)
             runner.wait(60)
-        wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the served run's cluster and job gone")
+        try:
+            wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the served run's cluster and job gone")
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}; the runner's log:\n{serve_log_tail(gpuflow_home)}") from None
         [mlflow_run] = mlflow_runs(spec)
         assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
         assert flow_run_state(flow_run.id).is_running(), "nothing updates a run whose runner died"
         out = reaper_in(gpuflow_home, ephemeral_api=False, api_url=prefect_api)
         assert flow_run_state(flow_run.id).is_crashed(), out[-3000:]
     assert checkpoints_under(gpuflow_home)
+
+
+def serve_log_tail(home: Path) -> str:
+    log = home / "serve.log"
+    return log.read_text()[-4000:] if log.exists() else "(no serve.log)"
 
 
 def spec_of_served(home: Path):
