@@ -92,6 +92,11 @@ class Lifecycle:
         self.recoveries += 1
         self.log(f"cluster {self.cluster_name} lost: {why}")
 
+    def relaunching(self, cluster_name: str) -> None:
+        """The lost cluster is downed; from now on the run's cluster is the relaunched one."""
+        self.down(self.cluster_name)
+        self.cluster_name = cluster_name
+
     def output(self) -> None:
         self.last_output_at = time.time()
 

@@ -31,7 +31,9 @@ def run_name() -> str:
 def release(flow, flow_run, state) -> None:
     """Cancel and crash hooks: may run in another process, so they find the cluster and MLflow run by flow-run id."""
     spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
-    get_backend(spec.compute.backend).down(cluster_name_for(flow_run.id))
+    backend = get_backend(spec.compute.backend)
+    for recovery in range(spec.compute.max_recoveries + 1):  # the cluster, and any relaunch of it
+        backend.down(cluster_name_for(flow_run.id, recovery))
     close_runs_of_flow_run(spec, str(flow_run.id), "KILLED" if state.is_cancelled() else "FAILED")
 
 

@@ -12,7 +12,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from cluster import limits
-from cluster.backends import ClusterHandle, get_backend
+from cluster.backends import ClusterHandle, cluster_name_for, flow_run_id_of, get_backend
 from cluster.guard import STOP_PREFIX
 from cluster.job import RESULT_PREFIX
 from cluster.lifecycle import Lifecycle, RunStopped
@@ -162,7 +162,7 @@ def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
 
 def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str], life: Lifecycle,
                    stop_checks: list[Check] = ()) -> TrainResult:
-    """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it under the same name
+    """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
     and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
 
     A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
@@ -181,8 +181,8 @@ def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, e
                 raise RunStopped("preempted", detail) from None
             get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
                                      f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
-            backend.down(handle.name)  # what is left of it
-            handle = provision(spec, handle.name)
+            life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1))  # downs the lost one
+            handle = provision(spec, life.cluster_name)
     raise AssertionError("unreachable")
 
 

@@ -1,5 +1,5 @@
-"""A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches under the
-same name, resumes from the last checkpoint, in the same MLflow run, and logs every epoch once."""
+"""A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches it (as
+<name>-r1), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once."""
 
 from __future__ import annotations
 

@@ -300,7 +300,7 @@ def wait_for_value(get, timeout_s: float, what: str):
 
 def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_slurm, slurm_infra, mlflow_url):
     """`scancel` of the cluster's Slurm job is a real loss (SkyPilot submits with --no-requeue and wipes the node's
-    home): the flow relaunches under the same name and resumes from the checkpoints on the shared disk."""
+    home): the flow relaunches (as <name>-r1) and resumes from the checkpoints on the shared disk."""
     epochs = 150
     run = gpuflow_on_slurm(epochs=epochs)
     run.wait_for("[gpuflow] epoch 3:")
@@ -314,7 +314,9 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     assert steps == list(range(steps[0], epochs)), "each epoch logged at most once, none skipped after the first"
     resumed = re.findall(r"resuming at epoch (\d+)", run.output)
     assert resumed and int(resumed[0]) >= 3
+    assert f"{run.cluster}-r1" in run.output
     assert_nothing_left(slurm_infra, run.cluster)
+    assert_nothing_left(slurm_infra, f"{run.cluster}-r1")
     print(f"\n[scancel on slurm] recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s (loss → first resumed "
           f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
           f"{time.monotonic() - lost_at:.0f}s after the scancel")

@@ -50,9 +50,14 @@ class Backend(Protocol):
     def down(self, cluster_name: str) -> bool: ...
 
 
-def cluster_name_for(flow_run_id: str) -> str:
-    """gpuflow-<flow run id hex>: a retry of the same flow run finds its own cluster, and the reaper its owner."""
-    return CLUSTER_PREFIX + re.sub(r"[^0-9a-f]", "", str(flow_run_id).lower())
+def cluster_name_for(flow_run_id: str, relaunch: int = 0) -> str:
+    """gpuflow-<flow run id hex>: a retry of the same flow run finds its own cluster, and the reaper its owner.
+
+    A relaunch after a loss gets a name of its own (-r1, -r2, ...): a node that comes back (Slurm's same host, a
+    reused disk) may still hold the lost cluster's runtime under the old name, and SkyPilot would then skip setting
+    up the new one (seen on Slurm: the relaunch found no user Python environment)."""
+    name = CLUSTER_PREFIX + re.sub(r"[^0-9a-f]", "", str(flow_run_id).lower())
+    return f"{name}-r{relaunch}" if relaunch else name
 
 
 def train_run_name(spec_name: str, flow_run_id: str) -> str:
@@ -63,7 +68,7 @@ def train_run_name(spec_name: str, flow_run_id: str) -> str:
 
 def flow_run_id_of(cluster_name: str) -> str | None:
     """The Prefect flow-run id a gpuflow cluster name encodes; None for a cluster that is not ours."""
-    match = re.fullmatch(CLUSTER_PREFIX + r"([0-9a-f]{32})", cluster_name)
+    match = re.fullmatch(CLUSTER_PREFIX + r"([0-9a-f]{32})(?:-r\d+)?", cluster_name)
     if not match:
         return None
     h = match.group(1)
