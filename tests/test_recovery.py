@@ -18,7 +18,7 @@ from cluster.backends.local import NODES_FILE, LocalBackend, stop_sessions
 from tests.conftest import processes_of
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
-EPOCHS = 40
+EPOCHS = 16
 
 
 def two_nodes(spec, **compute):
