@@ -86,6 +86,7 @@ def prefect_server(home: Path):
         # the scheduler makes runs of a new schedule within seconds, not within its default minute
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
     )
+    env.pop("GPUFLOW_HOME", None)  # not a process of any run: the fault tests find a run's processes by this
     with started([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                  home / "server.log", env) as process:
         wait_for_http(f"{url}/api/health", process, home / "server.log")
