@@ -117,7 +117,8 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
             failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
                                                    max_preemption_failures=0),
             # every report of any loop reaches the flow's MLflow run, from Ray Train's controller
-            callbacks=tracking_callbacks(os.environ.get("GPUFLOW_MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI")),
+            callbacks=tracking_callbacks(os.environ.get("GPUFLOW_MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI"),
+                                         f"{spec.checkpoint_uri.rstrip('/')}/{run_name}"),
         ),
     )
 

@@ -28,6 +28,7 @@ CHECKPOINT_TAG = "gpuflow.checkpoint"
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
 FINISH_TIMEOUT_S = 120
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train v2's, next to the checkpoints
 
 
 @dataclass
@@ -75,8 +76,9 @@ def uri_of(checkpoint) -> str:
 class MlflowTracker:
     """Owns the MLflow client and the background thread; the two callbacks below share one tracker."""
 
-    def __init__(self, run_id: str, tracking_uri: str, print_progress: bool = True):
+    def __init__(self, run_id: str, tracking_uri: str, print_progress: bool = True, snapshot_uri: str | None = None):
         self.run_id, self.tracking_uri, self.print_progress = run_id, tracking_uri, print_progress
+        self.snapshot_uri = snapshot_uri  # Ray Train's record of the persisted checkpoints and their reports
         self.reports_seen = 0
         self.checkpoints: list[dict] = []
         self._queue: queue.Queue | None = None
@@ -107,6 +109,8 @@ class MlflowTracker:
         self.reports_seen += 1
         if self._thread is None:
             self._queue = queue.Queue()
+            for earlier in persisted_reports(self.snapshot_uri):  # a resumed attempt: what the lost one may not have logged
+                self._queue.put(earlier)
             self._thread = threading.Thread(target=self._drain, name="gpuflow-mlflow", daemon=True)
             self._thread.start()
         self._queue.put(report)
@@ -226,6 +230,29 @@ class MlflowTracker:
             return False
 
 
+def persisted_reports(snapshot_uri: str | None) -> list[Report]:
+    """The reports of every checkpoint Ray Train persisted so far (its checkpoint-manager snapshot), those with a
+    step of their own: a lost controller can take the last reports with it before they reached MLflow, while their
+    checkpoints are in storage and the resumed attempt starts after them. Logging them again is harmless: a step
+    the run holds is skipped."""
+    if not snapshot_uri:
+        return []
+    try:
+        import pyarrow.fs as pafs
+
+        filesystem, path = pafs.FileSystem.from_uri(snapshot_uri if "://" in snapshot_uri else f"file://{snapshot_uri}")
+        with filesystem.open_input_stream(path) as stream:
+            snapshot = json.loads(stream.read())
+    except Exception:  # none yet (a first attempt), or unreadable: nothing to add
+        return []
+    reports = []
+    for result in snapshot.get("checkpoint_results", []):
+        step_key, step = step_of(result.get("metrics", {}))
+        if step is not None:
+            reports.append(Report(-1, step, numbers_of({k: v for k, v in result["metrics"].items() if k != step_key}), None))
+    return sorted(reports, key=lambda report: report.step)
+
+
 class ReportToMlflow(UserCallback):
     """Ray Train's public hook: each round of reports, checkpoint already persisted."""
 
@@ -249,9 +276,11 @@ class FinishTracking(ControllerCallback):
         self.tracker.finish(timeout_s=10)
 
 
-def tracking_callbacks(run_id: str | None, tracking_uri: str | None) -> list:
-    """The Ray Train callbacks that log to the run; none when the job runs without an MLflow run."""
+def tracking_callbacks(run_id: str | None, tracking_uri: str | None, run_folder: str | None = None) -> list:
+    """The Ray Train callbacks that log to the run; none when the job runs without an MLflow run.
+    `run_folder`: RunConfig's storage_path/name, where Ray Train keeps its checkpoint-manager snapshot."""
     if not run_id or not tracking_uri:
         return []
-    tracker = MlflowTracker(run_id, tracking_uri)  # one object, pickled once with both: state is shared
+    snapshot = f"{run_folder.rstrip('/')}/{SNAPSHOT_FILE}" if run_folder else None
+    tracker = MlflowTracker(run_id, tracking_uri, snapshot_uri=snapshot)  # pickled once with both: state is shared
     return [ReportToMlflow(tracker), FinishTracking(tracker)]

@@ -70,3 +70,32 @@ def test_what_counts_as_a_metric_and_a_step():
     assert step_of({"epoch": 3, "step": 70}) == ("epoch", 3)
     assert step_of({"step": 70.0}) == ("step", 70)
     assert step_of({"epoch": 1.5}) == (None, None) and step_of({}) == (None, None)
+
+
+def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_path):
+    """A loss can take the controller's last queued reports with it; their checkpoints are in Ray Train's record
+    (checkpoint_manager_snapshot.json, in Ray 2.60's format), so the resumed attempt logs them before its own."""
+    import ray
+
+    from cluster.tracking import SNAPSHOT_FILE, MlflowTracker
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    for epoch in range(3):  # what the lost attempt got into MLflow: epochs 0-2 of the 5 it checkpointed
+        client.log_metric(run_id, "val_accuracy", 0.5 + epoch / 10, step=epoch)
+    results = [{"version": 0, "checkpoint_dir_name": f"checkpoint_{epoch}",
+                "metrics": {"val_accuracy": 0.5 + epoch / 10, "epoch": epoch}} for epoch in range(5)]
+    (tmp_path / SNAPSHOT_FILE).write_text(json.dumps({
+        "ray_version": ray.__version__, "checkpoint_results": results[-2:] + results[:3],  # kept in any order
+        "checkpoint_report_indices": [3, 4, 0, 1, 2], "latest_checkpoint_result": results[-1],
+        "pending_training_results": [], "pending_validation_specs": [], "current_report_index": 5,
+        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
+        "failed_validation_checkpoint_dir_names": []}))
+
+    tracker = MlflowTracker(run_id, f"sqlite:///{tmp_path}/mlflow.db", print_progress=False,
+                            snapshot_uri=str(tmp_path / SNAPSHOT_FILE))
+    tracker.add({"val_accuracy": 1.0, "epoch": 5}, None)  # the resumed attempt's first report
+    tracker.finish()
+    history = client.get_metric_history(run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
+    assert {m.step: round(m.value, 2) for m in history}[4] == 0.9
