@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
                             ("plan", "show the cluster a spec would launch (SkyPilot task, resources) without launching")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("spec", help="experiment spec (YAML)")
+        if name == "run":
+            command.add_argument("-v", "--verbose", action="store_true",
+                                 help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
     from flows import cost_command
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return validate(spec, args.spec)
         if args.command == "plan":
             return plan(spec)
-        return run(spec)
+        return run(spec, args.verbose)
     except SpecError as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
@@ -198,12 +201,18 @@ def start_temporary_api() -> None:
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def run(spec) -> int:
+def run(spec, verbose: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # A fresh temporary API migrates its database first: on a busy 2-core machine that outlasts Prefect's 20 s.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     interrupt_on_sigterm()
     started = time.time()
+    log_file = None
+    if not verbose:
+        from cluster.spec import state_dir
+        from flows.console import quiet_console
+
+        log_file = quiet_console(state_dir() / "logs")
     warm_cluster = None
     try:
         validate_spec(spec)  # before anything starts
@@ -224,6 +233,8 @@ def run(spec) -> int:
 
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)
+        if log_file:
+            print(f"  full log     {log_file}", file=sys.stderr)
         return 1
     summary = state.result()
     phases = summary["phases"]
@@ -235,6 +246,8 @@ def run(spec) -> int:
     print("  metrics      " + "  ".join(f"{k}={v:.4g}" for k, v in summary["metrics"].items()))
     print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")
+    if log_file:
+        print(f"  full log     {log_file} (or gpuflow run -v)")
     cost = summary.get("cost") or {}
     if cost.get("recoveries"):
         print(f"  recovered    {cost['recoveries']:g} time(s) from a lost cluster: {cost['lost_compute_seconds']:.0f}s "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from prefect import get_run_logger, task
@@ -23,6 +24,9 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
+FAILURE_TAIL_LINES = 40  # of the job's log, in the failure message: the traceback, even where the console hid it
+GPUFLOW_MARK = "[gpuflow]"
+JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
 
 
@@ -82,6 +86,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     started = time.time()
     progress = create_progress_artifact(0.0, description=f"{spec.name}: epochs done of {spec.train.epochs}")
 
+    tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
+
     def on_line(raw: str) -> None:
         line = ANSI.sub("", raw).rstrip()
         life.output()
@@ -96,7 +102,11 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             life.epoch_done()
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
-        (logger.debug if any(noise in line for noise in NOISE) else logger.info)(line)
+        tail.append(line)
+        if any(noise in line for noise in NOISE):
+            logger.debug(line)
+        else:  # the console shows gpuflow's own lines; the Prefect run and the log file keep every line
+            logger.info(line, extra={JOB_DETAIL: GPUFLOW_MARK not in line})
         # Only a bare result line (the local backend's own log) ends the tail early: a SkyPilot line carries
         # its task prefix, and there the tail's return code is the job's outcome, which we would lose.
         if line.startswith(RESULT_PREFIX):
@@ -120,7 +130,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     if life.stopped or (exit_code != 0 and stopped_by_the_job(env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)
     if exit_code != 0:
-        raise JobFailed(f"training job failed with exit code {exit_code}; its traceback is in the log above", exit_code)
+        raise JobFailed(f"training job failed with exit code {exit_code}; the end of its log:\n" + "\n".join(tail),
+                        exit_code)
     logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
     return result
 
