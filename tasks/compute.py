@@ -24,7 +24,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
-FAILURE_TAIL_LINES = 40  # of the job's log, in the failure message: the traceback, even where the console hid it
+FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
 GPUFLOW_MARK = "[gpuflow]"
 JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
