@@ -141,3 +141,12 @@ def slurm_infra():
         # also on failures and on KeyboardInterrupt: stops the SkyPilot API server, Slurm jobs, skyci's processes
         if os.environ.get("GPUFLOW_SLURM_KEEP") != "1":
             print(harness.stop())
+
+
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the Slurm tier runs beside the rest, each in
+    a worker of its own: the Slurm tests share the one Slurm cluster on this machine and mostly wait on it, and the
+    rest keeps its order. Those two are all that ever runs at once."""
+    for item in items:
+        slurm = item.get_closest_marker("slurm") is not None or "tests/infra/slurm/" in item.nodeid
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else "main"))
