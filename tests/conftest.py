@@ -143,6 +143,7 @@ def slurm_infra():
             print(harness.stop())
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the Slurm tier runs beside the rest, each in
     a worker of its own: the Slurm tests share the one Slurm cluster on this machine and mostly wait on it, and the
