@@ -143,11 +143,14 @@ def slurm_infra():
             print(harness.stop())
 
 
+# Tests that run in the second pytest-xdist worker, beside the rest: the Slurm tier (one Slurm cluster on this machine,
+# mostly waiting on it), then the longest local ones. Everything else keeps its order in the first worker.
+BESIDE = ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py", "tests/test_team_stack.py")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the Slurm tier runs beside the rest, each in
-    a worker of its own: the Slurm tests share the one Slurm cluster on this machine and mostly wait on it, and the
-    rest keeps its order. Those two are all that ever runs at once."""
+    """With pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the suite runs as two groups, one per worker;
+    those two are all that ever runs at once."""
     for item in items:
-        slurm = item.get_closest_marker("slurm") is not None or "tests/infra/slurm/" in item.nodeid
-        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else "main"))
+        item.add_marker(pytest.mark.xdist_group("beside" if item.nodeid.startswith(BESIDE) else "main"))
