@@ -144,8 +144,8 @@ def slurm_infra():
 
 
 # Tests that run in the second pytest-xdist worker, beside the rest: the Slurm tier (one Slurm cluster on this machine,
-# mostly waiting on it), then the longest local ones. Everything else keeps its order in the first worker.
-BESIDE = ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py", "tests/test_team_stack.py")
+# mostly waiting on it), then the team stack and its load test. Everything else keeps its order in the first worker.
+BESIDE = ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_team_stack.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
