@@ -37,6 +37,9 @@ def tune_ray_train() -> None:
     os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
+    # Starting the workers imports torch in each: on a busy small machine that can outlast the default 60 s, and
+    # with controller_failure_limit=0 (the flow, not Ray, decides about lost nodes) that would fail the run.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
 
 
 def loop_config(spec: ExperimentSpec) -> dict:
@@ -155,6 +158,9 @@ def main(argv=None) -> int:
     workdir = str(Path(spec.workdir).absolute())
     env_vars = {
         "PYTHONPATH": os.pathsep.join(filter(None, [workdir, os.environ.get("PYTHONPATH")])),
+        # Ray Train's own actors find "their" cluster by looking for one on the machine; with two Ray clusters on a
+        # host (two runs, or a run beside a Slurm node) they fail with "multiple active Ray instances".
+        "RAY_ADDRESS": args.address,
         **{key: os.environ[key] for key in ("MLFLOW_TRACKING_URI", "GPUFLOW_MLFLOW_RUN_ID") if key in os.environ},
         **spec.envs,
         **{name: os.environ[name] for name in spec.secrets if name in os.environ},

@@ -10,9 +10,10 @@ from tests.conftest import alive
 
 
 def long_job(spec, **limits):
-    """A job far longer than its limits; one worker keeps the shared 2-core machine usable."""
+    """A job far longer than its limits: one worker, an epoch a second, so that the machine stays usable."""
     return spec.model_copy(update={
-        "train": spec.train.model_copy(update={"epochs": 5000}),
+        "train": spec.train.model_copy(update={"loop": "tests.loops.paced:train_loop", "epochs": 5000,
+                                               "params": {**spec.train.params, "pace_s": 1.0}}),
         "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
         "limits": spec.limits.model_copy(update=limits),
         "tracking": spec.tracking.model_copy(update={"register_model": False}),
@@ -58,20 +59,21 @@ def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
 def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    # $2 per second; the budget allows 75 s: the estimate (rate × max runtime) passes, but the bill also counts
-    # provisioning, so the budget runs out before the job's own 75 s do.
-    spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=1.25, max_cost_usd=150.0)
+    # $2 per second; the budget allows 150 s: the estimate (rate × max runtime) passes, but the bill also counts
+    # provisioning, so the budget runs out before the job's own 150 s do. (150 s: on a busy 2-core machine the
+    # cluster and Ray Train's workers can take 90 s to start, and the stop must come mid-training.)
+    spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=2.5, max_cost_usd=300.0)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by budget: $" in state.message and "of max_cost_usd=150.00" in state.message, state.message
+    assert "stopped by budget: $" in state.message and "of max_cost_usd=300.00" in state.message, state.message
     run = assert_stopped_and_clean(spec, state, gpuflow_home, "budget")
-    assert run.data.metrics["cost_usd"] >= 150.0
+    assert run.data.metrics["cost_usd"] >= 300.0
 
 
 @pytest.mark.timeout(900)
 def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    spec = long_job(digits_spec, max_runtime_minutes=1.25)
+    spec = long_job(digits_spec, max_runtime_minutes=2.5)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by timeout" in state.message and "max_runtime_minutes is 1.25" in state.message, state.message
+    assert "stopped by timeout" in state.message and "max_runtime_minutes is 2.5" in state.message, state.message
     assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")
