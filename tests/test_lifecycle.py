@@ -19,6 +19,10 @@ from tests.test_experiment_e2e import mlflow_run_of
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 
+# a run that is still training when a test strikes, without taking the CPU from the tests beside it
+PACED = ["--set", "train.loop=tests.loops.paced:train_loop", "--set", "train.params.pace_s=0.5"]
+
+
 class GpuflowRun:
     """`gpuflow run` as a user starts it, in its own process, its output read line by line.
 
@@ -33,7 +37,7 @@ class GpuflowRun:
             (gpuflow_home / "prefect").mkdir(parents=True, exist_ok=True)
         else:
             env["PREFECT_API_URL"] = PREFECT_API_URL.value()
-        args = ["--set", "train.epochs=400", "--set", f"data.train={spec.data.train}",
+        args = ["--set", "train.epochs=400", *PACED, "--set", f"data.train={spec.data.train}",
                 "--set", f"data.validation={spec.data.validation}"]
         for item in overrides:
             args += ["--set", item]

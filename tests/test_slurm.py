@@ -45,6 +45,10 @@ def shared_disk(slurm_infra):
     shutil.rmtree(folder, ignore_errors=True)
 
 
+# long runs train an epoch a second: the Slurm node is this machine, whose CPU the other tests need
+PACED = ("train.loop=tests.loops.paced:train_loop", "train.params.pace_s=1")
+
+
 @pytest.fixture
 def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path):
     """Starts `gpuflow run experiments/digits.yaml` on the Slurm cluster; stops whatever it left on exit."""
@@ -227,7 +231,7 @@ def test_cancel_from_prefect_while_launching_downs_the_cluster(gpuflow_on_slurm,
 
 
 def test_sigterm_during_training_tears_down_and_every_launch_sets_autodown(gpuflow_on_slurm, slurm_infra, mlflow_url):
-    run = gpuflow_on_slurm(epochs=400)
+    run = gpuflow_on_slurm(*PACED, epochs=400)
     run.wait_for("[gpuflow] epoch 0:")
     # the backstop if this process dies now: SkyPilot deletes the cluster itself after the idle minutes
     [record] = [r for r in harness.sky_status(slurm_infra) if r["name"] == run.cluster]
@@ -248,7 +252,7 @@ def test_sigterm_during_training_tears_down_and_every_launch_sets_autodown(gpufl
 def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_cluster(gpuflow_on_slurm, slurm_infra,
                                                                                    mlflow_url):
     """No flow is left to tear down: the job notices the lease, stops, shortens autostop; SkyPilot downs the cluster."""
-    run = gpuflow_on_slurm("limits.orphan_grace_minutes=0.25", "limits.idle_minutes_to_autostop=5", epochs=400)
+    run = gpuflow_on_slurm("limits.orphan_grace_minutes=0.25", "limits.idle_minutes_to_autostop=5", *PACED, epochs=400)
     run.wait_for("[gpuflow] epoch 1:")
     os.killpg(run.process.pid, signal.SIGKILL)  # gpuflow run and anything it started in its session
     killed = time.monotonic()
@@ -277,7 +281,7 @@ def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_clust
     (["limits.hourly_rate_usd=360", "limits.max_cost_usd=10", "limits.max_runtime_minutes=1.5"], "budget"),
 ])
 def test_limits_stop_a_skypilot_run(gpuflow_on_slurm, slurm_infra, mlflow_url, limit, reason):
-    run = gpuflow_on_slurm(*limit, epochs=400)
+    run = gpuflow_on_slurm(*limit, *PACED, epochs=400)
     assert run.wait() == 1, run.output[-6000:]
     assert f"stopped by {reason}" in run.output
     client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
