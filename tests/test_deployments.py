@@ -75,8 +75,10 @@ def test_a_value_outside_the_schema_is_refused_at_submission(served):
 
 def test_spec_file_is_used_instead_of_the_form(served, tmp_path):
     spec_file = tmp_path / "from-file.yaml"
+    # where metrics go is the deployment's (its form_policy), so the file names the same tracking server
     spec_file.write_text(f"name: from-file\nworkdir: {REPO}\ntrain: {{loop: 'experiments.digits:train_loop'}}\n"
-                         "data: {train: /nonexistent/train.parquet, validation: null}\n")
+                         "data: {train: /nonexistent/train.parquet, validation: null}\n"
+                         f"tracking: {{uri: '{served.mlflow_url}'}}\n")
     deployment = served.deployment("run-experiment")
     with served.client() as client:
         flow_run = client.create_flow_run_from_deployment(

