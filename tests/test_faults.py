@@ -25,6 +25,11 @@ from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilo
 GRACE = "limits.orphan_grace_minutes=0.2"  # 12 s without a lease renewal: the job stops itself
 
 
+# How long a fault test waits for what must happen by itself (processes gone, the MLflow run closed). Alone it takes
+# seconds (each test prints it); with the suite's other worker saturating the machine, over a minute was seen.
+CLEANUP_S = 180
+
+
 def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.5):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -70,8 +75,8 @@ def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow
     killed_at = time.monotonic()
     run.wait()
 
-    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "every process of the run gone (cluster, job, API)")
-    [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], 60,
+    wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "every process of the run gone (cluster, job, API)")
+    [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], CLEANUP_S,
                               "the MLflow run closed")
     print(f"kill -9 → nothing left and MLflow closed in {time.monotonic() - killed_at:.1f}s")
     assert mlflow_run.info.status == "FAILED"
@@ -89,7 +94,7 @@ def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec,
     run.wait_for_line("provisioning local cluster")
     run.process.kill()
     run.wait()
-    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the half-made cluster gone with its owner")
+    wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "the half-made cluster gone with its owner")
 
     time.sleep(15)  # let the lease (0.2 min) go stale, then the reaper's pass
     out = reaper_in(gpuflow_home, ephemeral_api=False)
@@ -108,12 +113,12 @@ def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_h
     run.process.send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
-        [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], 90,
+        [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], CLEANUP_S,
                                   "the job closing the MLflow run on its own")
         print(f"frozen flow → job stopped itself in {time.monotonic() - stopped_at:.1f}s")
         assert mlflow_run.data.tags["stopped_by"] == "orphaned" and mlflow_run.info.status == "FAILED"
         # the cluster is gone while the flow is still frozen: only the frozen process itself is left
-        wait_until(lambda: processes_of(gpuflow_home) == [run.process.pid], 30, "the cluster gone")
+        wait_until(lambda: processes_of(gpuflow_home) == [run.process.pid], CLEANUP_S, "the cluster gone")
     finally:
         run.process.send_signal(signal.SIGCONT)
     assert run.wait(60) != 0
@@ -144,7 +149,7 @@ def test_sigterm_of_the_serve_runner_mid_run(tmp_path, gpuflow_home):
             runner.send_signal(signal.SIGTERM)
             runner.wait(60)
         try:
-            wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the served run's cluster and job gone")
+            wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "the served run's cluster and job gone")
         except AssertionError as failure:
             raise AssertionError(f"{failure}; the runner's log:\n{serve_log_tail(gpuflow_home)}") from None
         [mlflow_run] = mlflow_runs(spec)
