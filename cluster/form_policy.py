@@ -41,7 +41,8 @@ class FormPolicy:
                 found.append(f"{path}: deployment {self.deployment!r} fixes this field; run it with the deployment's "
                              f"value, or add {path} to its form_policy.allow in prefect.yaml (allowed: "
                              f"{', '.join(self.allow) or 'nothing'})")
-        for path, entrypoint in (("train.loop", spec.train.loop), ("data.generate", spec.data.generate)):
+        generate = spec.data.generate if spec.data else None  # a loop that reads its own data has none
+        for path, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
             problem = entrypoint and not_a_project_function(entrypoint, self.baseline.workdir)
             if problem:
                 found.append(f"{path}: {problem}")

