@@ -1,1 +1,7 @@
 """Prefect flows: the entry points people run, schedule, trigger from the UI and deploy."""
+
+import os
+
+# Without a Prefect server, each entry point (`gpuflow run`, the reaper) starts a temporary API that migrates its
+# database before it answers: on a busy 2-core machine that outlasts Prefect's 20 s wait. Set before Prefect loads.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

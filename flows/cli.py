@@ -203,8 +203,6 @@ def start_temporary_api() -> None:
 
 def run(spec, verbose: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # A fresh temporary API migrates its database first: on a busy 2-core machine that outlasts Prefect's 20 s.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     interrupt_on_sigterm()
     started = time.time()
     log_file = None
