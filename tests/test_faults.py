@@ -19,6 +19,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, processes_of
+from tests.loops import paced_overrides
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
 
@@ -137,8 +138,7 @@ def test_sigterm_of_the_serve_runner_mid_run(tmp_path, gpuflow_home):
 
     from tests.servers import gpuflow_serve, prefect_server
 
-    overrides = [f"workdir={REPO}", "train.epochs=400", "train.loop=tests.loops.paced:train_loop",
-                 "train.params.pace_s=0.5", "compute.workers_per_node=1", GRACE,
+    overrides = [f"workdir={REPO}", "train.epochs=400", *paced_overrides(0.5), "compute.workers_per_node=1", GRACE,
                  f"data.train={gpuflow_home}/data/train.parquet", f"data.validation={gpuflow_home}/data/validation.parquet"]
     # a Prefect server of its own: the session's `gpuflow serve` must not pick this deployment run up
     with prefect_server(tmp_path / "prefect") as prefect_api, temporary_settings({PREFECT_API_URL: prefect_api}):

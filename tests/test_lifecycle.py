@@ -14,13 +14,14 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from tests.conftest import REPO, processes_of
+from tests.loops import paced_overrides
 from tests.test_experiment_e2e import mlflow_run_of
 
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 
 # a run that is still training when a test strikes, without taking the CPU from the tests beside it
-PACED = ["--set", "train.loop=tests.loops.paced:train_loop", "--set", "train.params.pace_s=0.5"]
+PACED = [arg for item in paced_overrides(0.5) for arg in ("--set", item)]
 
 
 class GpuflowRun:

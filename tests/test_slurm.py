@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 
 from cluster.backends import flow_run_id_of
 from tests.infra.slurm import harness
+from tests.loops import paced_overrides
 
 pytestmark = pytest.mark.slurm
 
@@ -46,7 +47,7 @@ def shared_disk(slurm_infra):
 
 
 # long runs train an epoch a second: the Slurm node is this machine, whose CPU the other tests need
-PACED = ("train.loop=tests.loops.paced:train_loop", "train.params.pace_s=1")
+PACED = paced_overrides(1)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ from mlflow import MlflowClient
 
 from cluster.backends.local import LocalBackend
 from tests.conftest import alive
+from tests.loops import PACED_LOOP
 
 
 # The limits: room for the cluster and Ray Train's workers to start, so that the stop comes mid-training. With the
@@ -17,7 +18,7 @@ LIMIT_MINUTES = 5.0
 def long_job(spec, **limits):
     """A job far longer than its limits: one worker, an epoch a second, so that the machine stays usable."""
     return spec.model_copy(update={
-        "train": spec.train.model_copy(update={"loop": "tests.loops.paced:train_loop", "epochs": 5000,
+        "train": spec.train.model_copy(update={"loop": PACED_LOOP, "epochs": 5000,
                                                "params": {**spec.train.params, "pace_s": 1.0}}),
         "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
         "limits": spec.limits.model_copy(update=limits),
@@ -69,9 +70,10 @@ def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
     spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
                     max_cost_usd=LIMIT_MINUTES * 120)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by budget: $" in state.message and "of max_cost_usd=600.00" in state.message, state.message
+    budget = spec.limits.max_cost_usd
+    assert "stopped by budget: $" in state.message and f"of max_cost_usd={budget:.2f}" in state.message, state.message
     run = assert_stopped_and_clean(spec, state, gpuflow_home, "budget")
-    assert run.data.metrics["cost_usd"] >= 600.0
+    assert run.data.metrics["cost_usd"] >= budget
 
 
 @pytest.mark.timeout(900)
@@ -80,5 +82,6 @@ def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
 
     spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
     state = run_experiment(spec, return_state=True)
-    assert "stopped by timeout" in state.message and "max_runtime_minutes is 5" in state.message, state.message
+    limit = f"max_runtime_minutes is {LIMIT_MINUTES:g}"
+    assert "stopped by timeout" in state.message and limit in state.message, state.message
     assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")

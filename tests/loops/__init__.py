@@ -1,0 +1,8 @@
+"""Training loops the tests run, and how a test names them."""
+
+PACED_LOOP = "tests.loops.paced:train_loop"  # named here, not imported: importing it loads torch and Ray Train
+
+
+def paced_overrides(pace_s: float) -> list[str]:
+    """The spec overrides (`--set`) that make a digits run train the paced loop, an epoch every `pace_s` seconds."""
+    return [f"train.loop={PACED_LOOP}", f"train.params.pace_s={pace_s:g}"]

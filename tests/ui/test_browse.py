@@ -27,9 +27,10 @@ def test_custom_run_from_the_prefect_ui(served, page):
     epochs.fill("3")
     epochs.scroll_into_view_if_needed()
     shot("custom-run-form-epochs-3")
-    before = {run.id for run in runs_of(served, "run-experiment")}
+    deployment_id = served.deployment("run-experiment").id
+    before = {run.id for run in runs_of(served, deployment_id)}
     flow_run_id = submit_until_a_run_exists(page, shot, lambda: [
-        run.id for run in sorted(runs_of(served, "run-experiment"), key=lambda run: run.created) if run.id not in before])
+        run.id for run in sorted(runs_of(served, deployment_id), key=lambda run: run.created) if run.id not in before])
     try:
         page.get_by_role("link", name="View run").click(timeout=10_000)
     except PlaywrightTimeout:  # the toast is gone (a busy machine renders slowly): open the run the form made
@@ -54,12 +55,11 @@ def test_custom_run_from_the_prefect_ui(served, page):
     UI_RUN["flow_run"] = flow_run
 
 
-def runs_of(served, deployment: str) -> list:
+def runs_of(served, deployment_id) -> list:
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with served.client() as client:
-        return client.read_flow_runs(deployment_filter=DeploymentFilter(
-            id=DeploymentFilterId(any_=[served.deployment(deployment).id])))
+        return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
 
 
 def submit_until_a_run_exists(page, shot, new_runs, attempts: int = 3, wait_s: float = 90):
