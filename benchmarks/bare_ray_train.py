@@ -17,8 +17,8 @@ import ray  # noqa: E402
 import ray.train  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
-from cluster.job import loop_config  # noqa: E402
-from cluster.spec import load_spec, resolve  # noqa: E402
+from gpuflow.cluster.job import loop_config  # noqa: E402
+from gpuflow.cluster.spec import load_spec, resolve  # noqa: E402
 
 spec = load_spec(sys.argv[1], sys.argv[2:])
 temp_dir = tempfile.mkdtemp(prefix="gf-bare-", dir="/tmp")

@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from cluster.backends import local  # noqa: E402
-from cluster.backends.local import LocalBackend, ray_env  # noqa: E402
+from gpuflow.cluster.backends import local  # noqa: E402
+from gpuflow.cluster.backends.local import LocalBackend, ray_env  # noqa: E402
 
 os.environ.update(ray_env())  # before Ray is imported: nodes and driver on 127.0.0.1
 
@@ -120,7 +120,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gf-bench-data-") as scratch:
         scratch = Path(scratch)
         os.environ["GPUFLOW_HOME"] = str(scratch / "home")
-        from cluster.spec import parse_spec
+        from gpuflow.cluster.spec import parse_spec
 
         spec = parse_spec({"train": {"loop": "x:y"}, "data": {"train": "x.parquet"},
                            "compute": {"workers_per_node": WORKERS}})

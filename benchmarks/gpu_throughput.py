@@ -4,7 +4,7 @@
     python benchmarks/gpu_throughput.py --compile        # the same under torch.compile
     python benchmarks/gpu_throughput.py --tiny           # a CPU-sized model, for CI
 
-"gpuflow" is experiments.chargpt.train_epoch with cluster.telemetry's StepTimer (what each Ray Train worker runs,
+"gpuflow" is experiments.chargpt.train_epoch with gpuflow.cluster.telemetry's StepTimer (what each Ray Train worker runs,
 at world size 1); "bare" is the textbook loop written out below. Both run in plain torch: no Ray, Prefect or
 MLflow is imported, so it runs on a machine that has only torch. The two alternate, and each figure is the best
 of --repeats, so that a slow moment of a shared machine does not decide the ratio.
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster.telemetry import StepTimer, accelerator_name, peak_tflops  # noqa: E402
+from gpuflow.cluster.telemetry import StepTimer, accelerator_name, peak_tflops  # noqa: E402
 from experiments.chargpt import GPT, GPTConfig, autocast, batches, encode, make_optimizer, make_text, train_epoch, windows  # noqa: E402
 
 # experiments/chargpt-gpu.yaml's model and batch (a test keeps the two equal)

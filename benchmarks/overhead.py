@@ -37,7 +37,7 @@ def ray_processes(home: Path, exclude: int) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if state != "Z" and (b"ray" in command or b"cluster.job" in command):
+        if state != "Z" and (b"ray" in command or b"gpuflow.cluster.job" in command):
             found.append(int(entry.name))
     return found
 
@@ -91,7 +91,7 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="gpuflow-bench-"))
     env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     python = sys.executable
-    gpuflow = [python, "-m", "flows.cli", "run", str(SPEC), "--set", f"data.train={home}/data/train.parquet",
+    gpuflow = [python, "-m", "gpuflow.flows.cli", "run", str(SPEC), "--set", f"data.train={home}/data/train.parquet",
                "--set", f"data.validation={home}/data/validation.parquet"]
     bare = [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC),
             f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]

@@ -43,8 +43,8 @@ class Times(logging.Handler):
 def one_run(epochs: int) -> dict:
     home = tempfile.mkdtemp(prefix="gpuflow-bench-")
     os.environ["GPUFLOW_HOME"] = home
-    from cluster.spec import load_spec
-    from flows.experiment import run_experiment
+    from gpuflow.cluster.spec import load_spec
+    from gpuflow.flows.experiment import run_experiment
     from mlflow import MlflowClient
 
     spec = load_spec(REPO / "experiments" / "digits.yaml", [

@@ -54,7 +54,7 @@ def main() -> None:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from cluster.tracking import MlflowTracker
+    from gpuflow.cluster.tracking import MlflowTracker
 
     with tempfile.TemporaryDirectory(prefix="gf-bench-tracking-") as scratch:
         uri = args.tracking_uri or f"sqlite:///{scratch}/mlflow.db"

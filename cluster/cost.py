@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec import ExperimentSpec
 
 DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
 

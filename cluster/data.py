@@ -1,6 +1,6 @@
 """Makes sure the spec's Parquet data exists where this process runs (the flow's machine, or a cloud node)."""
 
-from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, readable, resolve
+from gpuflow.cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, readable, resolve
 
 
 def ensure_data(spec: ExperimentSpec) -> dict[str, str | None]:

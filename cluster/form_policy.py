@@ -17,8 +17,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from cluster.checks import shorten
-from cluster.spec import ExperimentSpec, SpecError, on_sys_path, parse_spec
+from gpuflow.cluster.checks import shorten
+from gpuflow.cluster.spec import ExperimentSpec, SpecError, on_sys_path, parse_spec
 
 # Derived from other fields, which are compared themselves.
 DERIVED = {"compute.num_workers", "compute.use_gpu"}

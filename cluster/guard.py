@@ -14,9 +14,9 @@ import signal
 import threading
 import time
 
-from cluster.lease import STOP_DETAIL_TAG, STOPPED_BY_TAG, LeaseWatch
-from cluster.limits import Watchdog, cost_check, deadline_check
-from cluster.spec import ExperimentSpec
+from gpuflow.cluster.lease import STOP_DETAIL_TAG, STOPPED_BY_TAG, LeaseWatch
+from gpuflow.cluster.limits import Watchdog, cost_check, deadline_check
+from gpuflow.cluster.spec import ExperimentSpec
 
 STOP_PREFIX = "[gpuflow] stopped "  # the flow reads "<prefix><reason>: <detail>" from the job's log
 SELF_STOP_EXIT_CODE = 3
@@ -76,8 +76,8 @@ class JobGuard:
         """Ends the MLflow run with the reason; the flow, if it still lives, keeps this status and adds its bill."""
         if not self.run_id:
             return
-        from cluster.lifecycle import STATUS_FOR_STOP
-        from cluster.mlflow_run import close_run
+        from gpuflow.cluster.lifecycle import STATUS_FOR_STOP
+        from gpuflow.cluster.mlflow_run import close_run
 
         seconds = time.time() - self.requested_at
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
@@ -87,11 +87,11 @@ class JobGuard:
     def release_cluster(self) -> None:
         """The cluster must not idle once the job is gone: a local one is stopped now, a cloud one sooner."""
         if self.local_cluster:
-            from cluster.backends.local import stop_sessions
+            from gpuflow.cluster.backends.local import stop_sessions
 
             stop_sessions([int(self.local_cluster)])
         elif os.environ.get("SKYPILOT_NODE_RANK") is not None:
-            from cluster.backends.skypilot import shorten_autostop_on_node
+            from gpuflow.cluster.backends.skypilot import shorten_autostop_on_node
 
             shorten_autostop_on_node()
 

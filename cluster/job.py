@@ -1,6 +1,6 @@
 """The job that runs on the cluster: a Ray Train TorchTrainer built from the spec, fitted, result printed.
 
-    python -m cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
+    python -m gpuflow.cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
 
 It imports no orchestrator. Every `ray.train.report` of the loop goes to the MLflow run named by
 GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI (cluster/tracking.py); checkpoints go to the spec's
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cluster.data import ensure_data
-from cluster.guard import JobGuard, block_owner_signal
-from cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
+from gpuflow.cluster.data import ensure_data
+from gpuflow.cluster.guard import JobGuard, block_owner_signal
+from gpuflow.cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
 
 # Ray and Ray Train are imported where the job runs them, not here: the flow imports this module
 # for RESULT_PREFIX, and loading Ray Train and torch there would cost seconds for nothing.
@@ -96,7 +96,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from cluster.tracking import tracking_callbacks
+    from gpuflow.cluster.tracking import tracking_callbacks
 
     compute = spec.compute
     gpus_per_worker = 1 if compute.use_gpu else 0

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from cluster.cost import Estimate, launched_price
+from gpuflow.cluster.cost import Estimate, launched_price
 
 # How each stop reason ends the MLflow run: stopped on purpose is KILLED, lost is FAILED.
 STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",

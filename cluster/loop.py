@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
-from cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
+from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # when this worker's previous epoch ended (the first: when the loop started), for perf/epoch_s

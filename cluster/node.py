@@ -1,6 +1,6 @@
 """Runs on every node of a SkyPilot cluster: joins one Ray cluster, and on rank 0 runs the job.
 
-    run: python -m cluster.node          (the whole `run:` of gpuflow's SkyPilot task)
+    run: python -m gpuflow.cluster.node          (the whole `run:` of gpuflow's SkyPilot task)
 
 Topology comes from SkyPilot's SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES; the
 spec and run name from GPUFLOW_SPEC_JSON / GPUFLOW_RUN_NAME, set by the flow.
@@ -60,7 +60,7 @@ def main() -> int:
         wait_for_nodes(address, num_nodes, head)
         spec_file = Path(temp_dir) / "spec.json"
         spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
-        return subprocess.call([sys.executable, "-u", "-m", "cluster.job", "--spec", str(spec_file),
+        return subprocess.call([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
                                 "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"]])
     finally:
         head.terminate()

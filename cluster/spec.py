@@ -19,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from cluster import checks
+from gpuflow.cluster import checks
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
@@ -234,7 +234,7 @@ class ExperimentSpec(Strict):
         None,
         description="Record a torch.profiler trace of some training steps on rank 0, logged to MLflow as "
         "profile/trace.json (opens in Perfetto) and profile/top_operators.txt; for loops that use "
-        "cluster.loop.telemetry. Unset: no profiling.",
+        "gpuflow.cluster.loop.telemetry. Unset: no profiling.",
     )
     workdir: Text = Field(".", description="Project folder with the training code; synced to cloud clusters.")
     setup: Annotated[str, Field(max_length=20_000)] | None = Field(

@@ -6,7 +6,7 @@
     metrics = {"train_loss": ..., **timer.end_epoch()}   # perf/samples_per_s, perf/mfu_pct, ...
 
 It imports torch only, never Ray or MLflow: benchmarks/gpu_throughput.py runs the same code on a GPU
-machine that has nothing else. cluster.loop.telemetry builds one for a Ray Train worker.
+machine that has nothing else. gpuflow.cluster.loop.telemetry builds one for a Ray Train worker.
 """
 
 from __future__ import annotations

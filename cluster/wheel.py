@@ -1,6 +1,6 @@
 """Packs the gpuflow that runs here into a wheel, so that a cloud node installs this very version, no index needed.
 
-    python -m cluster.wheel /tmp/wheels      # prints the wheel's path
+    python -m gpuflow.cluster.wheel /tmp/wheels      # prints the wheel's path
 
 It zips the imported packages' own files (editable install or not) with the installed distribution's
 metadata: no build backend, no network, the same bytes for the same sources.
@@ -17,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 DISTRIBUTION = "gpuflow"
-PACKAGES = ("flows", "tasks", "cluster")  # the top-level packages of pyproject.toml, subpackages included
+PACKAGES = ("gpuflow.flows", "gpuflow.tasks", "gpuflow.cluster")  # the packages of pyproject.toml, subpackages included
 FIXED_TIME = (2020, 1, 1, 0, 0, 0)  # zip entries' timestamps: the same sources give the same wheel
 WHEEL_INFO = "Wheel-Version: 1.0\nGenerator: gpuflow.cluster.wheel\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
 
@@ -37,7 +37,7 @@ def package_files() -> list[tuple[str, Path]]:
         folder = Path(importlib.import_module(package).__file__).parent
         for path in sorted(folder.rglob("*.py")):
             if "__pycache__" not in path.parts:
-                files.append((f"{package}/{path.relative_to(folder).as_posix()}", path))
+                files.append((f"{package.replace('.', '/')}/{path.relative_to(folder).as_posix()}", path))
     return files
 
 

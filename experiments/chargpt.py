@@ -5,7 +5,7 @@
     python benchmarks/gpu_throughput.py          # the same model and batch: bare torch against train_epoch
 
 The model, the data and `train_epoch` are plain torch, so that the benchmark runs them where only torch is
-installed; `train_loop` puts Ray Train and cluster.loop around them.
+installed; `train_loop` puts Ray Train and gpuflow.cluster.loop around them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cluster.telemetry import StepTimer
+from gpuflow.cluster.telemetry import StepTimer
 
 # the text is lowercase words, spaces, full stops and newlines; 32 ids leave room and keep matmuls aligned
 ALPHABET = "\n .abcdefghijklmnopqrstuvwxyz"
@@ -188,11 +188,11 @@ def model_config(config: dict) -> GPTConfig:
 
 
 def train_loop(config: dict) -> None:
-    """The Ray Train per-worker loop: train_epoch inside DDP, with telemetry, checkpoints and MLflow through cluster.loop."""
+    """The Ray Train per-worker loop: train_epoch inside DDP, with telemetry, checkpoints and MLflow through gpuflow.cluster.loop."""
     import ray.train
     import ray.train.torch
 
-    from cluster import loop
+    from gpuflow.cluster import loop
 
     device = ray.train.torch.get_device()
     gpt_config = model_config(config)

@@ -11,7 +11,7 @@ import torch
 from ray.data.collate_fn import NumpyBatchCollateFn
 from torch import nn
 
-from cluster import loop
+from gpuflow.cluster import loop
 
 
 def write_parquet(train_uri: str, validation_uri: str) -> None:

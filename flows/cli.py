@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from cluster.spec import SpecError, load_spec, validate_spec
+from gpuflow.cluster.spec import SpecError, load_spec, validate_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                                  help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
-    from flows import cost_command
+    from gpuflow.flows import cost_command
 
     cost_command.add_parser(commands)
     # -- deployments (flows/deploy.py, flows/serve.py): prefect.yaml's deployments, served here or registered
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def validate(spec, path: str) -> int:
     """Checks the spec and its budget; prints the price it would run at."""
-    from flows.cost_command import priced_within_budget
+    from gpuflow.flows.cost_command import priced_within_budget
 
     validate_spec(spec)
     price = priced_within_budget(spec, path)
@@ -86,7 +86,7 @@ def validate(spec, path: str) -> int:
 
 
 def down_cluster(cluster: str, backend_name: str | None) -> int:
-    from cluster.backends import get_backend
+    from gpuflow.cluster.backends import get_backend
 
     if backend_name is None:
         local = get_backend("local")
@@ -99,7 +99,7 @@ def down_cluster(cluster: str, backend_name: str | None) -> int:
 def init_project(folder: str, force: bool) -> int:
     from pathlib import Path
 
-    from flows.starter import SPEC_FILE, init_project
+    from gpuflow.flows.starter import SPEC_FILE, init_project
 
     try:
         written = init_project(Path(folder), force)
@@ -114,8 +114,8 @@ def init_project(folder: str, force: bool) -> int:
 
 def deployments(args) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.deploy import deploy
-    from flows.serve import serve
+    from gpuflow.flows.deploy import deploy
+    from gpuflow.flows.serve import serve
 
     try:
         if args.command == "deploy":
@@ -140,8 +140,8 @@ def plan(spec) -> int:
     if spec.compute.backend == "local":
         print("# local backend: a Ray cluster on this machine; nothing is billed.")
         return 0
-    from cluster.backends.skypilot import resources_for, task_yaml
-    from cluster.cost import hourly_cost
+    from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
+    from gpuflow.cluster.cost import hourly_cost
 
     try:
         price = hourly_cost(spec)
@@ -176,10 +176,10 @@ def start_side_by_side(spec) -> str | None:
         api.start()
     warm = None
     if spec.compute.backend == "local":
-        from cluster.backends.local import LocalBackend
+        from gpuflow.cluster.backends.local import LocalBackend
 
         warm = LocalBackend().prewarm(spec)
-    import flows.experiment  # noqa: F401  (its imports take a second or two: meanwhile, both start)
+    import gpuflow.flows.experiment  # noqa: F401  (its imports take a second or two: meanwhile, both start)
 
     if api:
         api.join()
@@ -196,7 +196,7 @@ def start_temporary_api() -> None:
     server = SubprocessASGIServer()
     server.start()
     if server.server_process:
-        subprocess.Popen([sys.executable, "-m", "flows.outlive", "--owner", str(os.getpid()),
+        subprocess.Popen([sys.executable, "-m", "gpuflow.flows.outlive", "--owner", str(os.getpid()),
                           "--kill", str(server.server_process.pid)], start_new_session=True,
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -207,15 +207,15 @@ def run(spec, verbose: bool = False) -> int:
     started = time.time()
     log_file = None
     if not verbose:
-        from cluster.spec import state_dir
-        from flows.console import quiet_console
+        from gpuflow.cluster.spec import state_dir
+        from gpuflow.flows.console import quiet_console
 
         log_file = quiet_console(state_dir() / "logs")
     warm_cluster = None
     try:
         validate_spec(spec)  # before anything starts
         warm_cluster = start_side_by_side(spec)
-        from flows.experiment import run_experiment
+        from gpuflow.flows.experiment import run_experiment
 
         state = run_experiment(spec, return_state=True)
     except KeyboardInterrupt:
@@ -224,10 +224,10 @@ def run(spec, verbose: bool = False) -> int:
         return 130
     finally:
         if warm_cluster:  # not adopted if the flow never reached provisioning: ours to remove
-            from cluster.backends.local import LocalBackend
+            from gpuflow.cluster.backends.local import LocalBackend
 
             LocalBackend().down(warm_cluster)
-    from tasks.tracking import open_command, run_url
+    from gpuflow.tasks.tracking import open_command, run_url
 
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)

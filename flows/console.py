@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from tasks.compute import JOB_DETAIL
+from gpuflow.tasks.compute import JOB_DETAIL
 
 
 class HideJobDetail(logging.Filter):

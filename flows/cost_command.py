@@ -10,9 +10,9 @@ import argparse
 import sys
 import time
 
-from cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
-from cluster.spec import default_tracking_uri, load_spec
-from cluster.spend import format_table, parse_since, run_costs
+from gpuflow.cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
+from gpuflow.cluster.spec import default_tracking_uri, load_spec
+from gpuflow.cluster.spend import format_table, parse_since, run_costs
 
 
 def add_parser(commands) -> None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
 def priced_within_budget(spec, path: str):
     """The spec's price if its budgets allow the run; otherwise says why on stderr and returns None."""
-    from tasks.cost import check_budget
+    from gpuflow.tasks.cost import check_budget
 
     try:
         return check_budget(spec)

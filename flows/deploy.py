@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.spec import SpecError, apply_override, parse_spec
+from gpuflow.cluster.spec import SpecError, apply_override, parse_spec
 
 PREFECT_YAML = Path("prefect.yaml")
 DEFAULT_POOL = "gpuflow-process"

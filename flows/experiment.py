@@ -1,6 +1,6 @@
 """One experiment as one unit: the Prefect flow run, the cluster and the MLflow run live and die together.
 
-    gpuflow run experiments/digits.yaml            # or: python -m flows.experiment experiments/digits.yaml
+    gpuflow run experiments/digits.yaml            # or: python -m gpuflow.flows.experiment experiments/digits.yaml
 """
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import time
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from cluster.backends import cluster_name_for, get_backend, train_run_name
-from cluster.cost import hourly_cost
-from cluster.lifecycle import Lifecycle
-from cluster.limits import Watchdog
-from cluster.spec import ExperimentSpec
-from flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
-from tasks.cancel import CANCEL_POLL_S, cancel_check
-from tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
-from tasks.cost import idle_gpu_check
-from tasks.prepare import stage_data, validate
-from tasks.tracking import RunRecord, close_runs_of_flow_run, open_mlflow_run, publish_summary, register_model
+from gpuflow.cluster.backends import cluster_name_for, get_backend, train_run_name
+from gpuflow.cluster.cost import hourly_cost
+from gpuflow.cluster.lifecycle import Lifecycle
+from gpuflow.cluster.limits import Watchdog
+from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
+from gpuflow.tasks.cancel import CANCEL_POLL_S, cancel_check
+from gpuflow.tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
+from gpuflow.tasks.cost import idle_gpu_check
+from gpuflow.tasks.prepare import stage_data, validate
+from gpuflow.tasks.tracking import RunRecord, close_runs_of_flow_run, open_mlflow_run, publish_summary, register_model
 
 
 def run_name() -> str:
@@ -102,6 +102,6 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
 if __name__ == "__main__":
     import sys
 
-    from cluster.spec import load_spec
+    from gpuflow.cluster.spec import load_spec
 
     run_experiment(load_spec(sys.argv[1], sys.argv[2:]))

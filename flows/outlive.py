@@ -1,6 +1,6 @@
 """Kills a process once its owner is gone: Prefect's temporary API server must not outlive `gpuflow run`.
 
-    python -m flows.outlive --owner 1234 --kill 5678
+    python -m gpuflow.flows.outlive --owner 1234 --kill 5678
 
 Prefect stops that server at exit, but not when `gpuflow run` is killed (kill -9, OOM): this watcher,
 in a session of its own, does. It imports nothing heavy: it costs a few MB for the life of the run.

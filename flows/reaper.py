@@ -1,6 +1,6 @@
 """The reaper: downs every gpuflow cluster whose flow run is over, dead, missing or too old, and closes its MLflow run.
 
-    python -m flows.reaper                 # once, here; deployed every 10 min as flows/reaper.py:reap_clusters
+    python -m gpuflow.flows.reaper                 # once, here; deployed every 10 min as flows/reaper.py:reap_clusters
 
 The backstop for what no hook can cover (flow and runner both killed, a cancelled plain script, the Prefect
 server down). A flow run that Prefect still calls RUNNING is dead when its lease on the MLflow run is stale
@@ -18,11 +18,11 @@ from typing import Callable
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from cluster.backends import Backend, flow_run_id_of
-from cluster.lease import STOPPED_BY_TAG, stale
-from cluster.mlflow_run import close_run
-from cluster.spec import default_tracking_uri
-from tasks.tracking import FLOW_RUN_TAG
+from gpuflow.cluster.backends import Backend, flow_run_id_of
+from gpuflow.cluster.lease import STOPPED_BY_TAG, stale
+from gpuflow.cluster.mlflow_run import close_run
+from gpuflow.cluster.spec import default_tracking_uri
+from gpuflow.tasks.tracking import FLOW_RUN_TAG
 
 DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
 DEAD = "dead (lease stale)"
@@ -190,7 +190,7 @@ def close_stale_mlflow_runs(tracking_uri: str,
 
 def available_backends(names: list[str]) -> list[Backend]:
     """The backends that can be used here; one that cannot (SkyPilot not set up) is skipped with a log line."""
-    from cluster.backends import get_backend
+    from gpuflow.cluster.backends import get_backend
 
     backends = []
     for name in names:

@@ -10,9 +10,9 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cluster.form_policy import FormPolicy, policy_from
-from cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
-from flows.deploy import PREFECT_YAML, declared, with_overrides
+from gpuflow.cluster.form_policy import FormPolicy, policy_from
+from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
+from gpuflow.flows.deploy import PREFECT_YAML, declared, with_overrides
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:

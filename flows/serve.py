@@ -11,8 +11,8 @@ import os
 
 from prefect import serve as prefect_serve
 
-from flows.deploy import runner_deployments
-from flows.run_info import SERVE_OVERRIDES_ENV
+from gpuflow.flows.deploy import runner_deployments
+from gpuflow.flows.run_info import SERVE_OVERRIDES_ENV
 
 
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:

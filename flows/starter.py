@@ -118,7 +118,7 @@ definitions:
 deployments:
   - name: run-experiment
     description: "Run one experiment of this project: edit the spec in the form, or give spec_file (e.g. experiment.yaml)."
-    entrypoint: flows.experiment:run_experiment
+    entrypoint: gpuflow.flows.experiment:run_experiment
     tags: [gpuflow]
     parameters:
       spec: *starter_spec
@@ -126,7 +126,7 @@ deployments:
 
   - name: reap-clusters
     description: "Every 10 minutes: down every gpuflow cluster whose flow run is over, and close stale MLflow runs."
-    entrypoint: flows.reaper:reap_clusters
+    entrypoint: gpuflow.flows.reaper:reap_clusters
     tags: [gpuflow, reaper]
     schedules:
       - interval: 600

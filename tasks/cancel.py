@@ -8,7 +8,7 @@ from __future__ import annotations
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 
-from cluster.limits import Check
+from gpuflow.cluster.limits import Check
 
 CANCEL_STATES = (StateType.CANCELLING, StateType.CANCELLED)
 CANCEL_POLL_S = 2.0

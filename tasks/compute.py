@@ -12,13 +12,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from cluster import limits
-from cluster.backends import ClusterHandle, cluster_name_for, flow_run_id_of, get_backend
-from cluster.guard import STOP_PREFIX
-from cluster.job import RESULT_PREFIX
-from cluster.lifecycle import Lifecycle, RunStopped
-from cluster.limits import Check, Watchdog
-from cluster.spec import ExperimentSpec
+from gpuflow.cluster import limits
+from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, flow_run_id_of, get_backend
+from gpuflow.cluster.guard import STOP_PREFIX
+from gpuflow.cluster.job import RESULT_PREFIX
+from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
+from gpuflow.cluster.limits import Check, Watchdog
+from gpuflow.cluster.spec import ExperimentSpec
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
@@ -141,7 +141,7 @@ def stopped_by_the_job(env: dict[str, str], life: Lifecycle) -> bool:
     even if its stop line never reached us: it closed the MLflow run with the reason. Never relaunch such a run."""
     from mlflow import MlflowClient
 
-    from cluster.mlflow_run import stop_of_closed_run
+    from gpuflow.cluster.mlflow_run import stop_of_closed_run
 
     stop = stop_of_closed_run(MlflowClient(env["MLFLOW_TRACKING_URI"]), env["GPUFLOW_MLFLOW_RUN_ID"])
     if stop:

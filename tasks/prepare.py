@@ -2,9 +2,9 @@
 
 from prefect import get_run_logger, runtime, task
 
-from cluster.data import ensure_data
-from cluster.spec import ExperimentSpec, validate_spec
-from tasks.cost import check_budget
+from gpuflow.cluster.data import ensure_data
+from gpuflow.cluster.spec import ExperimentSpec, validate_spec
+from gpuflow.tasks.cost import check_budget
 
 
 @task(name="validate")

@@ -12,12 +12,12 @@ from mlflow.entities import RunStatus
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from cluster.backends import train_run_name
-from cluster.lease import STOPPED_BY_TAG, LeaseKeeper
-from cluster.lifecycle import Outcome
-from cluster.mlflow_run import close_run
-from cluster.spec import ExperimentSpec, state_dir
-from tasks.cost import record_estimate, settle_budget
+from gpuflow.cluster.backends import train_run_name
+from gpuflow.cluster.lease import STOPPED_BY_TAG, LeaseKeeper
+from gpuflow.cluster.lifecycle import Outcome
+from gpuflow.cluster.mlflow_run import close_run
+from gpuflow.cluster.spec import ExperimentSpec, state_dir
+from gpuflow.tasks.cost import record_estimate, settle_budget
 
 FLOW_RUN_TAG = "prefect.flow_run_id"
 CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
@@ -152,7 +152,7 @@ def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
     experiment = client.get_run(run_id).info.experiment_id
     models = client.search_logged_models([experiment], filter_string=f"source_run_id = '{run_id}'")
     if not models:
-        get_run_logger().warning("the training loop logged no model (cluster.loop.log_model): nothing to register")
+        get_run_logger().warning("the training loop logged no model (gpuflow.cluster.loop.log_model): nothing to register")
         return None
     import mlflow
 

@@ -34,7 +34,7 @@ def gpuflow_home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def digits_spec(gpuflow_home):
     """The shipped digits spec, its data and state redirected under the test's GPUFLOW_HOME."""
-    from cluster.spec import load_spec
+    from gpuflow.cluster.spec import load_spec
 
     return load_spec(REPO / "experiments" / "digits.yaml", [
         f"workdir={REPO}",

@@ -6,10 +6,10 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from cluster.budget import active_reservations, committed_since_usd, reserve
-from cluster.cost import BudgetExceeded
-from cluster.spend import start_of_today_utc
-from tasks.cost import check_budget, settle_budget
+from gpuflow.cluster.budget import active_reservations, committed_since_usd, reserve
+from gpuflow.cluster.cost import BudgetExceeded
+from gpuflow.cluster.spend import start_of_today_utc
+from gpuflow.tasks.cost import check_budget, settle_budget
 
 BUDGET = "GPUFLOW_DAILY_BUDGET_USD"
 

@@ -9,12 +9,12 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from cluster.cost import BudgetExceeded, CatalogMissing, Estimate, PriceUnknown, check_run_budget, hourly_cost
-from cluster.spec import parse_spec
-from cluster.spend import parse_since, run_costs, start_of_today_utc
-from cluster.lifecycle import Lifecycle
-from cluster.limits import Watchdog, cost_check
-from tasks.cost import check_budget, idle_gpu_check, idle_verdict
+from gpuflow.cluster.cost import BudgetExceeded, CatalogMissing, Estimate, PriceUnknown, check_run_budget, hourly_cost
+from gpuflow.cluster.spec import parse_spec
+from gpuflow.cluster.spend import parse_since, run_costs, start_of_today_utc
+from gpuflow.cluster.lifecycle import Lifecycle
+from gpuflow.cluster.limits import Watchdog, cost_check
+from gpuflow.tasks.cost import check_budget, idle_gpu_check, idle_verdict
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO
 
 CATALOG = REPO / "tests" / "data" / "skypilot-catalog"
@@ -111,7 +111,7 @@ def test_run_over_max_cost_is_refused_with_both_figures_and_the_fix(sky_catalog)
 
 
 def test_flow_refuses_in_validate_before_any_cluster_exists(prefect_server, digits_spec, gpuflow_home):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
 
     spec = digits_spec.model_copy(update={"limits": digits_spec.limits.model_copy(
         update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30, "max_cost_usd": 1.0})})
@@ -156,7 +156,7 @@ def test_daily_budget_counts_todays_runs_across_experiments(ledger, digits_spec,
 
 
 def test_gpuflow_cost_lists_runs_and_totals(ledger, capsys):
-    from flows.cli import main
+    from gpuflow.flows.cli import main
 
     assert sorted(row.cost_usd for row in run_costs(ledger, start_of_today_utc())) == [3.0, 4.5]
     assert main(["cost", "--since", "2d", "--tracking-uri", ledger]) == 0
@@ -273,8 +273,8 @@ def test_runs_without_cost_are_priced_from_their_hourly_rate(digits_spec, gpuflo
 
 def test_clusters_without_a_catalog_cost_nothing_unless_priced():
     """Slurm, Kubernetes and SSH pools are machines the user has: no catalog, no download, price 0."""
-    from cluster.cost import hourly_cost
-    from cluster.spec import parse_spec
+    from gpuflow.cluster.cost import hourly_cost
+    from gpuflow.cluster.spec import parse_spec
 
     spec = {**A_LOOP, "compute": {"backend": "skypilot", "infra": "slurm/skyci"}, "tracking": {"uri": "http://127.0.0.1:5000"},
             "storage": {"checkpoints": "s3://b/c"}, "data": {"train": "s3://b/t.parquet", "validation": None}}

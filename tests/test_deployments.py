@@ -6,8 +6,8 @@
 
 import pytest
 
-from cluster.spec import SpecError, parse_spec
-from flows.deploy import declared, runner_deployments
+from gpuflow.cluster.spec import SpecError, parse_spec
+from gpuflow.flows.deploy import declared, runner_deployments
 from tests.conftest import REPO
 
 

@@ -11,8 +11,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.logging.handlers import APILogWorker
 
-from cluster.backends import cluster_name_for
-from flows.experiment import run_experiment
+from gpuflow.cluster.backends import cluster_name_for
+from gpuflow.flows.experiment import run_experiment
 from tests.conftest import processes_of
 
 

@@ -52,7 +52,7 @@ def checkpoints_under(home: Path) -> list[Path]:
 
 
 def reaper_in(gpuflow_home: Path, *, ephemeral_api: bool, api_url: str | None = None) -> str:
-    """`python -m flows.reaper` as the deployment (or a user) runs it, for this run's state; its output."""
+    """`python -m gpuflow.flows.reaper` as the deployment (or a user) runs it, for this run's state; its output."""
     env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home)}
     if ephemeral_api:
         env.pop("PREFECT_API_URL", None)
@@ -61,7 +61,7 @@ def reaper_in(gpuflow_home: Path, *, ephemeral_api: bool, api_url: str | None = 
         from prefect.settings import PREFECT_API_URL
 
         env["PREFECT_API_URL"] = api_url or PREFECT_API_URL.value()
-    done = subprocess.run([sys.executable, "-c", "from flows.reaper import reap_clusters; reap_clusters(backends=['local'])"],
+    done = subprocess.run([sys.executable, "-c", "from gpuflow.flows.reaper import reap_clusters; reap_clusters(backends=['local'])"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
@@ -167,7 +167,7 @@ def serve_log_tail(home: Path) -> str:
 
 def spec_of_served(home: Path):
     """The served deployments' spec, as `gpuflow serve` was given it (its MLflow store is under `home`)."""
-    from cluster.spec import load_spec
+    from gpuflow.cluster.spec import load_spec
 
     previous = os.environ.get("GPUFLOW_HOME")
     os.environ["GPUFLOW_HOME"] = str(home)
@@ -184,8 +184,8 @@ def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky
     fake, state, mlflow_run, logs = sky_flow("ok", down_failures=failures)
     assert state.is_failed() and "could not tear down cluster" in state.message and "reaper" in state.message
     assert mlflow_run.info.status != "RUNNING"
-    from cluster.backends.skypilot import SkyPilotBackend
-    from flows.reaper import reap
+    from gpuflow.cluster.backends.skypilot import SkyPilotBackend
+    from gpuflow.flows.reaper import reap
 
     backend = SkyPilotBackend(sdk=fake)
     assert [s.name for s in backend.status()] == [mlflow_run.data.tags["gpuflow.cluster"]]
@@ -199,7 +199,7 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_se
     """Training goes on while MLflow is down; what it logged meanwhile arrives once the server is back."""
     import threading
 
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
     from tests.servers import free_port, mlflow_server
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # MLflow's client would retry for minutes

@@ -2,9 +2,9 @@
 
 import pytest
 
-from cluster.form_policy import FormPolicy, differences
-from cluster.spec import SpecError, load_spec, parse_spec
-from flows.deploy import declared
+from gpuflow.cluster.form_policy import FormPolicy, differences
+from gpuflow.cluster.spec import SpecError, load_spec, parse_spec
+from gpuflow.flows.deploy import declared
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
 
 ALLOW = ["train.epochs", "train.lr", "train.params.*", "compute.num_nodes"]

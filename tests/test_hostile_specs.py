@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
-from flows.cli import main as gpuflow
+from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
+from gpuflow.flows.cli import main as gpuflow
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
 
 MAX_MESSAGE_BYTES = 4096

@@ -43,7 +43,7 @@ class GpuflowRun:
         for item in overrides:
             args += ["--set", item]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args],
+            [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         self.lines, self.flow_run_id = [], None
         self.training = threading.Event()

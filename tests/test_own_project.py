@@ -58,9 +58,14 @@ def test_init_validate_run_in_an_own_project(fresh_venv, tmp_path):
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # a busy machine starts Prefect slowly
 
     # the installed gpuflow is the one that runs, not this repo
-    where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", "import cluster; print(cluster.__file__)"],
+    where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c",
+                            "import gpuflow.cluster as c; print(c.__file__)"],
                            cwd=project, env=env, capture_output=True, text=True, check=True).stdout
     assert str(REPO) not in where and "site-packages" in where
+    # the project has packages of its own named like the repo's folders: gpuflow must never import them
+    for name in ("flows", "tasks", "cluster"):
+        (project / name).mkdir()
+        (project / name / "__init__.py").write_text(f"raise ImportError('the project\'s own {name}, not gpuflow')\n")
 
     assert gpuflow(fresh_venv, project, "init", env=env).returncode == 0
     loop = (project / "train.py").read_text()

@@ -8,9 +8,9 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.states import Running
 
-from cluster.backends import ClusterStatus, cluster_name_for
-from cluster.backends.local import LocalBackend
-from flows.reaper import close_stale_mlflow_runs, reap, reap_clusters
+from gpuflow.cluster.backends import ClusterStatus, cluster_name_for
+from gpuflow.cluster.backends.local import LocalBackend
+from gpuflow.flows.reaper import close_stale_mlflow_runs, reap, reap_clusters
 from tests.conftest import alive
 
 

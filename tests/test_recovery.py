@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from cluster.backends.local import NODES_FILE, LocalBackend, stop_sessions
+from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend, stop_sessions
 from tests.conftest import processes_of
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
@@ -70,7 +70,7 @@ def epochs_logged(spec, run) -> list[int]:
 @pytest.mark.parametrize("what", ["worker node", "whole cluster"])
 def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_server, digits_spec, gpuflow_home,
                                                                         what):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
 
     spec = two_nodes(digits_spec)
     killer = NodeKiller(gpuflow_home, what)
@@ -95,7 +95,7 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
 
 
 def test_more_losses_than_allowed_fail_the_run_as_preempted(prefect_server, digits_spec, gpuflow_home):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
 
     spec = two_nodes(digits_spec, max_recoveries=1)
     killer = NodeKiller(gpuflow_home, "worker node", times=2)

@@ -9,8 +9,8 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from cluster.budget import active_reservations
-from flows.experiment import run_experiment
+from gpuflow.cluster.budget import active_reservations
+from gpuflow.flows.experiment import run_experiment
 from tests.conftest import A_LOOP, processes_of
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
@@ -80,8 +80,8 @@ def test_canary_secret_appears_nowhere(prefect_server, digits_spec, gpuflow_home
 
 def test_mlflow_credentials_travel_to_the_cluster_as_secrets(monkeypatch):
     """A team's MLflow server wants credentials on the cluster too: they go as SkyPilot secrets, redacted in plans."""
-    from cluster.backends.skypilot import build_task, task_yaml
-    from cluster.spec import parse_spec
+    from gpuflow.cluster.backends.skypilot import build_task, task_yaml
+    from gpuflow.cluster.spec import parse_spec
     from tests.test_skypilot import gpu_spec
 
     monkeypatch.setenv("HF_TOKEN", "hf_value")

@@ -9,12 +9,12 @@ import pytest
 import sky
 import yaml
 
-from cluster.backends import cluster_name_for
-from cluster.backends.skypilot import (
+from gpuflow.cluster.backends import cluster_name_for
+from gpuflow.cluster.backends.skypilot import (
     DEFAULT_SETUP, RUN, WHEEL_MOUNT, SkyPilotBackend, build_task, resources_for, task_yaml,
 )
-from cluster.spec import parse_spec
-from flows.experiment import run_experiment
+from gpuflow.cluster.spec import parse_spec
+from gpuflow.flows.experiment import run_experiment
 from tests.conftest import A_LOOP, REPO
 from tests.sky_double import FakeSky
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
@@ -77,12 +77,12 @@ def test_nodes_install_this_gpuflow_from_a_wheel_without_an_index(gpuflow_home, 
     assert sky.Task.from_yaml_config(task.to_yaml_config()).file_mounts == {WHEEL_MOUNT: local}
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {"cluster/job.py", "cluster/tracking.py", "flows/cli.py", "tasks/compute.py"} <= names
+    assert {"gpuflow/cluster/job.py", "gpuflow/cluster/tracking.py", "gpuflow/flows/cli.py", "gpuflow/tasks/compute.py"} <= names
     # pip accepts it offline, and what it installs runs the job's module
     target = tmp_path / "installed"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
                     str(wheel)], check=True)
-    assert (target / "cluster" / "job.py").read_bytes() == (REPO / "cluster" / "job.py").read_bytes()
+    assert (target / "gpuflow" / "cluster" / "job.py").read_bytes() == (REPO / "cluster" / "job.py").read_bytes()
     assert (target / "bin" / "gpuflow").is_file()
 
 
@@ -161,7 +161,7 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
 
     def run(scenario, **double):
         fake = FakeSky(scenario, **double)
-        monkeypatch.setattr("cluster.backends.skypilot.load_sdk", lambda: fake)
+        monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
         spec = parse_spec({**A_LOOP,
             "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},
             "limits": {"hourly_rate_usd": 2.5},  # no price catalog offline: price it as a user may

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from cluster.backends import flow_run_id_of
+from gpuflow.cluster.backends import flow_run_id_of
 from tests.infra.slurm import harness
 from tests.loops import paced_overrides
 

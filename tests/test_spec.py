@@ -2,7 +2,7 @@
 
 import pytest
 
-from cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
+from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
 from tests.conftest import A_LOOP, REPO
 
 DIGITS = REPO / "experiments" / "digits.yaml"

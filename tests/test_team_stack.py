@@ -14,7 +14,7 @@ import psycopg2
 import pytest
 from mlflow import MlflowClient
 
-from cluster.backends.local import LocalBackend
+from gpuflow.cluster.backends.local import LocalBackend
 from tests.conftest import REPO, processes_of
 from tests.infra.postgres import harness
 from tests.servers import BIN, READY_TIMEOUT_S, base_env, started

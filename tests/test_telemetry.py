@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from cluster.spec import SpecError, load_spec, parse_spec
-from cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample, peak_tflops
+from gpuflow.cluster.spec import SpecError, load_spec, parse_spec
+from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample, peak_tflops
 from tests.conftest import A_LOOP, REPO
 
 PERF_KEYS = ("perf/samples_per_s", "perf/step_time_ms", "perf/data_wait_pct", "perf/peak_memory_mb",
@@ -169,7 +169,7 @@ def test_gpu_benchmark_measures_the_gpu_example():
 
 
 def test_summary_shows_the_last_epochs_telemetry():
-    from tasks.tracking import telemetry_lines
+    from gpuflow.tasks.tracking import telemetry_lines
 
     lines = "\n".join(telemetry_lines({"val_accuracy": 0.97, "perf/samples_per_s": 1234.5, "perf/mfu_pct": 41.2,
                                         "perf/data_wait_pct": 3.25}))
@@ -194,7 +194,7 @@ def prefect_artifact_of(flow_run_id) -> str:
 
 
 def test_digits_logs_telemetry_per_epoch_and_a_profile(prefect_server, digits_spec, gpuflow_home, tmp_path):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
     from tests.test_experiment_e2e import mlflow_run_of
 
     spec = digits_spec.model_copy(update={
@@ -223,7 +223,7 @@ def test_digits_logs_telemetry_per_epoch_and_a_profile(prefect_server, digits_sp
 
 
 def test_chargpt_cpu_spec_trains_on_the_local_backend(prefect_server, gpuflow_home):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
     from tests.test_experiment_e2e import mlflow_run_of
 
     spec = load_spec(REPO / "experiments" / "chargpt-cpu.yaml", [

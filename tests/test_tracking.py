@@ -6,9 +6,9 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from cluster.backends.local import LocalBackend
-from cluster.spec import parse_spec
-from cluster.tracking import numbers_of, step_of
+from gpuflow.cluster.backends.local import LocalBackend
+from gpuflow.cluster.spec import parse_spec
+from gpuflow.cluster.tracking import numbers_of, step_of
 from tests.conftest import REPO, processes_of
 
 NAME = "gpuflow-7ac0ffee0000000000000000000000a1"
@@ -77,7 +77,7 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     (checkpoint_manager_snapshot.json, in Ray 2.60's format), so the resumed attempt logs them before its own."""
     import ray
 
-    from cluster.tracking import SNAPSHOT_FILE, MlflowTracker
+    from gpuflow.cluster.tracking import SNAPSHOT_FILE, MlflowTracker
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run_id = client.create_run(client.create_experiment("resume")).info.run_id

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from cluster.backends.local import LocalBackend
+from gpuflow.cluster.backends.local import LocalBackend
 from tests.conftest import alive
 from tests.loops import PACED_LOOP
 
@@ -63,7 +63,7 @@ def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
 
 @pytest.mark.timeout(900)
 def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
 
     # $2 per second; the budget allows 300 s: the estimate (rate × max runtime) passes, but the bill also counts
     # provisioning, so the budget runs out before the job's own 300 s do.
@@ -78,7 +78,7 @@ def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
 
 @pytest.mark.timeout(900)
 def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
-    from flows.experiment import run_experiment
+    from gpuflow.flows.experiment import run_experiment
 
     spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
     state = run_experiment(spec, return_state=True)

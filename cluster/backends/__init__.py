@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec import ExperimentSpec
 
 CLUSTER_PREFIX = "gpuflow-"
 
@@ -77,11 +77,11 @@ def flow_run_id_of(cluster_name: str) -> str | None:
 
 def get_backend(name: str) -> Backend:
     if name == "local":
-        from cluster.backends.local import LocalBackend
+        from gpuflow.cluster.backends.local import LocalBackend
 
         return LocalBackend()
     if name == "skypilot":
-        from cluster.backends.skypilot import SkyPilotBackend
+        from gpuflow.cluster.backends.skypilot import SkyPilotBackend
 
         return SkyPilotBackend()
     raise ValueError(f"compute.backend: unknown backend {name!r}; use 'local' or 'skypilot'")

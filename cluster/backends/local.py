@@ -19,9 +19,9 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus
-from cluster.guard import LOCAL_CLUSTER_ENV
-from cluster.spec import ExperimentSpec, state_dir
+from gpuflow.cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus
+from gpuflow.cluster.guard import LOCAL_CLUSTER_ENV
+from gpuflow.cluster.spec import ExperimentSpec, state_dir
 
 LAUNCH_TIMEOUT_S = 120
 NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
@@ -60,7 +60,7 @@ class LocalBackend:
             cpus += 1
         with open(folder / "ray.log", "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),
+                [sys.executable, "-m", "gpuflow.cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),
                  "--cpus-per-node", str(cpus), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
                  "--owner-pid", str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
@@ -111,7 +111,7 @@ class LocalBackend:
         record = self._record(handle.name)
         with open(log, "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-u", "-m", "cluster.job", "--spec", str(spec_file),
+                [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
                  "--address", handle.address, "--run-name", run_name],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
                 env={**ray_env(), **env, LOCAL_CLUSTER_ENV: str(record["session"])},

@@ -1,6 +1,6 @@
 """Starts a real multi-node Ray cluster on 127.0.0.1 and holds it until SIGTERM or its owner's death (the supervisor).
 
-    python -m cluster.backends.local_ray --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x --address-file a.txt --owner-pid 123
+    python -m gpuflow.cluster.backends.local_ray --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x --address-file a.txt --owner-pid 123
 
 The owner is the process that launched the cluster (the flow). When it dies (kill -9, OOM, a runner that
 SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor tells the jobs on it
@@ -26,7 +26,7 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from cluster.backends.local import LOST_FILE, NODES_FILE  # noqa: E402
+from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE  # noqa: E402
 
 
 def main() -> int:
@@ -107,8 +107,8 @@ def alive(pid: int) -> bool:
 
 def release_orphan() -> None:
     """Tells this cluster's jobs their owner died, gives them a moment to close their runs, then stops everything."""
-    from cluster.backends.local import session_members, stop_sessions
-    from cluster.guard import LOCAL_CLUSTER_ENV, OWNER_DIED
+    from gpuflow.cluster.backends.local import session_members, stop_sessions
+    from gpuflow.cluster.guard import LOCAL_CLUSTER_ENV, OWNER_DIED
 
     marker = f"{LOCAL_CLUSTER_ENV}={os.getpid()}\0".encode()
     jobs = []

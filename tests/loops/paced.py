@@ -5,7 +5,7 @@ tests beside it instead of training flat out for minutes, and still makes real c
 
 import time
 
-from cluster import loop
+from gpuflow.cluster import loop
 from experiments import digits
 
 
