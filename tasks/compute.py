@@ -54,6 +54,7 @@ class TrainResult:
     storage: str | None = None
     first_epoch_seconds: float | None = None
     train_seconds: float = 0.0
+    sweep: dict | None = None  # a sweep's best trial (its MLflow run, values) and trial counts
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -94,6 +95,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
         if RESULT_PREFIX in line:  # SkyPilot prefixes each job line with "(task, pid=N) "
             payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
+            result.sweep = payload.get("sweep")
         stopped = STOP_LINE.search(line)
         if stopped:  # the job enforced a limit itself (and closed the MLflow run)
             life.stop(stopped.group(1), stopped.group(2))
