@@ -4,12 +4,14 @@ parent run with a child run per trial; and a cancelled sweep that leaves nothing
 import time
 
 import mlflow
+import yaml
 from mlflow import MlflowClient
 
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.flows.experiment import run_experiment
 from tests.conftest import REPO, processes_of
 from tests.loops import TUNABLE_LOOP
+from tests.test_lifecycle import GpuflowRun, cancel, flow_run_state
 
 
 def tunable_sweep(**sweep) -> dict:
@@ -72,3 +74,31 @@ def mlflow_run_of_parent(spec, flow_run_id):
     runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
     [parent] = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
     return client, parent
+
+
+def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, gpuflow_home, tmp_path):
+    fields = tunable_sweep()
+    fields["train"].update(epochs=400)  # still training when the cancel comes
+    del fields["sweep"]["early_stopping"]  # a trial stopped early ends FINISHED: here every trial must be cut short
+    spec_file = tmp_path / "sweep.yaml"
+    spec_file.write_text(yaml.safe_dump(fields))
+    run = GpuflowRun(None, gpuflow_home, spec_file=spec_file)
+    try:
+        flow_run_id = run.wait_for_training()
+        client, parent = mlflow_run_of_parent(parse_spec(fields), flow_run_id)
+        deadline = time.monotonic() + 180
+        while len(children_of(client, parent)) < 2:  # both trials of the first round have started
+            assert time.monotonic() < deadline and run.process.poll() is None, "".join(run.lines[-30:])
+            time.sleep(1)
+        cancel(flow_run_id)
+        assert run.wait() != 0, "".join(run.lines[-30:])
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+
+    assert flow_run_state(flow_run_id).is_cancelled()
+    client, parent = mlflow_run_of_parent(parse_spec(fields), flow_run_id)
+    assert parent.info.status == "KILLED" and parent.data.tags["stopped_by"] == "cancelled"
+    trials = children_of(client, parent)
+    assert len(trials) == 2 and [t.info.status for t in trials] == ["KILLED"] * len(trials)
+    assert processes_of(gpuflow_home) == []
