@@ -5,7 +5,8 @@
 cluster/job.py calls `run_sweep` when the spec has a sweep. Each trial is a Tune function that builds and fits a
 TorchTrainer (a trainer handed to the Tuner is deprecated); its reports reach Tune (TuneReportCallback, for ASHA)
 and its own MLflow run, a child of the flow's (cluster/tracking.py). The driver side (`TrialRuns`) ends each child
-run with the trial's outcome and frees what a stopped trial leaves behind. No orchestrator here.
+run with the trial's outcome and frees what a stopped trial leaves behind. No orchestrator here; Ray Tune is
+imported with this module, which only the job on the cluster (and its trials) loads.
 """
 
 from __future__ import annotations
@@ -14,7 +15,19 @@ import os
 import time
 from typing import Any
 
+import ray
+from mlflow import MlflowClient
+from ray import tune
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback  # the worker group: no public hook yet
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, TrialScheduler
+from ray.util import placement_group_table
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+
 from gpuflow.cluster.backends import TRIAL_DRIVER_RESOURCE
+from gpuflow.cluster.job import build_trainer
+from gpuflow.cluster.lease import STOPPED_BY_TAG
+from gpuflow.cluster.mlflow_run import close_run
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
@@ -28,8 +41,6 @@ INHERITED_TAGS = ("prefect.flow_run_id", "prefect.flow_run_name", "prefect.flow_
 
 def search_space(spec: ExperimentSpec) -> dict[str, Any]:
     """Tune's param_space: one entry per swept field, keyed by its dotted path in the spec."""
-    from ray import tune
-
     sample = {"grid": tune.grid_search, "choice": tune.choice,
               "uniform": lambda bounds: tune.uniform(*bounds), "loguniform": lambda bounds: tune.loguniform(*bounds)}
     return {path: sample[p.kind](getattr(p, p.kind)) for path, p in spec.sweep.parameters.items()}
@@ -41,10 +52,10 @@ def trial_spec(spec: ExperimentSpec, values: dict[str, Any]) -> ExperimentSpec:
 
 
 def trial_name(trial_id: str, values: dict[str, Any]) -> str:
-    return f"trial-{trial_id.rsplit('_', 1)[-1]} " + " ".join(f"{path.rsplit('.', 1)[-1]}={value:g}"
-                                                               if isinstance(value, float) else
-                                                               f"{path.rsplit('.', 1)[-1]}={value}"
-                                                               for path, value in values.items())
+    """E.g. 'trial-00003 lr=0.01 hidden=128': the trial's number and values, as the MLflow runs table shows it."""
+    shown = [f"{path.rsplit('.', 1)[-1]}={value:g}" if isinstance(value, float) else f"{path.rsplit('.', 1)[-1]}={value}"
+             for path, value in values.items()]
+    return " ".join([f"trial-{trial_id.rsplit('_', 1)[-1]}", *shown])
 
 
 # -- in the trial's actor ----------------------------------------------------------------------------
@@ -62,12 +73,6 @@ def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, 
 
 def run_trial(values: dict[str, Any], spec_json: str, run_name: str) -> None:
     """One trial, inside Tune: a TorchTrainer on the trial's spec, reporting to Tune and to the trial's MLflow run."""
-    from mlflow import MlflowClient
-    from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
-
-    from gpuflow.cluster.job import build_trainer
-
     spec = trial_spec(ExperimentSpec.model_validate_json(spec_json, context={"on_cluster": True}), values)
     trial_id = tune.get_context().get_trial_id()
     parent_run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
@@ -76,13 +81,7 @@ def run_trial(values: dict[str, Any], spec_json: str, run_name: str) -> None:
     build_trainer(spec, f"{run_name}-{trial_id}", run_id=child_run_id, callbacks=callbacks).fit()
 
 
-def _placement_group_callback_base():
-    from ray.train.v2._internal.execution.callback import WorkerGroupCallback  # the worker group: no public hook
-
-    return WorkerGroupCallback
-
-
-class PlacementGroupTag(_placement_group_callback_base()):
+class PlacementGroupTag(WorkerGroupCallback):
     """In the trial's Ray Train controller: records the workers' placement group on the trial's run, so that the
     sweep's driver can free it when Tune stops the trial (Ray's own cleaner needs the dashboard, which is off)."""
 
@@ -90,8 +89,6 @@ class PlacementGroupTag(_placement_group_callback_base()):
         self.run_id = run_id
 
     def after_worker_group_start(self, worker_group) -> None:
-        from mlflow import MlflowClient
-
         group = worker_group.get_worker_group_state().placement_group_handle.placement_group
         MlflowClient().set_tag(self.run_id, PLACEMENT_GROUP_TAG, group.id.hex())
 
@@ -101,7 +98,6 @@ def early_stopping_scheduler(spec: ExperimentSpec):
     """ASHA on the trials' reports (one per epoch), or None when the spec does not stop trials early."""
     if spec.sweep.early_stopping is None:
         return None
-    from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
     class EarlyStopping(ASHAScheduler):
         """ASHA that remembers whom it stopped early, and lets a trial at its last epoch end by itself (so that it
@@ -124,19 +120,12 @@ def early_stopping_scheduler(spec: ExperimentSpec):
                          reduction_factor=stopping.reduction_factor)
 
 
-def _tune_callback_base():
-    from ray.tune import Callback
-
-    return Callback
-
-
-class TrialRuns(_tune_callback_base()):
-    """Ends each trial's MLflow run with the trial's outcome (FINISHED also when stopped early, tagged so; FAILED on
-    an error), with its share of the cluster's cost, and frees the placement group a stopped trial leaves reserved."""
+class TrialRuns(tune.Callback):
+    """Ends each trial's MLflow run with the trial's outcome (FINISHED also when stopped early or at
+    max_trial_minutes, tagged so; FAILED on an error), with its share of the cluster's cost, and frees the placement
+    group a stopped trial leaves reserved."""
 
     def __init__(self, spec: ExperimentSpec, scheduler, hourly_usd: float):
-        from mlflow import MlflowClient
-
         self.spec, self.scheduler, self.hourly_usd = spec, scheduler, hourly_usd
         self.share = spec.workers_per_trial / spec.compute.num_workers  # of the cluster, while the trial runs
         self.client = MlflowClient()
@@ -156,16 +145,17 @@ class TrialRuns(_tune_callback_base()):
     def _end(self, trial, status: str) -> None:
         self.done += 1
         stopped_early = trial.trial_id in getattr(self.scheduler, "stopped_early", ())
+        limit_s = (self.spec.sweep.max_trial_minutes or 0) * 60
+        timed_out = bool(limit_s) and (trial.last_result or {}).get("time_total_s", 0) >= limit_s
         seconds = time.time() - self.started_at.get(trial.trial_id, time.time())
         run = self.child_run(trial.trial_id)
         if run is not None:
             free_placement_group(run.data.tags.get(PLACEMENT_GROUP_TAG))
-            from gpuflow.cluster.mlflow_run import close_run
-
-            close_run(self.client, run.info.run_id, status,
-                      metrics={"trial_seconds": seconds, "cost_usd": self.hourly_usd * self.share * seconds / 3600},
-                      tags={STOPPED_EARLY_TAG: str(stopped_early).lower()})
-        outcome = "stopped early" if stopped_early else status.lower()
+            tags = {STOPPED_EARLY_TAG: str(stopped_early).lower(), **({STOPPED_BY_TAG: "max_trial_minutes"}
+                                                                      if timed_out and not stopped_early else {})}
+            close_run(self.client, run.info.run_id, status, tags=tags,
+                      metrics={"trial_seconds": seconds, "cost_usd": self.hourly_usd * self.share * seconds / 3600})
+        outcome = "stopped early" if stopped_early else "stopped at max_trial_minutes" if timed_out else status.lower()
         print(f"[gpuflow] trial {trial.trial_id} {outcome} after {seconds:.1f}s "
               f"({self.done} of {self.spec.sweep.num_trials} done)", flush=True)
 
@@ -182,9 +172,6 @@ def free_placement_group(group_hex: str | None) -> None:
     """Removes a trial's placement group; one that Ray Train already removed (a trial that finished) is no error."""
     if not group_hex:
         return
-    import ray
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
     try:
         remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_hex)))
     except Exception:
@@ -193,15 +180,11 @@ def free_placement_group(group_hex: str | None) -> None:
 
 def reserved_placement_groups() -> int:
     """Placement groups still holding resources on the cluster: none should, once the sweep is over."""
-    from ray.util import placement_group_table
-
     return sum(1 for group in placement_group_table().values() if group.get("state") == "CREATED")
 
 
 def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
     """Runs every trial (at most max_concurrent_trials at once); records the best on the parent run; the summary."""
-    from ray import tune
-
     sweep = spec.sweep
     scheduler = early_stopping_scheduler(spec)
     trial_runs = TrialRuns(spec, scheduler, float(os.environ.get("GPUFLOW_HOURLY_USD") or 0))

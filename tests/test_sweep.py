@@ -102,3 +102,19 @@ def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, 
     trials = children_of(client, parent)
     assert len(trials) == 2 and [t.info.status for t in trials] == ["KILLED"] * len(trials)
     assert processes_of(gpuflow_home) == []
+
+
+def test_closing_a_parent_run_closes_its_running_trials_with_the_same_status(gpuflow_home):
+    """What every exit path relies on (the flow's finally, the cancel/crash hooks, the job's guard, the reaper)."""
+    from gpuflow.cluster.mlflow_run import close_run
+
+    client = MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db")
+    experiment = client.create_experiment("closing")
+    parent = client.create_run(experiment).info.run_id
+    finished, running = (client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id for _ in "ab")
+    client.set_terminated(finished, "FINISHED")  # a trial that completed before the sweep was stopped
+    unrelated = client.create_run(experiment).info.run_id
+
+    assert close_run(client, parent, "KILLED")
+    status = {run_id: client.get_run(run_id).info.status for run_id in (parent, finished, running, unrelated)}
+    assert status == {parent: "KILLED", finished: "FINISHED", running: "KILLED", unrelated: "RUNNING"}
