@@ -277,6 +277,11 @@ def run(spec, verbose: bool = False) -> int:
         print(f"  open it      {open_command(spec)}")
     print(f"               then {run_url(spec, summary['run_id'])}")
     print("  metrics      " + "  ".join(f"{k}={v:.4g}" for k, v in summary["metrics"].items()))
+    sweep = summary.get("sweep")
+    if sweep:
+        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "
+              f"failed; best: " + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
+              + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
     print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")
     if log_file:
