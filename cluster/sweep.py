@@ -19,7 +19,7 @@ import ray
 from mlflow import MlflowClient
 from ray import tune
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback  # the worker group: no public hook yet
-from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY, TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -27,7 +27,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from gpuflow.cluster.backends import TRIAL_DRIVER_RESOURCE
 from gpuflow.cluster.job import build_trainer
 from gpuflow.cluster.lease import STOPPED_BY_TAG
-from gpuflow.cluster.mlflow_run import close_run
+from gpuflow.cluster.mlflow_run import close_children, close_run
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
@@ -188,6 +188,8 @@ def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
     sweep = spec.sweep
     scheduler = early_stopping_scheduler(spec)
     trial_runs = TrialRuns(spec, scheduler, float(os.environ.get("GPUFLOW_HOURLY_USD") or 0))
+    if trial_runs.parent_run_id:  # a relaunch after a lost cluster starts the sweep over: the lost trials failed
+        close_children(trial_runs.client, trial_runs.parent_run_id, "FAILED")
     trainable = tune.with_parameters(run_trial, spec_json=spec.model_dump_json(), run_name=run_name)
     tuner = tune.Tuner(
         tune.with_resources(trainable, {TRIAL_DRIVER_RESOURCE: 1}),
@@ -214,8 +216,9 @@ def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
     metrics = {k: v for k, v in best.metrics.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in TUNE_BOOKKEEPING}
     record_best(trial_runs.client, trial_runs.parent_run_id, sweep.metric, metrics.get(sweep.metric), outcome)
-    return {"metrics": metrics, "checkpoint": best.checkpoint.path if best.checkpoint else None,
-            "storage": best.path, "sweep": outcome}
+    # the trial's last checkpoint, persisted by its Ray Train run (Tune holds only its path)
+    return {"metrics": metrics, "checkpoint": best.metrics.get(CHECKPOINT_PATH_KEY), "storage": best.path,
+            "sweep": outcome}
 
 
 TUNE_BOOKKEEPING = {"training_iteration", "time_this_iter_s", "time_total_s", "timestamp", "time_since_restore",

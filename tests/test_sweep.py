@@ -2,6 +2,7 @@
 parent run with a child run per trial; and a cancelled sweep that leaves nothing running."""
 
 import time
+from pathlib import Path
 
 import mlflow
 import yaml
@@ -60,6 +61,7 @@ def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(prefect_se
     assert parent.data.metrics["best_score"] == best.data.metrics["score"]
     assert parent.data.metrics["sweep/stopped_early"] == len(stopped)
     assert parent.data.metrics["sweep/placement_groups_reserved"] == 0
+    assert Path(state.result()["checkpoint"], "checkpoint.pt").is_file()  # the best trial's last checkpoint
     [version] = MlflowClient(spec.tracking_uri).search_model_versions(f"name = '{spec.name}'")
     assert version.run_id == best.info.run_id
     mlflow.set_tracking_uri(spec.tracking_uri)
