@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec import ExperimentSpec, sweep_minutes
 
 DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
 
@@ -49,6 +49,11 @@ class Estimate:
     def max_runtime_cost_usd(self, spec: ExperimentSpec) -> float:
         """The bill if the job runs to limits.max_runtime_minutes."""
         return self.hourly_usd * spec.limits.max_runtime_minutes / 60
+
+    def sweep_cost_usd(self, spec: ExperimentSpec) -> float:
+        """The most a sweep can cost: trials ÷ max_concurrent_trials rounds × max_trial_minutes × the price,
+        never more than the limits.max_runtime_minutes bill."""
+        return self.hourly_usd * min(sweep_minutes(spec), spec.limits.max_runtime_minutes) / 60
 
     def describe(self) -> str:
         if self.source == "free":

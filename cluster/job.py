@@ -1,4 +1,4 @@
-"""The job that runs on the cluster: a Ray Train TorchTrainer built from the spec, fitted, result printed.
+"""The job that runs on the cluster: a Ray Train TorchTrainer built from the spec (or a sweep of them), result printed.
 
     python -m gpuflow.cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
 
@@ -92,24 +92,28 @@ def parquet_bytes(uri: str) -> int:
     return sum(info.size or 0 for info in dataset.filesystem.get_file_info(dataset.files))
 
 
-def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
+def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None, callbacks: list = ()) -> TorchTrainer:
+    """The TorchTrainer of one training run (the whole job, or one trial of a sweep) that reports to MLflow run
+    `run_id` (default: the flow's, GPUFLOW_MLFLOW_RUN_ID); `callbacks` go beside gpuflow's own."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
     from gpuflow.cluster.tracking import tracking_callbacks
 
     compute = spec.compute
+    run_id = run_id or os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    num_workers = spec.workers_per_trial
     gpus_per_worker = 1 if compute.use_gpu else 0
     return TorchTrainer(
         resolve(spec.train.loop),
         train_loop_config=loop_config(spec),
         datasets=datasets_of(spec),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=compute.num_workers,
+            num_workers=num_workers,
             use_gpu=compute.use_gpu,
             resources_per_worker={"CPU": compute.cpus_per_worker, "GPU": gpus_per_worker},
             # one node's workers per node: multi-node placement is what the user asked for
-            placement_strategy="SPREAD" if compute.num_nodes > 1 else "PACK",
+            placement_strategy="SPREAD" if num_workers > compute.workers_per_node else "PACK",
         ),
         run_config=ray.train.RunConfig(
             name=run_name,
@@ -119,11 +123,23 @@ def build_trainer(spec: ExperimentSpec, run_name: str) -> TorchTrainer:
             # retry forever (the worker group's start timeout, 60 s, and preemptions have budgets of their own).
             failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
                                                    max_preemption_failures=0),
-            # every report of any loop reaches the flow's MLflow run, from Ray Train's controller
-            callbacks=tracking_callbacks(os.environ.get("GPUFLOW_MLFLOW_RUN_ID"), os.environ.get("MLFLOW_TRACKING_URI"),
-                                         f"{spec.checkpoint_uri.rstrip('/')}/{run_name}"),
+            # every report of any loop reaches the run, from Ray Train's controller
+            callbacks=[*tracking_callbacks(run_id, os.environ.get("MLFLOW_TRACKING_URI"),
+                                           f"{spec.checkpoint_uri.rstrip('/')}/{run_name}"), *callbacks],
+            # the loop's own MLflow logging (gpuflow.cluster.loop: the model, a profile) goes to the same run
+            worker_runtime_env={"env_vars": {"GPUFLOW_MLFLOW_RUN_ID": run_id}} if run_id else None,
         ),
     )
+
+
+def run_training(spec: ExperimentSpec, run_name: str) -> dict:
+    """One Ray Train run: the summary of its result."""
+    result = build_trainer(spec, run_name).fit()
+    return {
+        "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))},
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "storage": result.path,
+    }
 
 
 def system_metrics_monitor():
@@ -169,20 +185,16 @@ def main(argv=None) -> int:
     ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {len(ray.nodes())} node(s)", flush=True)
-    with on_sys_path(workdir):
-        trainer = build_trainer(spec, args.run_name)
+    from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only here, on the cluster
+
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
     try:
-        result = trainer.fit()
+        with on_sys_path(workdir):
+            summary = run_sweep(spec, args.run_name) if spec.sweep else run_training(spec, args.run_name)
     finally:
         if monitor:
             monitor.finish()
-    summary = {
-        "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))},
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
-        "storage": result.path,
-        "fit_seconds": round(time.time() - started, 2),
-    }
+    summary["fit_seconds"] = round(time.time() - started, 2)
     print(RESULT_PREFIX + json.dumps(summary), flush=True)
     return 0
 

@@ -14,7 +14,8 @@ def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None
     """Logs the last metrics and tags and ends the run FINISHED, FAILED or KILLED.
 
     A run that already ended keeps its status unless `overwrite` (the job that stopped itself ended it first,
-    with the reason only it knew). Returns False when the tracking server stayed unreachable."""
+    with the reason only it knew). Its child runs still RUNNING (a sweep's trials) end with the same status.
+    Returns False when the tracking server stayed unreachable."""
     for delay in (*RETRY_DELAYS_S, None):
         try:
             for key, value in (tags or {}).items():
@@ -23,6 +24,7 @@ def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None
                 now = int(time.time() * 1000)
                 client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
                                  synchronous=True)
+            close_children(client, run_id, status)
             if overwrite or client.get_run(run_id).info.status == "RUNNING":
                 client.set_terminated(run_id, status)
             return True
@@ -31,6 +33,17 @@ def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None
                 return False
             time.sleep(delay)
     return False
+
+
+def close_children(client, run_id: str, status: str) -> list[str]:
+    """Ends the run's child runs (tag mlflow.parentRunId) still RUNNING with `status`: whatever ends a sweep, a
+    cancel, a limit, a crash, the reaper, ends its trials too."""
+    experiment = client.get_run(run_id).info.experiment_id
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run_id}' and "
+                                                "attributes.status = 'RUNNING'", max_results=5000)
+    for child in children:
+        client.set_terminated(child.info.run_id, status)
+    return [child.info.run_id for child in children]
 
 
 def stop_of_closed_run(client, run_id: str) -> tuple[str, str] | None:

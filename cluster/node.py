@@ -6,12 +6,15 @@ Topology comes from SkyPilot's SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT
 spec and run name from GPUFLOW_SPEC_JSON / GPUFLOW_RUN_NAME, set by the flow.
 """
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gpuflow.cluster.backends import HEAD_NODE_RESOURCES
 
 # Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
 RAY_PORT = 6390
@@ -55,7 +58,8 @@ def main() -> int:
     # --block keeps every Ray process a child of this job, so whatever ends the job (a cancel, a Slurm
     # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
     # Not `ray stop`: it stops every Ray of this user on the machine, other jobs' included.
-    head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block", *common))
+    head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
+                                f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common))
     try:
         wait_for_nodes(address, num_nodes, head)
         spec_file = Path(temp_dir) / "spec.json"

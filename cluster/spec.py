@@ -219,6 +219,73 @@ class ProfileSpec(Strict):
     after: Count(0, 1_000_000) = Field(5, description="Steps to skip first, so that the trace shows warm steps, not start-up.")
 
 
+SWEEPABLE = ("train.lr", "train.epochs", "train.batch_size")  # and train.params.<a key train.params holds>
+SweepValues = Annotated[list[Any], Field(min_length=1, max_length=1000)]
+
+
+class SweepParameter(Strict):
+    """How one spec field varies across trials: exactly one of grid, choice, uniform, loguniform."""
+
+    grid: SweepValues | None = Field(None, description="Every value, each in its own trial (× the other grids).")
+    choice: SweepValues | None = Field(None, description="One value drawn at random per sample.")
+    uniform: Annotated[list[float], Field(min_length=2, max_length=2)] | None = Field(
+        None, description="[low, high]: a number drawn uniformly per sample.")
+    loguniform: Annotated[list[float], Field(min_length=2, max_length=2)] | None = Field(
+        None, description="[low, high]: a positive number drawn uniformly on a log scale per sample.")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [kind for kind in ("grid", "choice", "uniform", "loguniform") if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of grid, choice, uniform, loguniform (got {given or 'none'}), "
+                             "e.g. {grid: [0.001, 0.01]}")
+        for kind in ("uniform", "loguniform"):
+            low_high = getattr(self, kind)
+            if low_high and not (low_high[0] < low_high[1] and (kind == "uniform" or low_high[0] > 0)):
+                raise ValueError(f"{kind} {low_high} must be [low, high] with low < high"
+                                 + (" and low > 0" if kind == "loguniform" else ""))
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in ("grid", "choice", "uniform", "loguniform") if getattr(self, kind) is not None)
+
+    def edge_values(self) -> list:
+        """Every value a trial can get, or a range's two ends: what the spec's own field checks must accept."""
+        return list(getattr(self, self.kind))
+
+
+class EarlyStoppingSpec(Strict):
+    grace_epochs: Count(1, 100_000) = Field(
+        1, description="Epochs every trial runs before ASHA may stop it for trailing the others.")
+    reduction_factor: Amount(le=100, gt=1) = Field(
+        3, description="ASHA keeps about 1 in this many trials at each rung (grace_epochs × factor^k epochs).")
+
+
+class SweepSpec(Strict):
+    """A hyper-parameter sweep: many trials (each a Ray Train run) on the one cluster, by Ray Tune."""
+
+    parameters: Annotated[dict[str, SweepParameter], Field(min_length=1, max_length=50)] = Field(
+        description="Spec field → how it varies, e.g. {'train.lr': {grid: [0.001, 0.01]}}; fields: "
+        + ", ".join(SWEEPABLE) + ", train.params.<key>.")
+    num_samples: Count(1, 10_000) = Field(1, description="Times the whole grid is repeated (choices drawn anew each time).")
+    metric: Annotated[str, Field(min_length=1, max_length=250)] = Field(
+        description="The reported metric that ranks trials, e.g. val_accuracy.")
+    mode: Literal["max", "min"] = Field("max", description="Whether a higher (max) or lower (min) metric is better.")
+    max_concurrent_trials: Count(1, 1000) = Field(1, description="Trials running at once on the cluster.")
+    workers_per_trial: Count(1, 512 * 64) | None = Field(
+        None, description="Ray Train workers of each trial; defaults to compute.num_workers ÷ max_concurrent_trials.")
+    max_trial_minutes: Amount(le=43_200) | None = Field(
+        None, description="A trial still reporting after this long is stopped; also what `gpuflow plan` bounds "
+        "the sweep's cost with. Unset: only limits.max_runtime_minutes bounds the sweep.")
+    early_stopping: EarlyStoppingSpec | None = Field(
+        None, description="Stop trials that trail the others early (ASHA); unset: every trial runs all its epochs.")
+
+    @property
+    def num_trials(self) -> int:
+        return math.prod(len(p.grid) for p in self.parameters.values() if p.grid is not None) * self.num_samples
+
+
 class ExperimentSpec(Strict):
     """One experiment: what to train, on what data, on which compute, tracked where, within which limits."""
 
@@ -244,6 +311,9 @@ class ExperimentSpec(Strict):
         "that default, so it must install gpuflow and the loop's packages itself (or do nothing, on an image "
         "that has them), e.g. 'uv pip install -r requirements.txt -e .'.",
     )
+    sweep: SweepSpec | None = Field(
+        None, description="Run a hyper-parameter sweep (many trials, one cluster, one parent MLflow run) instead of "
+        "one training run. Unset: one run.")
     envs: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=200)] = Field(
         default_factory=dict, description="Environment variables for the job (logged with the spec: no credentials; use secrets).")
     secrets: Annotated[list[EnvName], Field(max_length=100)] = Field(
@@ -286,6 +356,22 @@ class ExperimentSpec(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _sweep_fits_the_spec(self):
+        problems = sweep_problems(self) if self.sweep is not None else []
+        if problems:  # one error per problem, each at its own field
+            raise ValidationError.from_exception_data("ExperimentSpec", [
+                {"type": "value_error", "loc": tuple(field.split(".", 2)), "input": None, "ctx": {"error": problem}}
+                for field, problem in problems])
+        return self
+
+    @property
+    def workers_per_trial(self) -> int:
+        """Ray Train workers of one trial: the spec's, or its share of the cluster; the whole cluster with no sweep."""
+        if self.sweep is None:
+            return self.compute.num_workers
+        return self.sweep.workers_per_trial or max(1, self.compute.num_workers // self.sweep.max_concurrent_trials)
+
     # Resolved locations: relative paths are relative to the working directory, state under .gpuflow/.
     @property
     def tracking_uri(self) -> str:
@@ -298,6 +384,74 @@ class ExperimentSpec(Strict):
     @property
     def checkpoint_uri(self) -> str:
         return absolute_uri(self.storage.checkpoints or str(state_dir() / "checkpoints"))
+
+
+def sweep_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
+    """(field, problem) for what a sweep asks that the rest of the spec cannot give: unknown fields, values the
+    field refuses, a concurrency the cluster cannot hold, early stopping that could never stop anything."""
+    sweep, problems = spec.sweep, []
+    for path, parameter in sweep.parameters.items():
+        field = f"sweep.parameters.{cut(path, 60)}"
+        key = path.removeprefix("train.params.")
+        if path.startswith("train.params.") and key not in spec.train.params:
+            problems.append((field, f"train.params has no {checks.shorten(key, 60)} (it has "
+                                    f"{', '.join(sorted(spec.train.params)) or 'none'}); give it a default there or "
+                                    "fix the name"))
+        elif not path.startswith("train.params.") and path not in SWEEPABLE:
+            problems.append((field, f"not a field a sweep can vary; use one of {', '.join(SWEEPABLE)} or "
+                                    "train.params.<key>"))
+        else:
+            for value in parameter.edge_values():
+                try:
+                    trial_train(spec.train, {path: value})
+                except ValidationError as exc:
+                    problems.append((field, f"{parameter.kind} value {checks.shorten(value, 60)} is not a valid "
+                                            f"{path}: {cut(exc.errors()[0]['msg'], 120)}; fix or remove it"))
+                    break
+    workers = spec.workers_per_trial * sweep.max_concurrent_trials
+    if workers > spec.compute.num_workers:
+        problems.append(("sweep.max_concurrent_trials", (
+            f"{sweep.max_concurrent_trials} trials × {spec.workers_per_trial} worker(s) need {workers} workers, "
+            f"the cluster has compute.num_workers={spec.compute.num_workers}; lower max_concurrent_trials or "
+            "workers_per_trial, or add workers")))
+    if sweep.max_trial_minutes and sweep_minutes(spec) > spec.limits.max_runtime_minutes:
+        problems.append(("sweep.max_trial_minutes", (
+            f"{sweep.num_trials} trials, {sweep.max_concurrent_trials} at a time, of up to {sweep.max_trial_minutes:g} "
+            f"min each may take {sweep_minutes(spec):g} min, but limits.max_runtime_minutes="
+            f"{spec.limits.max_runtime_minutes:g} stops the sweep before; raise max_runtime_minutes to "
+            f"{sweep_minutes(spec):g} or lower max_trial_minutes")))
+    if not problems and sweep.early_stopping and sweep.early_stopping.grace_epochs >= max_epochs(spec):
+        problems.append(("sweep.early_stopping.grace_epochs", (
+            f"{sweep.early_stopping.grace_epochs} is not below the trials' {max_epochs(spec)} epochs, so no trial "
+            "could stop early; lower it or remove early_stopping")))
+    return problems
+
+
+def trial_train(train: TrainSpec, values: dict[str, Any]) -> TrainSpec:
+    """The train section of one trial: the spec's, with the trial's values at their dotted paths (train.*)."""
+    fields = train.model_dump()
+    for path, value in values.items():
+        *parents, leaf = path.removeprefix("train.").split(".")
+        node = fields
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return TrainSpec.model_validate(fields)
+
+
+def sweep_minutes(spec: ExperimentSpec) -> float:
+    """The longest a sweep can take: its rounds of max_concurrent_trials trials, each up to max_trial_minutes, within
+    limits.max_runtime_minutes (which bounds the whole job)."""
+    sweep, limit = spec.sweep, spec.limits.max_runtime_minutes
+    if not sweep.max_trial_minutes:
+        return limit
+    return math.ceil(sweep.num_trials / sweep.max_concurrent_trials) * sweep.max_trial_minutes
+
+
+def max_epochs(spec: ExperimentSpec) -> int:
+    """The most epochs any trial trains (train.epochs may be swept)."""
+    varied = spec.sweep.parameters.get("train.epochs") if spec.sweep else None
+    return max(varied.edge_values()) if varied else spec.train.epochs
 
 
 # A team's MLflow server asks for these (its basic-auth app); the cluster logs to the same server.
@@ -400,6 +554,8 @@ def describe(error: dict) -> str:
         return f"{field}: {message}, not a boolean (got {got}); write a number"
     if error["type"] == "finite_number":
         return f"{field}: {message} (got {got}); give a finite number"
+    if error["type"] == "too_short":
+        return f"{field}: {message} (got {got}); give at least {error.get('ctx', {}).get('min_length', 1)}"
     if error["type"] in ("less_than_equal", "less_than"):
         return f"{field}: {message} (got {got}); that is beyond what a run can mean, lower it"
     return f"{field}: {message} (got {got})"

@@ -82,7 +82,36 @@ def validate(spec, path: str) -> int:
         return 2
     print(f"{path}: valid. {describe(spec)}")
     print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes")
+    for line in sweep_lines(spec, price):
+        print(f"  {line}")
     return 0
+
+
+def sweep_lines(spec, price=None) -> list[str]:
+    """What a sweep will run: its trials, how many at once, how trials stop early, and the most it can cost."""
+    sweep = spec.sweep
+    if sweep is None:
+        return []
+    grids = [f"{len(p.grid)} {path}" for path, p in sweep.parameters.items() if p.grid is not None]
+    lines = [f"sweep: {sweep.num_trials} trials ({' × '.join(grids + [f'{sweep.num_samples} sample(s)'])}), "
+             f"{sweep.max_concurrent_trials} at a time, {spec.workers_per_trial} worker(s) each; the best has the "
+             f"{'highest' if sweep.mode == 'max' else 'lowest'} {sweep.metric}",
+             *[f"  {path}: {p.kind} {getattr(p, p.kind)}" for path, p in sweep.parameters.items()]]
+    if sweep.early_stopping:
+        lines.append(f"  early stopping (ASHA): after {sweep.early_stopping.grace_epochs} epoch(s), about 1 trial in "
+                     f"{sweep.early_stopping.reduction_factor:g} goes on at each rung")
+    if price is not None:
+        from gpuflow.cluster.spec import sweep_minutes
+
+        if sweep.max_trial_minutes:
+            rounds = -(-sweep.num_trials // sweep.max_concurrent_trials)
+            how = f"{sweep.num_trials} trials ÷ {sweep.max_concurrent_trials} at a time × {sweep.max_trial_minutes:g} min"
+        else:
+            rounds, how = None, "limits.max_runtime_minutes (set sweep.max_trial_minutes for a tighter bound)"
+        minutes = min(sweep_minutes(spec), spec.limits.max_runtime_minutes)
+        lines.append(f"  cost bound: {how} = {minutes:g} min{f' ({rounds} rounds)' if rounds else ''} "
+                     f"× ${price.hourly_usd:.4g}/h = ${price.sweep_cost_usd(spec):.2f}")
+    return lines
 
 
 def down_cluster(cluster: str, backend_name: str | None) -> int:
@@ -135,20 +164,26 @@ def describe(spec) -> str:
 
 def plan(spec) -> int:
     """Prints what would be launched and billed; launches nothing."""
+    from gpuflow.cluster.cost import hourly_cost
+
     validate_spec(spec)
     print(f"# {describe(spec)}")
     if spec.compute.backend == "local":
+        for line in sweep_lines(spec, hourly_cost(spec)):
+            print(f"# {line}")
         print("# local backend: a Ray cluster on this machine; nothing is billed.")
         return 0
     from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
-    from gpuflow.cluster.cost import hourly_cost
 
+    price = None
     try:
         price = hourly_cost(spec)
         print(f"# price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} "
               f"in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
     except Exception as exc:  # a plan is still worth showing without a price
         print(f"# price unknown: {exc}")
+    for line in sweep_lines(spec, price):
+        print(f"# {line}")
     print(f"# launched with autostop after {spec.limits.idle_minutes_to_autostop} idle min and down=True (autodown)")
     for rank, resources in enumerate(resources_for(spec), 1):
         print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")
@@ -242,6 +277,11 @@ def run(spec, verbose: bool = False) -> int:
         print(f"  open it      {open_command(spec)}")
     print(f"               then {run_url(spec, summary['run_id'])}")
     print("  metrics      " + "  ".join(f"{k}={v:.4g}" for k, v in summary["metrics"].items()))
+    sweep = summary.get("sweep")
+    if sweep:
+        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "
+              f"failed; best: " + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
+              + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
     print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")
     if log_file:

@@ -85,15 +85,15 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
 
         # The cluster is idle from the job's end: down it before registering, which needs only MLflow.
         record.phases["teardown_seconds"] = teardown(life)
-        if spec.tracking.register_model:
-            register_model(spec, run_id)
+        if spec.tracking.register_model:  # a sweep's model is its best trial's
+            register_model(spec, (result.sweep or {}).get("best_run_id") or run_id)
         record.phases["wall_seconds"] = time.time() - life.requested_at
 
     if life.stop_reason == "cancelled":
         return Cancelled(message="cancelled from Prefect: cluster torn down, MLflow run KILLED")
     summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": record.phases,
                "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name,
-               "cost": life.bill(), "price": life.price.describe()}
+               "cost": life.bill(), "price": life.price.describe(), "sweep": result.sweep}
     publish_summary(spec, run_id, summary)
     logger.info(f"done in {record.phases['wall_seconds']:.1f}s: {result.metrics}")
     return summary

@@ -22,6 +22,7 @@ from gpuflow.cluster.spec import ExperimentSpec
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
+TRIAL_LINE = re.compile(r"\[gpuflow\] trial \S+ .*\((\d+) of (\d+) done\)")  # a sweep's trial ended (cluster/sweep.py)
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
@@ -54,6 +55,7 @@ class TrainResult:
     storage: str | None = None
     first_epoch_seconds: float | None = None
     train_seconds: float = 0.0
+    sweep: dict | None = None  # a sweep's best trial (its MLflow run, values) and trial counts
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -84,7 +86,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     backend = get_backend(spec.compute.backend)
     result = TrainResult()
     started = time.time()
-    progress = create_progress_artifact(0.0, description=f"{spec.name}: epochs done of {spec.train.epochs}")
+    done_of = f"trials done of {spec.sweep.num_trials}" if spec.sweep else f"epochs done of {spec.train.epochs}"
+    progress = create_progress_artifact(0.0, description=f"{spec.name}: {done_of}")
 
     tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
 
@@ -94,6 +97,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
         if RESULT_PREFIX in line:  # SkyPilot prefixes each job line with "(task, pid=N) "
             payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
+            result.sweep = payload.get("sweep")
         stopped = STOP_LINE.search(line)
         if stopped:  # the job enforced a limit itself (and closed the MLflow run)
             life.stop(stopped.group(1), stopped.group(2))
@@ -101,7 +105,11 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
         if epoch:
             life.epoch_done()
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
-            update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
+            if not spec.sweep:
+                update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
+        trial = TRIAL_LINE.search(line)
+        if trial:
+            update_progress_artifact(progress, 100.0 * int(trial.group(1)) / int(trial.group(2)))
         tail.append(line)
         if any(noise in line for noise in NOISE):
             logger.debug(line)

@@ -137,3 +137,74 @@ def test_the_loop_must_take_the_config(tmp_path, signature, ok):
     assert (problems == []) == ok, problems
     if not ok:
         assert problems[0].startswith("train.loop:") and "def train_loop(config: dict)" in problems[0]
+
+
+# -- sweeps -------------------------------------------------------------------------------------------
+A_SWEEP = {"parameters": {"train.lr": {"grid": [0.001, 0.01]}, "train.params.hidden": {"choice": [64, 128]}},
+           "metric": "val_accuracy", "mode": "max", "max_concurrent_trials": 2, "early_stopping": {"grace_epochs": 2}}
+
+
+def sweep_spec(train: dict | None = None, **sweep):
+    return {"train": {"loop": "experiments.digits:train_loop", "epochs": 6, "params": {"hidden": 128}, **(train or {})},
+            "sweep": {**A_SWEEP, **sweep}}
+
+
+BAD_SWEEPS = [
+    # (the sweep section's changes, the field named, a word of the fix or the value)
+    ({"parameters": {"train.lr": {"grid": []}}}, "sweep.parameters.train.lr.grid", "at least 1"),
+    ({"parameters": {}}, "sweep.parameters", "at least 1"),
+    ({"parameters": {"train.lr": {"grid": [0.1], "choice": [0.2]}}}, "sweep.parameters.train.lr", "exactly one"),
+    ({"parameters": {"train.lr": {"range": [0.1, 1]}}}, "sweep.parameters.train.lr.range", "unknown field"),
+    ({"parameters": {"train.lr": {"grid": [0.01, -1]}}}, "sweep.parameters.train.lr", "-1"),
+    ({"parameters": {"train.epochs": {"choice": [2, 2.5]}}}, "sweep.parameters.train.epochs", "2.5"),
+    ({"parameters": {"train.lr": {"loguniform": [0, 0.1]}}}, "sweep.parameters.train.lr", "low > 0"),
+    ({"parameters": {"train.lr": {"uniform": [0.1, 0.01]}}}, "sweep.parameters.train.lr", "low < high"),
+    ({"parameters": {"train.loop": {"grid": ["a:b"]}}}, "sweep.parameters.train.loop", "train.params.<key>"),
+    ({"parameters": {"compute.num_nodes": {"grid": [1, 2]}}}, "sweep.parameters.compute.num_nodes", "train.lr"),
+    ({"parameters": {"train.params.hiden": {"grid": [64]}}}, "sweep.parameters.train.params.hiden", "hidden"),
+    ({"mode": "maximize"}, "sweep.mode", "'max' or 'min'"),
+    ({"metric": ""}, "sweep.metric", "at least 1"),
+    ({"max_concurrent_trials": 3}, "sweep.max_concurrent_trials", "compute.num_workers=2"),
+    ({"workers_per_trial": 2}, "sweep.max_concurrent_trials", "need 4 workers"),
+    ({"early_stopping": {"grace_epochs": 6}}, "sweep.early_stopping.grace_epochs", "not below"),
+    ({"early_stopping": {"grace_epochs": 2, "reduction_factor": 1}}, "sweep.early_stopping.reduction_factor", "greater than 1"),
+    ({"max_trial_minutes": 70}, "sweep.max_trial_minutes", "raise max_runtime_minutes to 70"),
+    ({"num_samples": 0}, "sweep.num_samples", "greater than or equal to 1"),
+]
+
+
+@pytest.mark.parametrize("sweep, field, fix", BAD_SWEEPS, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD_SWEEPS)])
+def test_a_bad_sweep_names_field_and_fix(sweep, field, fix):
+    with pytest.raises(SpecError) as error:
+        parse_spec(sweep_spec(**sweep))
+    message = str(error.value)
+    line = next((line for line in message.splitlines() if line.startswith(f"  - {field}:")), message)
+    assert fix in line, message
+
+
+def test_a_sweep_counts_its_trials_and_shares_the_cluster():
+    spec = parse_spec(sweep_spec(num_samples=3, parameters={"train.lr": {"grid": [0.001, 0.01, 0.1]},
+                                                            "train.params.hidden": {"choice": [64, 128]}}))
+    assert spec.sweep.num_trials == 9  # the grid, once per sample; a choice is drawn per sample
+    assert spec.workers_per_trial == 1  # 2 workers ÷ 2 trials at a time
+    assert parse_spec(sweep_spec(max_concurrent_trials=1)).workers_per_trial == 2
+    assert parse_spec(A_LOOP).workers_per_trial == 2  # no sweep: the one run has the cluster
+
+
+def test_the_shipped_sweep_spec_is_valid():
+    spec = load_spec(REPO / "experiments" / "digits-sweep.yaml")
+    assert spec.sweep.num_trials == 6 and check_spec(spec) == []
+
+
+def test_plan_shows_the_trials_and_the_cost_bound(gpuflow_home, capsys):
+    from gpuflow.flows.cli import main
+
+    spec_file = REPO / "experiments" / "digits-sweep.yaml"
+    assert main(["plan", str(spec_file), f"--set=workdir={REPO}", "--set", "limits.hourly_rate_usd=3"]) == 0
+    shown = capsys.readouterr().out
+    assert "sweep: 6 trials (3 train.lr × 2 train.params.hidden × 1 sample(s)), 2 at a time, 1 worker(s) each" in shown
+    assert "train.lr: grid [0.0003, 0.002, 0.01]" in shown and "after 2 epoch(s)" in shown
+    # 6 trials, 2 at a time: 3 rounds of at most 5 min, at $3/h
+    assert "cost bound: 6 trials ÷ 2 at a time × 5 min = 15 min (3 rounds) × $3/h = $0.75" in shown
+    assert main(["validate", str(spec_file), f"--set=workdir={REPO}", "--set", "sweep.max_trial_minutes=null"]) == 0
+    assert "cost bound: limits.max_runtime_minutes" in capsys.readouterr().out

@@ -15,6 +15,11 @@ from typing import Callable, Protocol
 from gpuflow.cluster.spec import ExperimentSpec
 
 CLUSTER_PREFIX = "gpuflow-"
+# A custom resource on every cluster's head node that a sweep's trial drivers take instead of a CPU: by default each
+# holds a whole CPU, which on a small cluster leaves the trials' own workers none (the sweep hangs). The amount only
+# has to exceed any sweep.max_concurrent_trials.
+TRIAL_DRIVER_RESOURCE = "gpuflow_trial_driver"
+HEAD_NODE_RESOURCES = {TRIAL_DRIVER_RESOURCE: 1000}
 
 
 @dataclass

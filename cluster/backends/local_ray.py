@@ -26,6 +26,7 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from gpuflow.cluster.backends import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE  # noqa: E402
 
 
@@ -43,7 +44,8 @@ def main() -> int:
     node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={**node_args, "temp_dir": args.temp_dir, "include_dashboard": False},
+        head_node_args={**node_args, "temp_dir": args.temp_dir, "include_dashboard": False,
+                        "resources": HEAD_NODE_RESOURCES},
     )
     for _ in range(args.nodes - 1):
         cluster.add_node(**node_args)

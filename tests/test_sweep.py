@@ -1,0 +1,122 @@
+"""A sweep end to end: one flow run, one local Ray cluster, Ray Tune trials that are Ray Train runs, one MLflow
+parent run with a child run per trial; and a cancelled sweep that leaves nothing running."""
+
+import time
+from pathlib import Path
+
+import mlflow
+import yaml
+from mlflow import MlflowClient
+
+from gpuflow.cluster.spec import parse_spec
+from gpuflow.flows.experiment import run_experiment
+from tests.conftest import REPO, processes_of
+from tests.loops import TUNABLE_LOOP
+from tests.test_lifecycle import GpuflowRun, cancel, flow_run_state
+
+
+def tunable_sweep(**sweep) -> dict:
+    """A 2 × 2 grid of the tunable loop on 1 node × 2 CPUs, two trials at a time, ASHA after the first epoch."""
+    return {
+        "name": "tunable", "workdir": str(REPO),
+        "train": {"loop": TUNABLE_LOOP, "epochs": 4, "lr": 0.01, "params": {"hidden": 8, "pace_s": 1.0}},
+        "compute": {"backend": "local", "num_nodes": 1, "workers_per_node": 2},
+        "sweep": {"parameters": {"train.lr": {"grid": [0.1, 0.01]}, "train.params.hidden": {"grid": [8, 16]}},
+                  "metric": "score", "mode": "max", "max_concurrent_trials": 2,
+                  "early_stopping": {"grace_epochs": 1, "reduction_factor": 2}, **sweep},
+        "limits": {"max_runtime_minutes": 10},
+    }
+
+
+def children_of(client, parent):
+    return client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+
+
+def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(prefect_server, gpuflow_home):
+    spec = parse_spec(tunable_sweep())
+    started = time.monotonic()
+    state = run_experiment(spec, return_state=True)
+    print(f"sweep of 4 trials: {time.monotonic() - started:.1f}s")
+    assert state.is_completed(), state.message
+    client, parent = mlflow_run_of_parent(spec, state.state_details.flow_run_id)
+    assert parent.info.status == "FINISHED"
+
+    trials = children_of(client, parent)
+    assert len(trials) == 4
+    assert {(t.data.params["train.lr"], t.data.params["train.params.hidden"]) for t in trials} == {
+        ("0.1", "8"), ("0.1", "16"), ("0.01", "8"), ("0.01", "16")}
+    assert all(t.info.status == "FINISHED" for t in trials)
+    assert all(t.data.tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id) for t in trials)
+    stopped = [t for t in trials if t.data.tags.get("stopped_early") == "true"]
+    assert stopped, "ASHA stopped no trial, though half of them trail from the first epoch"
+    for trial in trials:  # each trial's own per-epoch series: all 4 epochs, or fewer where ASHA stopped it
+        steps = sorted(m.step for m in client.get_metric_history(trial.info.run_id, "score"))
+        assert steps == list(range(len(steps))) and (len(steps) < 4) == (trial in stopped), (trial.info.run_name, steps)
+        assert trial.data.metrics["cost_usd"] == 0 and trial.data.metrics["trial_seconds"] > 0
+
+    # the best trial (lr=0.1, hidden=16 by the loop's formula) is on the parent and in the registry
+    [best] = [t for t in trials if t.data.params["train.lr"] == "0.1" and t.data.params["train.params.hidden"] == "16"]
+    assert parent.data.tags["gpuflow.best_run_id"] == best.info.run_id
+    assert parent.data.params["best.train.lr"] == "0.1" and parent.data.params["best.train.params.hidden"] == "16"
+    assert parent.data.metrics["best_score"] == best.data.metrics["score"]
+    assert parent.data.metrics["sweep/stopped_early"] == len(stopped)
+    assert parent.data.metrics["sweep/placement_groups_reserved"] == 0
+    assert Path(state.result()["checkpoint"], "checkpoint.pt").is_file()  # the best trial's last checkpoint
+    [version] = MlflowClient(spec.tracking_uri).search_model_versions(f"name = '{spec.name}'")
+    assert version.run_id == best.info.run_id
+    mlflow.set_tracking_uri(spec.tracking_uri)
+    assert mlflow.pytorch.load_model(f"models:/{spec.name}/{version.version}") is not None
+    assert processes_of(gpuflow_home) == []
+
+
+def mlflow_run_of_parent(spec, flow_run_id):
+    """The flow run's parent run (its trials carry the same flow-run tag)."""
+    client = MlflowClient(spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    [parent] = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    return client, parent
+
+
+def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, gpuflow_home, tmp_path):
+    fields = tunable_sweep()
+    fields["train"].update(epochs=400)  # still training when the cancel comes
+    del fields["sweep"]["early_stopping"]  # a trial stopped early ends FINISHED: here every trial must be cut short
+    spec_file = tmp_path / "sweep.yaml"
+    spec_file.write_text(yaml.safe_dump(fields))
+    run = GpuflowRun(None, gpuflow_home, spec_file=spec_file)
+    try:
+        flow_run_id = run.wait_for_training()
+        client, parent = mlflow_run_of_parent(parse_spec(fields), flow_run_id)
+        deadline = time.monotonic() + 180
+        while len(children_of(client, parent)) < 2:  # both trials of the first round have started
+            assert time.monotonic() < deadline and run.process.poll() is None, "".join(run.lines[-30:])
+            time.sleep(1)
+        cancel(flow_run_id)
+        assert run.wait() != 0, "".join(run.lines[-30:])
+    finally:
+        if run.process.poll() is None:
+            run.process.kill()
+
+    assert flow_run_state(flow_run_id).is_cancelled()
+    client, parent = mlflow_run_of_parent(parse_spec(fields), flow_run_id)
+    assert parent.info.status == "KILLED" and parent.data.tags["stopped_by"] == "cancelled"
+    trials = children_of(client, parent)
+    assert len(trials) == 2 and [t.info.status for t in trials] == ["KILLED"] * len(trials)
+    assert processes_of(gpuflow_home) == []
+
+
+def test_closing_a_parent_run_closes_its_running_trials_with_the_same_status(gpuflow_home):
+    """What every exit path relies on (the flow's finally, the cancel/crash hooks, the job's guard, the reaper)."""
+    from gpuflow.cluster.mlflow_run import close_run
+
+    client = MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db")
+    experiment = client.create_experiment("closing")
+    parent = client.create_run(experiment).info.run_id
+    finished, running = (client.create_run(experiment, tags={"mlflow.parentRunId": parent}).info.run_id for _ in "ab")
+    client.set_terminated(finished, "FINISHED")  # a trial that completed before the sweep was stopped
+    unrelated = client.create_run(experiment).info.run_id
+
+    assert close_run(client, parent, "KILLED")
+    status = {run_id: client.get_run(run_id).info.status for run_id in (parent, finished, running, unrelated)}
+    assert status == {parent: "KILLED", finished: "FINISHED", running: "KILLED", unrelated: "RUNNING"}
