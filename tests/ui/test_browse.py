@@ -5,6 +5,7 @@
 
 import contextlib
 import re
+import uuid
 import time
 
 import pytest
@@ -38,7 +39,11 @@ def test_custom_run_from_the_prefect_ui(served, page):
 
     # The URL changes before the content: wait for a tab only the flow-run page has, then read its state badge.
     page.get_by_role("tab", name="Job Variables").wait_for()
-    assert re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1) == str(flow_run_id)
+    # a second Submit (the first was slow, not lost) makes a second run: the page shows one the form made
+    opened = re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1)
+    made = {str(run.id) for run in runs_of(served, deployment_id) if run.id not in before}
+    assert opened in made, (opened, made)
+    flow_run_id = uuid.UUID(opened)
     # The run's tags are badges too (experiment:..., backend:...): look for the one that holds a final state.
     state = page.locator('[data-slot="badge"]', has_text=re.compile(r"^\s*(Completed|Failed|Crashed|Cancelled)\s*$"))
     state.first.wait_for(timeout=RUN_TIMEOUT_MS)
