@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpuflow.cluster.spec import ExperimentSpec, sweep_minutes
+from gpuflow.cluster.spec import ExperimentSpec, billed_sweep_minutes
 
 DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
 
@@ -53,7 +53,7 @@ class Estimate:
     def sweep_cost_usd(self, spec: ExperimentSpec) -> float:
         """The most a sweep can cost: trials ÷ max_concurrent_trials rounds × max_trial_minutes × the price,
         never more than the limits.max_runtime_minutes bill."""
-        return self.hourly_usd * min(sweep_minutes(spec), spec.limits.max_runtime_minutes) / 60
+        return self.hourly_usd * billed_sweep_minutes(spec) / 60
 
     def describe(self) -> str:
         if self.source == "free":

@@ -439,13 +439,22 @@ def trial_train(train: TrainSpec, values: dict[str, Any]) -> TrainSpec:
     return TrainSpec.model_validate(fields)
 
 
+def sweep_rounds(spec: ExperimentSpec) -> int:
+    """How many rounds of max_concurrent_trials trials the sweep runs."""
+    return math.ceil(spec.sweep.num_trials / spec.sweep.max_concurrent_trials)
+
+
 def sweep_minutes(spec: ExperimentSpec) -> float:
-    """The longest a sweep can take: its rounds of max_concurrent_trials trials, each up to max_trial_minutes, within
-    limits.max_runtime_minutes (which bounds the whole job)."""
-    sweep, limit = spec.sweep, spec.limits.max_runtime_minutes
-    if not sweep.max_trial_minutes:
-        return limit
-    return math.ceil(sweep.num_trials / sweep.max_concurrent_trials) * sweep.max_trial_minutes
+    """The longest a sweep's trials can take: its rounds, each up to max_trial_minutes (without max_trial_minutes:
+    limits.max_runtime_minutes). The bill is also capped by limits.max_runtime_minutes: `billed_sweep_minutes`."""
+    if not spec.sweep.max_trial_minutes:
+        return spec.limits.max_runtime_minutes
+    return sweep_rounds(spec) * spec.sweep.max_trial_minutes
+
+
+def billed_sweep_minutes(spec: ExperimentSpec) -> float:
+    """The most minutes a sweep can bill: its trials' time, never past limits.max_runtime_minutes (which ends the job)."""
+    return min(sweep_minutes(spec), spec.limits.max_runtime_minutes)
 
 
 def max_epochs(spec: ExperimentSpec) -> int:

@@ -101,14 +101,14 @@ def sweep_lines(spec, price=None) -> list[str]:
         lines.append(f"  early stopping (ASHA): after {sweep.early_stopping.grace_epochs} epoch(s), about 1 trial in "
                      f"{sweep.early_stopping.reduction_factor:g} goes on at each rung")
     if price is not None:
-        from gpuflow.cluster.spec import sweep_minutes
+        from gpuflow.cluster.spec import billed_sweep_minutes, sweep_rounds
 
         if sweep.max_trial_minutes:
-            rounds = -(-sweep.num_trials // sweep.max_concurrent_trials)
+            rounds = sweep_rounds(spec)
             how = f"{sweep.num_trials} trials ÷ {sweep.max_concurrent_trials} at a time × {sweep.max_trial_minutes:g} min"
         else:
             rounds, how = None, "limits.max_runtime_minutes (set sweep.max_trial_minutes for a tighter bound)"
-        minutes = min(sweep_minutes(spec), spec.limits.max_runtime_minutes)
+        minutes = billed_sweep_minutes(spec)
         lines.append(f"  cost bound: {how} = {minutes:g} min{f' ({rounds} rounds)' if rounds else ''} "
                      f"× ${price.hourly_usd:.4g}/h = ${price.sweep_cost_usd(spec):.2f}")
     return lines
