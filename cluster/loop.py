@@ -120,7 +120,7 @@ def log_profile(folder) -> None:
         return
     from mlflow import MlflowClient
 
-    MlflowClient().log_artifacts(run_id, str(folder), artifact_path="profile")
+    when_mlflow_answers(lambda: MlflowClient().log_artifacts(run_id, str(folder), artifact_path="profile"), "profile")
     shutil.rmtree(folder, ignore_errors=True)
     print("[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
           "profile/top_operators.txt", flush=True)
@@ -133,13 +133,46 @@ def log_model(model, input_example=None) -> None:
         return
     import mlflow.pytorch
 
-    # The logged model belongs to the run's experiment, not to whatever experiment is active here.
-    mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
+    model = unwrap(model).cpu()
     # Stating the requirement skips MLflow's inference of them, which re-imports the loop (~7 s).
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
-    mlflow.pytorch.log_model(unwrap(model).cpu(), name="model", input_example=input_example, run_id=run_id,
-                             pip_requirements=requirements)
+
+    def log():
+        # The logged model belongs to the run's experiment, not to whatever experiment is active here.
+        mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
+        mlflow.pytorch.log_model(model, name="model", input_example=input_example, run_id=run_id,
+                                 pip_requirements=requirements)
+
+    when_mlflow_answers(log, "model")
     print("[gpuflow] model logged to MLflow", file=sys.stderr, flush=True)
+
+
+MLFLOW_WAIT_S = 300.0  # how long the end of a run waits for a tracking server that is down
+
+
+def when_mlflow_answers(log, what: str, wait_s: float = MLFLOW_WAIT_S):
+    """Calls `log`, again every few seconds while the tracking server does not answer: a server restarted as the
+    training ends must not fail a run that trained. Gives up (raises) after `wait_s`; the checkpoints are kept."""
+    from mlflow.exceptions import MlflowException
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return log()
+        except (MlflowException, OSError) as exc:
+            if time.monotonic() > deadline or not unreachable(exc):
+                raise
+            print(f"[gpuflow] MLflow does not answer: the {what} is logged once it is back ({exc.__class__.__name__})",
+                  file=sys.stderr, flush=True)
+            time.sleep(5)
+
+
+def unreachable(exc: BaseException) -> bool:
+    """A connection that failed (refused, reset, timed out), as opposed to MLflow refusing the request."""
+    text = str(exc)
+    return isinstance(exc, OSError) or any(sign in text for sign in (
+        "Failed to establish a new connection", "Connection refused", "Max retries exceeded", "Read timed out",
+        "Connection aborted", "RemoteDisconnected"))
 
 
 def unwrap(model):

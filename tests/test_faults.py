@@ -228,6 +228,43 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_se
     assert processes_of(gpuflow_home) == []
 
 
+def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, monkeypatch):
+    """A model (or profile) logged while the server restarts waits for it; a request MLflow refuses is not retried."""
+    import threading
+
+    from mlflow.exceptions import MlflowException
+
+    from gpuflow.cluster.loop import when_mlflow_answers
+    from tests.servers import free_port, mlflow_server
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    store, port = tmp_path / "mlflow-server", free_port()
+    client = MlflowClient(f"http://127.0.0.1:{port}")
+    with mlflow_server(store, port):
+        run_id = client.create_run(client.create_experiment("down")).info.run_id
+    back = threading.Event()
+
+    def restart_later():
+        time.sleep(8)
+        with mlflow_server(store, port):
+            back.wait(120)
+
+    restarter = threading.Thread(target=restart_later)
+    restarter.start()
+    try:
+        when_mlflow_answers(lambda: client.log_metric(run_id, "loss", 1.0), "metric", wait_s=120)
+        assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.0]
+        with pytest.raises(MlflowException, match="RESOURCE_DOES_NOT_EXIST|not found"):
+            when_mlflow_answers(lambda: client.get_run("0" * 32), "run", wait_s=120)
+    finally:
+        back.set()
+        restarter.join()
+    started = time.monotonic()
+    with pytest.raises(MlflowException):  # gone for good: gives up after its wait
+        when_mlflow_answers(lambda: client.get_run(run_id), "run", wait_s=3)
+    assert time.monotonic() - started < 30
+
+
 def history(spec, key: str) -> list:
     runs = mlflow_runs(spec)
     return MlflowClient(tracking_uri=spec.tracking_uri).get_metric_history(runs[0].info.run_id, key) if runs else []

@@ -29,7 +29,9 @@ def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
 
     def spec(loop, **params):
         return parse_spec({"train": {"loop": f"tests.loops.plain:{loop}", "epochs": params.pop("epochs", 1),
-                                     "params": params}, "workdir": str(REPO), "compute": {"workers_per_node": 2}})
+                                     "params": params}, "workdir": str(REPO), "compute": {"workers_per_node": 2},
+                           # no flow renews these jobs' lease: its grace must outlast a slow start on a busy machine
+                           "limits": {"orphan_grace_minutes": 30}})
 
     backend = LocalBackend()
     handle = backend.launch(spec("no_step_given"), NAME)
