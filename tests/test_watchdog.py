@@ -47,7 +47,7 @@ def stopped_run(spec, state):
     return run
 
 
-def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
+def assert_stopped_and_clean(spec, state, reason):
     assert state.is_failed(), state
     run = stopped_run(spec, state)
     assert run.info.status == "KILLED"
@@ -55,33 +55,39 @@ def assert_stopped_and_clean(spec, state, gpuflow_home, reason):
     for metric in ("cost_usd", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown"):
         assert metric in run.data.metrics, metric
     assert "train_loss" in run.data.metrics  # it trained: the stop came mid-run
-    assert list(gpuflow_home.glob("checkpoints/**/checkpoint.pt")), "the last checkpoint must be kept"
-    assert LocalBackend().status() == []
-    assert processes_under(gpuflow_home) == []
+    checkpoint = Path(run.data.tags["gpuflow.checkpoint"])
+    assert (checkpoint / "checkpoint.pt").is_file(), "the last checkpoint must be kept"
     return run
 
 
 @pytest.mark.timeout(900)
-def test_budget_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
+def test_budget_and_timeout_each_stop_a_running_job(prefect_server, digits_spec, gpuflow_home):
+    """Two flows at once (each limit waits minutes of wall time; side by side the test waits them out once)."""
+    import threading
+
     from gpuflow.flows.experiment import run_experiment
 
     # $2 per second; the budget allows 300 s: the estimate (rate × max runtime) passes, but the bill also counts
     # provisioning, so the budget runs out before the job's own 300 s do.
-    spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
-                    max_cost_usd=LIMIT_MINUTES * 120)
-    state = run_experiment(spec, return_state=True)
-    budget = spec.limits.max_cost_usd
+    budget_spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
+                           max_cost_usd=LIMIT_MINUTES * 120)
+    timeout_spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
+    states = {}
+    flows = [threading.Thread(target=lambda name=name, spec=spec: states.update({name: run_experiment(spec, return_state=True)}))
+             for name, spec in (("budget", budget_spec), ("timeout", timeout_spec))]
+    for flow in flows:
+        flow.start()
+    for flow in flows:
+        flow.join()
+
+    budget, state = budget_spec.limits.max_cost_usd, states["budget"]
     assert "stopped by budget: $" in state.message and f"of max_cost_usd={budget:.2f}" in state.message, state.message
-    run = assert_stopped_and_clean(spec, state, gpuflow_home, "budget")
+    run = assert_stopped_and_clean(budget_spec, state, "budget")
     assert run.data.metrics["cost_usd"] >= budget
 
-
-@pytest.mark.timeout(900)
-def test_timeout_stops_a_running_job(prefect_server, digits_spec, gpuflow_home):
-    from gpuflow.flows.experiment import run_experiment
-
-    spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
-    state = run_experiment(spec, return_state=True)
-    limit = f"max_runtime_minutes is {LIMIT_MINUTES:g}"
+    state, limit = states["timeout"], f"max_runtime_minutes is {LIMIT_MINUTES:g}"
     assert "stopped by timeout" in state.message and limit in state.message, state.message
-    assert_stopped_and_clean(spec, state, gpuflow_home, "timeout")
+    assert_stopped_and_clean(timeout_spec, state, "timeout")
+
+    assert LocalBackend().status() == []
+    assert processes_under(gpuflow_home) == []
