@@ -167,12 +167,16 @@ def when_mlflow_answers(log, what: str, wait_s: float = MLFLOW_WAIT_S):
             time.sleep(5)
 
 
-def unreachable(exc: BaseException) -> bool:
-    """A connection that failed (refused, reset, timed out), as opposed to MLflow refusing the request."""
-    text = str(exc)
-    return isinstance(exc, OSError) or any(sign in text for sign in (
-        "Failed to establish a new connection", "Connection refused", "Max retries exceeded", "Read timed out",
-        "Connection aborted", "RemoteDisconnected"))
+def unreachable(exc: BaseException | None) -> bool:
+    """A connection that failed (refused, reset, timed out) anywhere in the exception's chain, as opposed to MLflow
+    refusing the request (an error response, an HTTP 4xx): MLflow's client wraps the first in an MlflowException."""
+    import requests
+
+    while exc is not None:
+        if isinstance(exc, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def unwrap(model):

@@ -232,6 +232,7 @@ def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, mon
     """A model (or profile) logged while the server restarts waits for it; a request MLflow refuses is not retried."""
     import threading
 
+    import requests
     from mlflow.exceptions import MlflowException
 
     from gpuflow.cluster.loop import when_mlflow_answers
@@ -254,8 +255,13 @@ def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, mon
     try:
         when_mlflow_answers(lambda: client.log_metric(run_id, "loss", 1.0), "metric", wait_s=120)
         assert [m.value for m in client.get_metric_history(run_id, "loss")] == [1.0]
+        refused_at = time.monotonic()
         with pytest.raises(MlflowException, match="RESOURCE_DOES_NOT_EXIST|not found"):
             when_mlflow_answers(lambda: client.get_run("0" * 32), "run", wait_s=120)
+        with pytest.raises(requests.HTTPError, match="404"):  # an HTTP error is an answer too (OSError by type)
+            when_mlflow_answers(lambda: requests.get(f"{client.tracking_uri}/no-such-page").raise_for_status(),
+                                "page", wait_s=120)
+        assert time.monotonic() - refused_at < 30, "a refused request is not retried"
     finally:
         back.set()
         restarter.join()
