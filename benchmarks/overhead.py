@@ -3,10 +3,13 @@
     python benchmarks/overhead.py [--repeats 3]
 
 Prints medians of wall time, cluster up, first training step, last step → last Ray process gone,
-the overhead in seconds (gpuflow − bare) and the ratio. Both runs train the same loop on the same data.
+the overhead in seconds (gpuflow − bare) and the ratio, and where each side's CPU time went (every process
+started for the run, by role): on a machine with few cores, CPU-seconds are what the wall time is made of.
+Both runs train the same loop on the same data, read through Ray Data.
 """
 
 import argparse
+import collections
 import os
 import re
 import shutil
@@ -17,6 +20,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "experiments" / "digits.yaml"
@@ -42,12 +47,62 @@ def ray_processes(home: Path, exclude: int) -> list[int]:
     return found
 
 
+def role(process: psutil.Process) -> str:
+    """What a process is for: Ray names its actors' processes (ray::TrainController), the rest by their module."""
+    command = process.cmdline()
+    if command and command[0].startswith("ray::"):
+        return command[0].split(".")[0]
+    text = " ".join(command)
+    for needle, name in (("gpuflow.flows.cli", "gpuflow run (flow)"), ("bare_ray_train", "bare script (driver)"),
+                         ("prefect", "prefect temporary API"), ("gpuflow.cluster.job", "gpuflow job (driver)"),
+                         ("local_ray", "cluster supervisor"), ("outlive", "gpuflow watchers"),
+                         ("gcs_server", "ray daemons"), ("raylet", "ray daemons"), ("dashboard", "ray daemons"),
+                         ("log_monitor", "ray daemons"), ("monitor.py", "ray daemons"), ("runtime_env", "ray daemons")):
+        if needle in text:
+            return name
+    return text[:60]
+
+
+class CpuByRole(threading.Thread):
+    """Samples every process of the run (GPUFLOW_HOME in its environment) until stopped: CPU-seconds by role."""
+
+    def __init__(self, home: Path, root_pid: int):
+        super().__init__(daemon=True)
+        self.marker, self.root_pid = f"GPUFLOW_HOME={home}\0".encode(), root_pid
+        self.seen: dict[tuple[int, float], tuple[str, float]] = {}
+        self.done = threading.Event()
+
+    def sample(self) -> None:
+        for process in psutil.process_iter():
+            try:
+                if process.pid != self.root_pid and self.marker not in Path(f"/proc/{process.pid}/environ").read_bytes():
+                    continue
+                times = process.cpu_times()
+                self.seen[(process.pid, process.create_time())] = (role(process), times.user + times.system)
+            except (OSError, psutil.Error):
+                continue
+
+    def run(self) -> None:
+        while not self.done.wait(0.25):
+            self.sample()
+
+    def stop(self) -> dict[str, float]:
+        self.sample()
+        self.done.set()
+        by_role = collections.Counter()
+        for name, seconds in self.seen.values():
+            by_role[name] += seconds
+        return dict(by_role)
+
+
 def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> dict:
     """Runs one command, timestamping its output lines; watches its Ray processes until the last is gone."""
     started = time.time()
     marks: dict[str, float] = {}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     exclude = -1 if driver_is_ray else process.pid
+    cpu = CpuByRole(home, process.pid)
+    cpu.start()
     gone_at = [None]
     training_over = threading.Event()
 
@@ -74,6 +129,7 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
     ended = time.time()
     training_over.set()
     watcher.join(timeout=60)
+    cpu_by_role = cpu.stop()
     if process.returncode != 0:
         sys.exit("".join(output[-40:]) + f"\nbenchmark run failed: {command}")
     return {
@@ -81,6 +137,8 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
         "cluster_up": marks.get("cluster_up", float("nan")),
         "first_step": marks.get("first_step", float("nan")),
         "last_step_to_ray_gone": (gone_at[0] or ended) - marks.get("last_step_at", ended),
+        "cpu_seconds": sum(cpu_by_role.values()),
+        "cpu": cpu_by_role,
     }
 
 
@@ -100,17 +158,31 @@ def main() -> None:
     for i in range(args.repeats):
         for name, command in (("bare", bare), ("gpuflow", gpuflow)):
             results[name].append(measure(command, env, home, driver_is_ray=name == "bare"))
-            print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()), flush=True)
-    medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
+            print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()
+                                                        if k != "cpu"), flush=True)
+    medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "cpu"}
+               for name, runs in results.items()}
     print(f"\nmedians over {args.repeats} runs each (seconds)")
     print(f"{'':24s}{'bare':>10s}{'gpuflow':>10s}")
     for key in medians["bare"]:
         print(f"{key:24s}{medians['bare'][key]:10.2f}{medians['gpuflow'][key]:10.2f}")
+    print_cpu_breakdown(results)
     overhead = medians["gpuflow"]["wall"] - medians["bare"]["wall"]
     print(f"\ngpuflow fixed overhead: {overhead:.2f} s (target ≤ 5 s)")
     print(f"ratio gpuflow / bare:   {medians['gpuflow']['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.15)")
     print(f"last step → last Ray process gone (gpuflow): {medians['gpuflow']['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)")
     shutil.rmtree(home, ignore_errors=True)
+
+
+def print_cpu_breakdown(results: dict) -> None:
+    """Median CPU-seconds per role, both sides in one table: the roles only gpuflow has are its overhead."""
+    roles = sorted({name for runs in results.values() for run in runs for name in run["cpu"]},
+                   key=lambda name: -statistics.median(run["cpu"].get(name, 0) for run in results["gpuflow"]))
+    print(f"\nCPU-seconds by process (median){'':6s}{'bare':>10s}{'gpuflow':>10s}")
+    for name in roles:
+        line = [statistics.median(run["cpu"].get(name, 0.0) for run in results[side]) for side in ("bare", "gpuflow")]
+        if max(line) >= 0.5:
+            print(f"{name:36s}{line[0]:10.1f}{line[1]:10.1f}")
 
 
 if __name__ == "__main__":

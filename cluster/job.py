@@ -98,6 +98,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gpuflow.cluster.ingest import SplitInMemory
     from gpuflow.cluster.tracking import tracking_callbacks
 
     compute = spec.compute
@@ -108,6 +109,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
         resolve(spec.train.loop),
         train_loop_config=loop_config(spec),
         datasets=datasets_of(spec),
+        dataset_config=SplitInMemory(),
         scaling_config=ray.train.ScalingConfig(
             num_workers=num_workers,
             use_gpu=compute.use_gpu,

@@ -1,0 +1,28 @@
+"""How Ray Train hands the spec's datasets to its workers: a small table, already in memory, is split there.
+
+Ray Data's default (`streaming_split`) starts a coordinator actor per dataset that streams blocks to the
+workers: right for data larger than memory, but for a few megabytes read at once (job.datasets_of) its start
+costs more than the whole read (measured on 2 cores: ~3.5 CPU-seconds and several seconds of wall time per
+dataset). A loop sees no difference: `ray.train.get_dataset_shard(name)` is its share either way, the same
+share every epoch.
+"""
+
+import ray.train
+from ray.data.dataset import MaterializedDataset
+
+
+class SplitInMemory(ray.train.DataConfig):
+    """Materialized datasets split into equal parts, one per worker; any other dataset streams as usual."""
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        shards = [{} for _ in range(world_size)]
+        streamed = {name: dataset for name, dataset in datasets.items() if not isinstance(dataset, MaterializedDataset)}
+        for name, dataset in datasets.items():
+            if name not in streamed:
+                for rank, part in enumerate(dataset.split(world_size, equal=True)):
+                    shards[rank][name] = part.iterator()
+        if streamed:
+            for rank, iterators in enumerate(super().configure(streamed, world_size, worker_handles, worker_node_ids,
+                                                               **kwargs)):
+                shards[rank].update(iterators)
+        return shards

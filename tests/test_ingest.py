@@ -1,0 +1,41 @@
+"""How the workers share the data (cluster/ingest.py): a table in memory is split into equal, disjoint parts without
+Ray Data's streaming coordinator; a dataset read lazily still streams. Real Ray Train on a real local cluster."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gpuflow.cluster.backends.local import LocalBackend, ray_env
+from gpuflow.cluster.spec import parse_spec
+from tests.conftest import REPO, processes_of
+
+ROWS = 100
+
+
+def test_each_worker_reads_an_equal_disjoint_share_of_each_dataset(gpuflow_home, tmp_path):
+    pq.write_table(pa.table({"id": list(range(ROWS, 2 * ROWS))}), tmp_path / "streamed.parquet")
+    spec = parse_spec({"train": {"loop": "tests.loops.plain:record_shards"}, "workdir": str(REPO),
+                       # three CPUs: two workers and one for Ray Data's read tasks
+                       "compute": {"workers_per_node": 3}, "limits": {"orphan_grace_minutes": 30}})
+    backend = LocalBackend()
+    handle = backend.launch(spec, "gpuflow-1b9e570000000000000000000000000a")
+    try:
+        driver = subprocess.run([sys.executable, "-m", "tests.shards_driver", handle.address, str(tmp_path),
+                                 str(tmp_path / "streamed.parquet"), str(ROWS)],
+                                cwd=REPO, env=ray_env(), capture_output=True, text=True, timeout=600)
+        assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
+    finally:
+        backend.down(handle.name)
+    seen = {(rank, epoch): json.loads((tmp_path / f"{rank}-{epoch}.json").read_text())
+            for rank in (0, 1) for epoch in (0, 1)}
+    for name, ids in (("in_memory", range(ROWS)), ("streamed", range(ROWS, 2 * ROWS))):
+        for epoch in (0, 1):
+            first, second = seen[(0, epoch)][name], seen[(1, epoch)][name]
+            assert len(first) == len(second) == ROWS // 2, (name, epoch)
+            assert sorted(first + second) == list(ids), (name, epoch)
+    # the in-memory split is fixed: each worker has the same share every epoch (a loop shuffles within it)
+    assert all(seen[(rank, 0)]["in_memory"] == seen[(rank, 1)]["in_memory"] for rank in (0, 1))
+    assert processes_of(gpuflow_home) == []
