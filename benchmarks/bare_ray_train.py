@@ -24,7 +24,6 @@ from gpuflow.cluster.job import datasets_of, loop_config  # noqa: E402
 from gpuflow.cluster.spec import load_spec, resolve  # noqa: E402
 
 
-
 class PrintEpochs(UserCallback):
     """What a user of bare Ray Train would watch: each report, as a line (the benchmark times the first and last)."""
 

@@ -15,12 +15,13 @@ class SplitInMemory(ray.train.DataConfig):
     """Materialized datasets split into equal parts, one per worker; any other dataset streams as usual."""
 
     def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-        shards = [{} for _ in range(world_size)]
-        streamed = {name: dataset for name, dataset in datasets.items() if not isinstance(dataset, MaterializedDataset)}
+        shards, streamed = [{} for _ in range(world_size)], {}
         for name, dataset in datasets.items():
-            if name not in streamed:
+            if isinstance(dataset, MaterializedDataset):
                 for rank, part in enumerate(dataset.split(world_size, equal=True)):
                     shards[rank][name] = part.iterator()
+            else:
+                streamed[name] = dataset
         if streamed:
             for rank, iterators in enumerate(super().configure(streamed, world_size, worker_handles, worker_node_ids,
                                                                **kwargs)):
