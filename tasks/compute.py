@@ -20,7 +20,14 @@ from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.limits import Check, Watchdog
 from gpuflow.cluster.spec import ExperimentSpec
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
+
+
+def visible(raw: str) -> str:
+    """What a terminal would show of a job's log line: progress bars redraw with \r and cursor moves, and another
+    process's line (an epoch's) can land after one on the same line."""
+    shown = [part for part in ANSI.sub("", raw).split("\r") if part.strip()]
+    return shown[-1].rstrip() if shown else ""
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
 TRIAL_LINE = re.compile(r"\[gpuflow\] trial \S+ .*\((\d+) of (\d+) done\)")  # a sweep's trial ended (cluster/sweep.py)
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
@@ -92,7 +99,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
     tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
 
     def on_line(raw: str) -> None:
-        line = ANSI.sub("", raw).rstrip()
+        line = visible(raw)
         life.output()
         if RESULT_PREFIX in line:  # SkyPilot prefixes each job line with "(task, pid=N) "
             payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
@@ -116,8 +123,9 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
         else:  # the console shows gpuflow's own lines; the Prefect run and the log file keep every line
             logger.info(line, extra={JOB_DETAIL: GPUFLOW_MARK not in line})
         # Only a bare result line (the local backend's own log) ends the tail early: a SkyPilot line carries
-        # its task prefix, and there the tail's return code is the job's outcome, which we would lose.
-        if line.startswith(RESULT_PREFIX):
+        # its task prefix, and there the tail's return code is the job's outcome, which we would lose. (The whole
+        # line, not what a terminal shows of it: a prefix before a \r is still a prefix.)
+        if ANSI.sub("", raw).startswith(RESULT_PREFIX):
             raise JobReported
 
     job_id = backend.exec(handle, spec, run_name, env)
