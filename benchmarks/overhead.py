@@ -28,22 +28,30 @@ SPEC = REPO / "experiments" / "digits.yaml"
 EPOCH = re.compile(r"\[gpuflow\] epoch \d+:")
 
 
-def ray_processes(home: Path, exclude: int) -> list[int]:
-    """Live Ray processes (daemons, workers, drivers, the job) started for this gpuflow home."""
+def started_for(home: Path) -> list[int]:
+    """Every process started for this gpuflow home: all of them inherit GPUFLOW_HOME."""
     marker = f"GPUFLOW_HOME={home}\0".encode()
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == exclude:
-            continue
         try:
-            if marker not in (entry / "environ").read_bytes():
-                continue
-            command = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            if entry.name.isdigit() and marker in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
         except OSError:
             continue
-        if state != "Z" and (b"ray" in command or b"gpuflow.cluster.job" in command):
-            found.append(int(entry.name))
+    return found
+
+
+def ray_processes(home: Path, exclude: int) -> list[int]:
+    """Live Ray processes (daemons, workers, drivers, the job) started for this gpuflow home."""
+    found = []
+    for pid in started_for(home):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if pid != exclude and state != "Z" and (b"ray" in command or b"gpuflow.cluster.job" in command):
+            found.append(pid)
     return found
 
 
@@ -68,15 +76,14 @@ class CpuByRole(threading.Thread):
 
     def __init__(self, home: Path, root_pid: int):
         super().__init__(daemon=True)
-        self.marker, self.root_pid = f"GPUFLOW_HOME={home}\0".encode(), root_pid
+        self.home, self.root_pid = home, root_pid
         self.seen: dict[tuple[int, float], tuple[str, float]] = {}
         self.done = threading.Event()
 
     def sample(self) -> None:
-        for process in psutil.process_iter():
+        for pid in {self.root_pid, *started_for(self.home)}:
             try:
-                if process.pid != self.root_pid and self.marker not in Path(f"/proc/{process.pid}/environ").read_bytes():
-                    continue
+                process = psutil.Process(pid)
                 times = process.cpu_times()
                 self.seen[(process.pid, process.create_time())] = (role(process), times.user + times.system)
             except (OSError, psutil.Error):

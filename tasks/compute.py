@@ -21,21 +21,21 @@ from gpuflow.cluster.limits import Check, Watchdog
 from gpuflow.cluster.spec import ExperimentSpec
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
-
-
-def visible(raw: str) -> str:
-    """What a terminal would show of a job's log line: progress bars redraw with \r and cursor moves, and another
-    process's line (an epoch's) can land after one on the same line."""
-    shown = [part for part in ANSI.sub("", raw).split("\r") if part.strip()]
-    return shown[-1].rstrip() if shown else ""
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
 TRIAL_LINE = re.compile(r"\[gpuflow\] trial \S+ .*\((\d+) of (\d+) done\)")  # a sweep's trial ended (cluster/sweep.py)
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
-# Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
 GPUFLOW_MARK = "[gpuflow]"
 JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
+# Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
+
+
+def visible(raw: str) -> str:
+    """What a terminal would show of a job's log line: progress bars redraw with \\r and cursor moves, and another
+    process's line (an epoch's) can land after one on the same line."""
+    shown = [part for part in ANSI.sub("", raw).split("\r") if part.strip()]
+    return shown[-1].rstrip() if shown else ""
 
 
 class JobFailed(RuntimeError):
