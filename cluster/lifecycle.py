@@ -51,6 +51,7 @@ class Lifecycle:
         self._launches: list = []  # futures of launches in flight (anything with .wait())
         self.requested_at = time.time()  # the bill runs from the provision request
         self.launched_at: float | None = None
+        self.job_started_at: float | None = None  # the training job's first start (after setup): limits count from it
         self.last_output_at: float | None = None  # the job's last log line: idle from here to the teardown
         self.teardown_requested_at: float | None = None
         self.teardown_seconds: float | None = None
@@ -74,6 +75,9 @@ class Lifecycle:
         self.launched_at = time.time()
         if hourly_usd is not None and self.price.source != "limits.hourly_rate_usd":
             self.price = launched_price(self.price, hourly_usd)
+
+    def job_started(self) -> None:
+        self.job_started_at = self.job_started_at or time.time()
 
     def hourly_usd(self) -> float:
         return self.price.hourly_usd

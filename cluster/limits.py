@@ -14,12 +14,15 @@ from typing import Callable
 Check = Callable[[], "tuple[str, str] | None"]
 
 
-def deadline_check(max_runtime_minutes: float, started: float) -> Check:
-    """Fires when max_runtime_minutes have passed since `started` (the job's start)."""
+def deadline_check(max_runtime_minutes: float, started: float | Callable[[], float | None]) -> Check:
+    """Fires when max_runtime_minutes have passed since `started` (the job's start; a callable: None until then)."""
     limit_s = max_runtime_minutes * 60
+    started_at = started if callable(started) else lambda: started
 
     def check():
-        elapsed = time.time() - started
+        if started_at() is None:
+            return None
+        elapsed = time.time() - started_at()
         if elapsed >= limit_s:
             return "timeout", (f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
                                f"limits.max_runtime_minutes is {max_runtime_minutes:g}")

@@ -19,6 +19,7 @@ from gpuflow.cluster.backends import HEAD_NODE_RESOURCES
 # Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
 RAY_PORT = 6390
 JOIN_TIMEOUT_S = 300
+SETUP_DONE = "[gpuflow] setup finished"  # rank 0's first line: the flow counts the job's runtime from here
 
 
 def ray(*args: str) -> list[str]:
@@ -58,6 +59,7 @@ def main() -> int:
     if rank != 0:
         return subprocess.call(ray("start", f"--address={address}", "--block", *common))
 
+    print(f"{SETUP_DONE}: starting Ray on {num_nodes} node(s)", flush=True)
     # --block keeps every Ray process a child of this job, so whatever ends the job (a cancel, a Slurm
     # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
     # Not `ray stop`: it stops every Ray of this user on the machine, other jobs' included.

@@ -10,7 +10,7 @@ import time
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from gpuflow.cluster.backends import cluster_name_for, get_backend, train_run_name
+from gpuflow.cluster.backends import Job, cluster_name_for, get_backend, train_run_name
 from gpuflow.cluster.cost import hourly_cost
 from gpuflow.cluster.lifecycle import Lifecycle
 from gpuflow.cluster.limits import Watchdog
@@ -42,10 +42,12 @@ def this_flow_run() -> dict[str, str | None]:
             "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name}
 
 
-def job_env(spec: ExperimentSpec, run_id: str, life: Lifecycle) -> dict[str, str]:
-    """What the job needs to enforce the run's limits and lease on its own, should the flow die."""
-    return {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id,
-            "GPUFLOW_REQUESTED_AT": f"{life.requested_at:.3f}", "GPUFLOW_HOURLY_USD": f"{life.hourly_usd():.6g}"}
+def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:
+    """The training job: Ray Train's run name (the checkpoints' folder, stable for the flow run) and what the job
+    needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die."""
+    env = {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": record.run_id,
+           "GPUFLOW_REQUESTED_AT": f"{life.requested_at:.3f}", "GPUFLOW_HOURLY_USD": f"{life.hourly_usd():.6g}"}
+    return Job(train_run_name(spec.name, record.flow_run_id), env)
 
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
@@ -66,21 +68,25 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     life = Lifecycle(cluster_name, get_backend(spec.compute.backend).down, hourly_cost(spec), record.close, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
     with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
-        # Data, tracking and the cluster have no order between them: start them together.
+        # Data, tracking and the cluster have no order between them: start them together. Where the job starts with
+        # the cluster (SkyPilot: setup and training are one job), its data and MLflow run come first.
         data = stage_data.submit(spec)
         mlflow_run = open_mlflow_run.submit(spec, cluster_name, flow_run)
-        cluster = provision.submit(spec, cluster_name)
+        if get_backend(spec.compute.backend).starts_job_at_launch:
+            data.result()
+            record.opened(mlflow_run.result(), life.price)
+        cluster = provision.submit(spec, cluster_name, job_for(spec, record, life) if record.run_id else None)
         life.launching(cluster)
-        run_id = record.opened(mlflow_run.result(), life.price)
+        run_id = record.run_id or record.opened(mlflow_run.result(), life.price)
         data.result()
         handle = cluster.result()
         life.launched(handle.info.get("hourly_cost_usd"))
         record.phases["provision_seconds"] = life.launched_at - life.requested_at
 
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
-        stop_checks = [cost_check(spec, life), deadline_check(spec, time.time()), idle_gpu_check(spec, run_id)]
-        result = train_resuming(spec, handle, train_run_name(spec.name, flow_run["id"]), job_env(spec, run_id, life),
-                                life, stop_checks)  # a lost cluster is relaunched, and training resumes
+        stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run_id)]
+        # a lost cluster is relaunched, and training resumes
+        result = train_resuming(spec, handle, job_for(spec, record, life), life, stop_checks)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: down it before registering, which needs only MLflow.

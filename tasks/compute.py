@@ -13,11 +13,12 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.cluster import limits
-from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, flow_run_id_of, get_backend
+from gpuflow.cluster.backends import ClusterHandle, Job, cluster_name_for, flow_run_id_of, get_backend
 from gpuflow.cluster.guard import STOP_PREFIX
 from gpuflow.cluster.job import RESULT_PREFIX
 from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.limits import Check, Watchdog
+from gpuflow.cluster.node import SETUP_DONE
 from gpuflow.cluster.spec import ExperimentSpec
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
@@ -75,18 +76,20 @@ def worth_retrying(task, task_run, state) -> bool:
 
 
 @task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)
-def provision(spec: ExperimentSpec, cluster_name: str) -> ClusterHandle:
-    """Brings the cluster up (or finds it, on a retry of the same flow run)."""
+def provision(spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -> ClusterHandle:
+    """Brings the cluster up (or finds it, on a retry of the same flow run); starts `job` with it where the backend
+    does (SkyPilot)."""
     logger = get_run_logger()
     logger.info(f"provisioning {spec.compute.backend} cluster {cluster_name}: {spec.compute.num_nodes} node(s)")
     started = time.time()
-    handle = get_backend(spec.compute.backend).launch(spec, cluster_name, on_line=lambda line: logger.info(line))
+    handle = get_backend(spec.compute.backend).launch(spec, cluster_name, on_line=lambda line: logger.info(line),
+                                                      job=job)
     logger.info(f"cluster {cluster_name} is up in {time.time() - started:.1f}s at {handle.address or 'remote'}")
     return handle
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str], life: Lifecycle,
+def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
           stop_checks: list[Check] = ()) -> TrainResult:
     """Runs the job on the cluster, its log streamed here; a stop check that fires stops the run through `life`."""
     logger = get_run_logger()
@@ -105,6 +108,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
             result.sweep = payload.get("sweep")
+        if SETUP_DONE in line:  # the job's setup (SkyPilot) ended: training starts
+            life.job_started()
         stopped = STOP_LINE.search(line)
         if stopped:  # the job enforced a limit itself (and closed the MLflow run)
             life.stop(stopped.group(1), stopped.group(2))
@@ -128,7 +133,9 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
         if ANSI.sub("", raw).startswith(RESULT_PREFIX):
             raise JobReported
 
-    job_id = backend.exec(handle, spec, run_name, env)
+    job_id = backend.exec(handle, spec, job.run_name, job.env)
+    if not backend.starts_job_at_launch:
+        life.job_started()
     # Where asking is cheap (local), a lost node is noticed at once and its job ended, instead of Ray's own timeouts.
     loss_checks = [loss_check(backend, handle.name)] if backend.loss_poll_s else []
     with Watchdog(stop_checks, life.stop), \
@@ -139,11 +146,11 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[
             # The Ray driver's own shutdown takes seconds of idle cluster; the teardown that follows ends it.
             exit_code = 0
         except Exception as exc:  # the log stream broke (a node gone, its connection cut): judged like a failed job
-            if life.stopped or stopped_by_the_job(env, life):
+            if life.stopped or stopped_by_the_job(job.env, life):
                 raise RunStopped(life.stop_reason, life.stop_detail) from exc
             raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
     result.train_seconds = time.time() - started
-    if life.stopped or (exit_code != 0 and stopped_by_the_job(env, life)):
+    if life.stopped or (exit_code != 0 and stopped_by_the_job(job.env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)
     if exit_code != 0:
         raise JobFailed(f"training job failed with exit code {exit_code}; the end of its log:\n" + "\n".join(tail),
@@ -187,7 +194,7 @@ def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
         time.sleep(min(10.0, settle_s / 6))
 
 
-def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, env: dict[str, str], life: Lifecycle,
+def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
                    stop_checks: list[Check] = ()) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
     and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
@@ -196,7 +203,7 @@ def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, e
     backend = get_backend(spec.compute.backend)
     for recovery in range(spec.compute.max_recoveries + 1):
         try:
-            return train(spec, handle, run_name, env, life, stop_checks)
+            return train(spec, handle, job, life, stop_checks)
         except JobFailed as failure:
             lost = None if life.stopped else lost_after(backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
             if not lost:
@@ -209,7 +216,7 @@ def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, run_name: str, e
             get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
                                      f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
             life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1))  # downs the lost one
-            handle = provision(spec, life.cluster_name)
+            handle = provision(spec, life.cluster_name, job)
     raise AssertionError("unreachable")
 
 
@@ -223,8 +230,9 @@ def teardown(life: Lifecycle) -> float:
     return seconds
 
 
-def deadline_check(spec: ExperimentSpec, started: float) -> Check:
-    return limits.deadline_check(spec.limits.max_runtime_minutes, started)
+def deadline_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
+    """limits.max_runtime_minutes bounds the job from its start on the cluster: a setup before it is not its runtime."""
+    return limits.deadline_check(spec.limits.max_runtime_minutes, lambda: life.job_started_at)
 
 
 def cost_check(spec: ExperimentSpec, life: Lifecycle) -> Check:

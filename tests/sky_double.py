@@ -1,8 +1,9 @@
 """A stand-in for SkyPilot's SDK where no cloud can be reached: it behaves as SkyPilot 0.14 does.
 
 Calls return request ids; results and errors come out of `stream_and_get`/`get`; a request takes
-time and can be cancelled (`api_cancel`) while in flight; a failed setup leaves the cluster UP
-(SkyPilot does this on purpose, even with down=True); `down` of an unknown cluster raises
+time and can be cancelled (`api_cancel`) while in flight; `launch` submits setup (and run) as one job and
+returns its id at once; a failed setup ends that job FAILED_SETUP and leaves the cluster UP (SkyPilot does
+this on purpose, even with down=True); `down` of an unknown cluster raises
 ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job; `down_failures` makes deletions fail.
 """
 
@@ -99,6 +100,8 @@ class FakeSky:
 
     # -- verbs ------------------------------------------------------------------------------------
     def launch(self, task, cluster_name=None, idle_minutes_to_autostop=None, down=False, **_):
+        """As SkyPilot 0.14: provisions, then submits setup (and run, if the task has one) as one job and returns its
+        id without waiting for it. A failed setup ends that job FAILED_SETUP and leaves the cluster UP."""
         self.calls.append(("launch", cluster_name, idle_minutes_to_autostop, down, task.to_yaml_config()))
 
         def run(request):
@@ -110,11 +113,10 @@ class FakeSky:
                 self.clusters[cluster_name] = {"name": cluster_name, "status": sky.ClusterStatus.UP,
                                                "launched_at": int(time.time()), "autostop": idle_minutes_to_autostop,
                                                "to_down": down, "jobs": {}}
-            request.lines.append(f"Cluster {cluster_name} is up; running setup")
-            if self.scenario == "setup":
-                request.lines.append("ERROR: No matching distribution found for torch==9.9")
-                raise sky.exceptions.CommandError(1, task.setup, "Failed to setup with return code 1.", None)
-            return None, SimpleNamespace(cluster_name=cluster_name)
+            request.lines.append(f"Cluster {cluster_name} is up")
+            job_id = self._add_job(cluster_name, setup=task.setup is not None, run=task.run is not None)
+            request.lines.append(f"Job submitted, ID: {job_id}")
+            return job_id, SimpleNamespace(cluster_name=cluster_name)
 
         return self._submit("launch", cluster_name, run, self.launch_s)
 
@@ -122,16 +124,27 @@ class FakeSky:
         self.calls.append(("exec", cluster_name, task.to_yaml_config()))
 
         def run(request):
-            cluster = self._cluster(cluster_name)
-            job_id = len(cluster["jobs"]) + 1
-            failed = self.scenario == "job"
-            cluster["jobs"][job_id] = {"status": JobStatus.RUNNING, "finish_at": time.time() + self.job_s,
-                                       "final": JobStatus.FAILED if failed else JobStatus.SUCCEEDED,
-                                       "log": self.job_log + (["Traceback (most recent call last):",
-                                                               "RuntimeError: fail_at_epoch=1: failing on purpose"] if failed else [])}
-            return job_id, SimpleNamespace(cluster_name=cluster_name)
+            self._cluster(cluster_name)
+            return self._add_job(cluster_name, setup=False, run=True), SimpleNamespace(cluster_name=cluster_name)
 
         return self._submit("exec", cluster_name, run)
+
+    def _add_job(self, cluster_name, setup: bool, run: bool) -> int:
+        jobs = self._cluster(cluster_name)["jobs"]
+        job_id = len(jobs) + 1
+        log, final = [], JobStatus.SUCCEEDED
+        if setup:
+            log.append("(setup pid=4242) Installing the project")
+            if self.scenario == "setup":
+                log.append("(setup pid=4242) ERROR: No matching distribution found for torch==9.9")
+                final = JobStatus.FAILED_SETUP
+        if run and final == JobStatus.SUCCEEDED:
+            log += self.job_log
+            if self.scenario == "job":
+                log += ["Traceback (most recent call last):", "RuntimeError: fail_at_epoch=1: failing on purpose"]
+                final = JobStatus.FAILED
+        jobs[job_id] = {"status": JobStatus.RUNNING, "finish_at": time.time() + self.job_s, "final": final, "log": log}
+        return job_id
 
     def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **_):
         job = self._cluster(cluster_name)["jobs"][job_id]
@@ -140,7 +153,7 @@ class FakeSky:
         for line in job["log"]:
             output_stream.write(line + "\n")
         job["status"] = job["final"] if cluster_name in self.clusters else JobStatus.FAILED
-        return 0 if job["status"] == JobStatus.SUCCEEDED else 100
+        return 0 if job["status"] == JobStatus.SUCCEEDED else sky.exceptions.JobExitCode.FAILED.value
 
     def job_status(self, cluster_name, job_ids=None):
         def run(request):

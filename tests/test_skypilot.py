@@ -9,7 +9,7 @@ import pytest
 import sky
 import yaml
 
-from gpuflow.cluster.backends import cluster_name_for
+from gpuflow.cluster.backends import Job, cluster_name_for
 from gpuflow.cluster.backends.skypilot import (
     DEFAULT_SETUP, RUN, WHEEL_MOUNT, SkyPilotBackend, build_task, resources_for, task_yaml,
 )
@@ -86,15 +86,31 @@ def test_nodes_install_this_gpuflow_from_a_wheel_without_an_index(gpuflow_home, 
     assert (target / "bin" / "gpuflow").is_file()
 
 
+def test_one_skypilot_job_sets_up_and_trains():
+    """The launch starts setup and training as one SkyPilot job: the flow submits no second job (`exec` would add a
+    request and a job start), and that job carries the run's environment."""
+    fake, lines = FakeSky(), []
+    backend = SkyPilotBackend(fake)
+    handle = backend.launch(gpu_spec(), NAME, on_line=lines.append, job=Job("digits-6f1e", {"GPUFLOW_MLFLOW_RUN_ID": "r1"}))
+    [(_, _, _, _, config)] = [c for c in fake.calls if c[0] == "launch"]
+    assert config["setup"] and config["run"] == RUN
+    assert config["envs"]["GPUFLOW_MLFLOW_RUN_ID"] == "r1" and config["envs"]["GPUFLOW_RUN_NAME"] == "digits-6f1e"
+    job_id = backend.exec(handle, gpu_spec(), "digits-6f1e", {"GPUFLOW_MLFLOW_RUN_ID": "r1"})
+    assert not [c for c in fake.calls if c[0] == "exec"]
+    assert backend.tail_logs(handle, job_id, lines.append) == 0
+    assert any("setup and training run as SkyPilot job 1" in line for line in lines)
+    assert any("epoch 0" in line for line in lines)
+
+
 def test_each_job_gets_its_own_ray_token_as_a_secret():
     fake = FakeSky()
     backend = SkyPilotBackend(fake)
-    handle = backend.launch(gpu_spec(), NAME, on_line=lambda line: None)
-    backend.exec(handle, gpu_spec(), "run", {})
-    backend.exec(handle, gpu_spec(), "run", {})
-    configs = [c[2] for c in fake.calls if c[0] == "exec"]
+    handle = backend.launch(gpu_spec(), NAME, on_line=lambda line: None, job=Job("run", {}))
+    backend.exec(handle, gpu_spec(), "run", {})  # the launch's job
+    backend.exec(handle, gpu_spec(), "run", {})  # another one
+    configs = [c[4] for c in fake.calls if c[0] == "launch"] + [c[2] for c in fake.calls if c[0] == "exec"]
     tokens = {config["secrets"]["RAY_AUTH_TOKEN"] for config in configs}
-    assert len(tokens) == 2 and all(len(token) == 64 for token in tokens)
+    assert len(configs) == 2 and len(tokens) == 2 and all(len(token) == 64 for token in tokens)
     assert not any("RAY_AUTH_TOKEN" in config["envs"] for config in configs)  # secrets, not envs: SkyPilot redacts them
 
 
@@ -115,11 +131,21 @@ def test_setup_failure_leaves_a_cluster_that_down_removes():
     fake, lines = FakeSky("setup"), []
     backend = SkyPilotBackend(fake)
     with pytest.raises(sky.exceptions.CommandError):
-        backend.launch(gpu_spec(), NAME, on_line=lines.append)
+        backend.launch(gpu_spec(), NAME, on_line=lines.append)  # setup alone: the launch waits for it
     assert NAME in fake.clusters  # as SkyPilot does, even with down=True
     assert any("No matching distribution" in line for line in lines)  # the setup log is shown
     assert backend.down(NAME) is True and fake.clusters == {}
     assert backend.down(NAME) is False  # idempotent
+
+
+def test_a_setup_failure_in_the_job_says_so():
+    fake, lines = FakeSky("setup"), []
+    backend = SkyPilotBackend(fake)
+    handle = backend.launch(gpu_spec(), NAME, on_line=lines.append, job=Job("run", {}))
+    assert backend.tail_logs(handle, backend.exec(handle, gpu_spec(), "run", {}), lines.append) != 0
+    assert any("No matching distribution" in line for line in lines)
+    assert lines[-1].endswith(f"setup on {NAME} failed (FAILED_SETUP); its log is above")
+    assert not any("epoch 0" in line for line in lines)  # training never started
 
 
 def test_every_launch_sets_autostop_and_autodown():

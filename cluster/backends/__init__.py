@@ -1,9 +1,11 @@
 """One interface for every place a Ray cluster can come from, with SkyPilot's verbs.
 
-launch(spec, name) -> handle; exec(handle, ...) -> job id; tail_logs(handle, job id, on_line) -> exit code;
+launch(spec, name, job=None) -> handle; exec(handle, ...) -> job id; tail_logs(handle, job id, on_line) -> exit code;
 status() -> our clusters; lost(name) -> why a cluster is no longer whole (a node or all of it gone), else None;
 down(name) tears a cluster down, idempotent and safe on a half-made one.
 `down` takes a name, not a handle: Prefect's cancel and crash hooks run in another process.
+A backend that `starts_job_at_launch` (SkyPilot) starts the job given to `launch` with the cluster, as one job of
+setup and training; `exec` then returns that job's id instead of submitting another.
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ class ClusterHandle:
 
 
 @dataclass
+class Job:
+    """The training job a launch may start with its cluster: Ray Train's run name and the job's environment."""
+    run_name: str
+    env: dict[str, str]
+
+
+@dataclass
 class ClusterStatus:
     name: str
     backend: str
@@ -41,8 +50,10 @@ class ClusterStatus:
 class Backend(Protocol):
     name: str
     loss_poll_s: float | None  # how often the flow may ask `lost` while a job runs; None: only once it failed
+    starts_job_at_launch: bool  # `launch` starts the job it is given: its data and MLflow run must exist first
 
-    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle: ...
+    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
+               job: Job | None = None) -> ClusterHandle: ...
 
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str: ...
 

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from gpuflow.cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus
+from gpuflow.cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
 from gpuflow.cluster.guard import LOCAL_CLUSTER_ENV
 from gpuflow.cluster.spec import ExperimentSpec, state_dir
 
@@ -32,13 +32,15 @@ WARM_CLUSTER_ENV = "GPUFLOW_WARM_CLUSTER"
 class LocalBackend:
     name = "local"
     loss_poll_s = 1.0  # `lost` reads a file: the flow may ask every second
+    starts_job_at_launch = False  # `exec` starts it: a process, at once
 
     def __init__(self, root: Path | None = None):
         self.root = root or state_dir() / "clusters"
         self._children: dict[str, subprocess.Popen] = {}  # ours to reap
 
     # -- launch -----------------------------------------------------------------------------------
-    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle:
+    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
+               job: Job | None = None) -> ClusterHandle:
         """Starts the cluster, or returns it if a cluster of that name is already up (SkyPilot's semantics)."""
         record = self._record(cluster_name)
         if not (record and session_alive(record["session"])):

@@ -11,7 +11,7 @@ import secrets
 import time
 from typing import Callable
 
-from gpuflow.cluster.backends import ClusterHandle, ClusterStatus
+from gpuflow.cluster.backends import ClusterHandle, ClusterStatus, Job
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
 
 RUN = "python -m gpuflow.cluster.node"  # the whole job, see cluster/node.py
@@ -79,6 +79,12 @@ def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[s
         secrets={name: os.environ.get(name, "") for name in job_secrets(spec)} or None,
     )
     task.set_resources(resources_for(spec))
+    return task
+
+
+def with_ray_token(task):
+    """One token per job for our Ray cluster (Ray 2.60 wants token auth); every node gets it, no log shows it."""
+    task.update_secrets({"RAY_AUTH_TOKEN": secrets.token_hex(32)})
     return task
 
 
@@ -166,6 +172,7 @@ def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
 class SkyPilotBackend:
     name = "skypilot"
     loss_poll_s = None  # `lost` asks the cloud; a lost node ends the SkyPilot job anyway, so ask only then
+    starts_job_at_launch = True
 
     def __init__(self, sdk=None):
         self.sky = sdk or load_sdk()
@@ -190,40 +197,59 @@ class SkyPilotBackend:
         finally:
             stream.flush()
 
-    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print) -> ClusterHandle:
-        """Provisions and runs setup; autostop + down=True make the cluster delete itself if we die."""
+    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
+               job: Job | None = None) -> ClusterHandle:
+        """Provisions, then runs setup and the job as one SkyPilot job; autostop + down=True make the cluster
+        delete itself if we die. Without a job, runs setup alone and waits for it."""
         started = time.time()
-        request_id = self.sky.launch(
-            build_task(spec, with_run=False), cluster_name=cluster_name,
-            idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True,
-        )
-        setup_job_id, launched = self._wait(request_id, on_line)
-        if setup_job_id is not None:
+        task = with_ray_token(build_task(spec, run_name=job.run_name, env=job.env)) if job else \
+            build_task(spec, with_run=False)
+        request_id = self.sky.launch(task, cluster_name=cluster_name,
+                                     idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True)
+        job_id, launched = self._wait(request_id, on_line)
+        info = {"request_id": str(request_id), "hourly_cost_usd": launched_hourly_usd(launched)}
+        if job is not None:
+            # One job, not a setup job then a training job: `exec` would add a request and a job start (~18 s).
+            on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
+                    f"setup and training run as SkyPilot job {job_id}")
+            info["job_id"] = str(job_id)
+        elif job_id is not None:
             # SkyPilot 0.14 runs setup detached, as a job of its own, and returns before it ends:
             # wait for it here so that its log is shown and a broken setup fails the launch.
-            on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; setup runs as SkyPilot job {setup_job_id}")
+            on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; setup runs as SkyPilot job {job_id}")
             setup_started = time.time()
-            code = self._follow(cluster_name, setup_job_id, on_line)
+            code = self._follow(cluster_name, job_id, on_line)
             if code != 0:
                 raise self.sky.exceptions.CommandError(
                     code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
-                    f"SkyPilot job {setup_job_id} ran the task's setup")
+                    f"SkyPilot job {job_id} ran the task's setup")
             on_line(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
-        return ClusterHandle(cluster_name, self.name, info={"request_id": str(request_id),
-                                                             "hourly_cost_usd": launched_hourly_usd(launched)})
+        return ClusterHandle(cluster_name, self.name, info=info)
 
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
-        task = build_task(spec, run_name=run_name, env=env, with_setup=False)
-        # One token per job for our Ray cluster (Ray 2.60 wants token auth); every node gets it, no log shows it.
-        task.update_secrets({"RAY_AUTH_TOKEN": secrets.token_hex(32)})
+        """The job the launch started, else a new one on the cluster."""
+        if handle.info.get("job_id"):
+            return handle.info.pop("job_id")
+        task = with_ray_token(build_task(spec, run_name=run_name, env=env, with_setup=False))
         job_id, _ = self._wait(self.sky.exec(task, cluster_name=handle.name), lambda line: None)
         return str(job_id)
 
     def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int:
         """Follows the job's log; returns 0 when the job SUCCEEDED, SkyPilot's non-zero job exit code otherwise."""
         code = self._follow(handle.name, int(job_id), on_line)
-        on_line(f"[gpuflow] SkyPilot job {job_id} on {handle.name}: {job_outcome(code)}")
+        outcome = job_outcome(code)
+        if code == self.sky.exceptions.JobExitCode.FAILED and self._setup_failed(handle.name, int(job_id)):
+            outcome = f"setup on {handle.name} failed (FAILED_SETUP); its log is above"
+        on_line(f"[gpuflow] SkyPilot job {job_id} on {handle.name}: {outcome}")
         return code
+
+    def _setup_failed(self, cluster_name: str, job_id: int) -> bool:
+        """Whether a failed job failed in its setup: tail_logs' exit code says FAILED either way."""
+        try:
+            status = self.sky.get(self.sky.job_status(cluster_name, [job_id])).get(job_id)
+        except Exception:  # the cluster is gone: the job did not fail in its setup alone
+            return False
+        return getattr(status, "value", str(status)) == "FAILED_SETUP"
 
     def _follow(self, cluster_name: str, job_id: int, on_line: Callable[[str], None]) -> int:
         # tail_logs' return code is the job's outcome (sky.exceptions.JobExitCode): no job_status round trip
