@@ -161,12 +161,32 @@ def system_metrics_monitor():
     return monitor
 
 
+JOIN_TIMEOUT_S = 300
+
+
+def alive_nodes() -> int:
+    import ray
+
+    return sum(1 for node in ray.nodes() if node["Alive"])
+
+
+def wait_for_nodes(count: int) -> None:
+    """Waits until `count` Ray nodes have joined (a multi-node SkyPilot cluster's other nodes start alongside)."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while (joined := alive_nodes()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {joined} of {count} nodes joined the Ray cluster within {JOIN_TIMEOUT_S}s")
+        print(f"[gpuflow] {joined}/{count} Ray nodes joined", flush=True)
+        time.sleep(2)
+
+
 def main(argv=None) -> int:
     block_owner_signal()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="spec as JSON (ExperimentSpec.model_dump_json)")
     parser.add_argument("--address", required=True, help="GCS address of the Ray cluster to run on")
     parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
+    parser.add_argument("--nodes", type=int, default=1, help="wait for this many Ray nodes before training")
     args = parser.parse_args(argv)
     tune_ray_train()
     spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
@@ -186,7 +206,8 @@ def main(argv=None) -> int:
     started = time.time()
     ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
-    print(f"[gpuflow] connected to Ray at {args.address}: {len(ray.nodes())} node(s)", flush=True)
+    wait_for_nodes(args.nodes)
+    print(f"[gpuflow] connected to Ray at {args.address}: {alive_nodes()} node(s)", flush=True)
     from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only here, on the cluster
 
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads

@@ -11,14 +11,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
 from gpuflow.cluster.backends import HEAD_NODE_RESOURCES
 
 # Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
 RAY_PORT = 6390
-JOIN_TIMEOUT_S = 300
+HEAD_STARTED = "Ray runtime started."  # what `ray start` prints once its node is up
 SETUP_DONE = "[gpuflow] setup finished"  # rank 0's first line: the flow counts the job's runtime from here
 
 
@@ -26,20 +26,19 @@ def ray(*args: str) -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts", *args]
 
 
-def wait_for_nodes(address: str, count: int, head: subprocess.Popen) -> None:
-    probe = ("import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-             "print(sum(1 for n in ray.nodes() if n['Alive']))")
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise RuntimeError(f"`ray start --head` exited with {head.returncode}; its log is above")
-        out = subprocess.run([sys.executable, "-c", probe, address], capture_output=True, text=True)
-        joined = int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else 0
-        print(f"[gpuflow] {joined}/{count} Ray nodes joined", flush=True)
-        if joined >= count:
+def wait_until_started(head: subprocess.Popen) -> None:
+    """Passes the head's output on until it says Ray runs (the rest from a thread): no probe process importing Ray."""
+    for line in head.stdout:
+        print(line, end="", flush=True)
+        if HEAD_STARTED in line:
+            threading.Thread(target=pass_on, args=(head.stdout,), daemon=True).start()
             return
-        time.sleep(2)
-    raise TimeoutError(f"only some of {count} nodes joined the Ray cluster within {JOIN_TIMEOUT_S}s")
+    raise RuntimeError(f"`ray start --head` exited with {head.wait()}; its log is above")
+
+
+def pass_on(stream) -> None:
+    for line in stream:
+        print(line, end="", flush=True)
 
 
 def main() -> int:
@@ -64,13 +63,16 @@ def main() -> int:
     # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
     # Not `ray stop`: it stops every Ray of this user on the machine, other jobs' included.
     head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
-                                f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common))
+                                f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_nodes(address, num_nodes, head)
+        wait_until_started(head)
         spec_file = Path(temp_dir) / "spec.json"
         spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
+        # the job waits for the other nodes to join: it connects to Ray anyway
         return subprocess.call([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
-                                "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"]])
+                                "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"],
+                                "--nodes", str(num_nodes)])
     finally:
         head.terminate()
         try:

@@ -22,6 +22,8 @@ from gpuflow.cluster.node import SETUP_DONE
 from gpuflow.cluster.spec import ExperimentSpec
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
+# the job's own result line: bare (the local backend's log) or behind SkyPilot's "(task, pid=N) ", not a Ray worker's
+RESULT_LINE = re.compile(r"(?:\([^()]*, pid=\d+\) )?" + re.escape(RESULT_PREFIX))
 EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
 TRIAL_LINE = re.compile(r"\[gpuflow\] trial \S+ .*\((\d+) of (\d+) done\)")  # a sweep's trial ended (cluster/sweep.py)
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
@@ -127,10 +129,10 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             logger.debug(line)
         else:  # the console shows gpuflow's own lines; the Prefect run and the log file keep every line
             logger.info(line, extra={JOB_DETAIL: GPUFLOW_MARK not in line})
-        # Only a bare result line (the local backend's own log) ends the tail early: a SkyPilot line carries
-        # its task prefix, and there the tail's return code is the job's outcome, which we would lose. (The whole
-        # line, not what a terminal shows of it: a prefix before a \r is still a prefix.)
-        if ANSI.sub("", raw).startswith(RESULT_PREFIX):
+        # The job's result line is its last act: the tail ends there, not once the job's process and Ray have
+        # stopped (seconds of an idle, billing cluster). The whole line, not what a terminal shows of it: a worker's
+        # line holding the same text carries Ray's prefix, and a prefix before a \r is still a prefix.
+        if RESULT_LINE.match(ANSI.sub("", raw)):
             raise JobReported
 
     job_id = backend.exec(handle, spec, job.run_name, job.env)
