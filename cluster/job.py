@@ -170,14 +170,16 @@ def alive_nodes() -> int:
     return sum(1 for node in ray.nodes() if node["Alive"])
 
 
-def wait_for_nodes(count: int) -> None:
-    """Waits until `count` Ray nodes have joined (a multi-node SkyPilot cluster's other nodes start alongside)."""
+def wait_for_nodes(count: int) -> int:
+    """Waits until `count` Ray nodes have joined (a multi-node SkyPilot cluster's other nodes start alongside);
+    returns how many are alive."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while (joined := alive_nodes()) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {joined} of {count} nodes joined the Ray cluster within {JOIN_TIMEOUT_S}s")
         print(f"[gpuflow] {joined}/{count} Ray nodes joined", flush=True)
         time.sleep(2)
+    return joined
 
 
 def main(argv=None) -> int:
@@ -206,8 +208,7 @@ def main(argv=None) -> int:
     started = time.time()
     ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
-    wait_for_nodes(args.nodes)
-    print(f"[gpuflow] connected to Ray at {args.address}: {alive_nodes()} node(s)", flush=True)
+    print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
     from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only here, on the cluster
 
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads

@@ -20,9 +20,10 @@ def deadline_check(max_runtime_minutes: float, started: float | Callable[[], flo
     started_at = started if callable(started) else lambda: started
 
     def check():
-        if started_at() is None:
+        start = started_at()
+        if start is None:
             return None
-        elapsed = time.time() - started_at()
+        elapsed = time.time() - start
         if elapsed >= limit_s:
             return "timeout", (f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
                                f"limits.max_runtime_minutes is {max_runtime_minutes:g}")

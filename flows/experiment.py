@@ -65,14 +65,15 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     flow_run = this_flow_run()
     cluster_name = cluster_name_for(flow_run["id"])
     record = RunRecord(spec, flow_run["id"])
-    life = Lifecycle(cluster_name, get_backend(spec.compute.backend).down, hourly_cost(spec), record.close, logger.info)
+    backend = get_backend(spec.compute.backend)
+    life = Lifecycle(cluster_name, backend.down, hourly_cost(spec), record.close, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
     with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
         # Data, tracking and the cluster have no order between them: start them together. Where the job starts with
         # the cluster (SkyPilot: setup and training are one job), its data and MLflow run come first.
         data = stage_data.submit(spec)
         mlflow_run = open_mlflow_run.submit(spec, cluster_name, flow_run)
-        if get_backend(spec.compute.backend).starts_job_at_launch:
+        if backend.starts_job_at_launch:
             data.result()
             record.opened(mlflow_run.result(), life.price)
         cluster = provision.submit(spec, cluster_name, job_for(spec, record, life) if record.run_id else None)

@@ -124,7 +124,6 @@ class FakeSky:
         self.calls.append(("exec", cluster_name, task.to_yaml_config()))
 
         def run(request):
-            self._cluster(cluster_name)
             return self._add_job(cluster_name, setup=False, run=True), SimpleNamespace(cluster_name=cluster_name)
 
         return self._submit("exec", cluster_name, run)
