@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from gpuflow.cluster import checks
+from gpuflow.cluster.entrypoints import entrypoint_check
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
@@ -573,21 +574,9 @@ def describe(error: dict) -> str:
 def check_spec(spec: ExperimentSpec) -> list[str]:
     """What the model alone cannot check: the loop imports and takes the right arguments, the data is readable,
     the checkpoint storage is writable, the tracking server answers."""
-    problems = []
+    importing = check_entrypoints(spec)  # seconds of imports, in a process of its own: the other checks meanwhile
     generate = spec.data.generate if spec.data else None
-    with on_sys_path(spec.workdir):
-        for field, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
-            if entrypoint:
-                try:
-                    function = resolve(entrypoint)
-                except Exception as exc:  # any import-time error is the user's to see
-                    problems.append(f"{field}: cannot load {entrypoint!r} from workdir {spec.workdir!r}: "
-                                    f"{cut(str(exc), 200)}")
-                    continue
-                arguments, what = ENTRYPOINT_ARGUMENTS[field]
-                wrong = checks.signature_problem(function, arguments, what)
-                if wrong:
-                    problems.append(f"{field}: {entrypoint!r} {wrong}")
+    problems = []
     if not Path(spec.workdir).is_dir():
         problems.append(f"workdir: {spec.workdir!r} is not a folder")
     for field in ("train", "validation"):
@@ -606,14 +595,13 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     down = checks.tracking_server_problem(spec.tracking_uri)
     if down:
         problems.append(f"tracking.uri: {down}")
-    return problems
+    return importing.problems() + problems
 
 
-# How gpuflow calls each entrypoint: (positional arguments, what they are).
-ENTRYPOINT_ARGUMENTS = {
-    "train.loop": (1, "a Ray Train loop is `def train_loop(config: dict)`"),
-    "data.generate": (2, "a data generator is `def write_parquet(train_uri, validation_uri)`"),
-}
+def check_entrypoints(spec: ExperimentSpec):
+    """Starts (or finds) the check that the spec's loop and data generator import and take the right arguments."""
+    entrypoints = {"train.loop": spec.train.loop, "data.generate": spec.data.generate if spec.data else None}
+    return entrypoint_check(spec.workdir, {field: value for field, value in entrypoints.items() if value})
 
 
 def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 
-from gpuflow.cluster.spec import SpecError, load_spec, validate_spec
+from gpuflow.cluster.spec import SpecError, check_entrypoints, load_spec, validate_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,8 +214,6 @@ def start_side_by_side(spec) -> str | None:
         from gpuflow.cluster.backends.local import LocalBackend
 
         warm = LocalBackend().prewarm(spec)
-    import gpuflow.flows.experiment  # noqa: F401  (its imports take a second or two: meanwhile, both start)
-
     if api:
         api.join()
     return warm
@@ -240,6 +238,7 @@ def run(spec, verbose: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     interrupt_on_sigterm()
     started = time.time()
+    check_entrypoints(spec)  # the loop's import takes seconds: it starts first, in a process of its own
     log_file = None
     if not verbose:
         from gpuflow.cluster.spec import state_dir
@@ -248,10 +247,10 @@ def run(spec, verbose: bool = False) -> int:
         log_file = quiet_console(state_dir() / "logs")
     warm_cluster = None
     try:
+        from gpuflow.flows.experiment import run_experiment  # its imports take a second or two: meanwhile, the check
+
         validate_spec(spec)  # before anything starts
         warm_cluster = start_side_by_side(spec)
-        from gpuflow.flows.experiment import run_experiment
-
         state = run_experiment(spec, return_state=True)
     except KeyboardInterrupt:
         print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",

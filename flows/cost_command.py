@@ -12,7 +12,6 @@ import time
 
 from gpuflow.cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
 from gpuflow.cluster.spec import default_tracking_uri, load_spec
-from gpuflow.cluster.spend import format_table, parse_since, run_costs
 
 
 def add_parser(commands) -> None:
@@ -27,6 +26,8 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.estimate:
         return estimate(args)
+    from gpuflow.cluster.spend import format_table, parse_since, run_costs  # MLflow's import: only for this command
+
     try:
         since_s = parse_since(args.since)
     except ValueError as exc:

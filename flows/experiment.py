@@ -90,10 +90,12 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
         result = train_resuming(spec, handle, job_for(spec, record, life), life, stop_checks)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
-        # The cluster is idle from the job's end: down it before registering, which needs only MLflow.
+        # The cluster is idle from the job's end: it goes down while the model is registered, which needs only MLflow.
+        model_run_id = (result.sweep or {}).get("best_run_id") or run_id  # a sweep's model is its best trial's
+        registering = register_model.submit(spec, model_run_id) if spec.tracking.register_model else None
         record.phases["teardown_seconds"] = teardown(life)
-        if spec.tracking.register_model:  # a sweep's model is its best trial's
-            register_model(spec, (result.sweep or {}).get("best_run_id") or run_id)
+        if registering:
+            registering.result()
         record.phases["wall_seconds"] = time.time() - life.requested_at
 
     if life.stop_reason == "cancelled":

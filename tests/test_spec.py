@@ -1,8 +1,13 @@
 """Bad specs fail before any cluster exists, with the field, the bad value and the fix."""
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
-from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
+from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_entrypoints, check_spec, load_spec, parse_spec
 from tests.conftest import A_LOOP, REPO
 
 DIGITS = REPO / "experiments" / "digits.yaml"
@@ -208,3 +213,32 @@ def test_plan_shows_the_trials_and_the_cost_bound(gpuflow_home, capsys):
     assert "cost bound: 6 trials ÷ 2 at a time × 5 min = 15 min (3 rounds) × $3/h = $0.75" in shown
     assert main(["validate", str(spec_file), f"--set=workdir={REPO}", "--set", "sweep.max_trial_minutes=null"]) == 0
     assert "cost bound: limits.max_runtime_minutes" in capsys.readouterr().out
+
+
+# -- the entrypoint check runs in a process of its own ----------------------------------------------------
+def test_checking_a_spec_imports_nothing_of_the_loop_here():
+    """The loop's torch and Ray Train are imported by the check's own process, as the job will: not by the one
+    checking the spec (`gpuflow run`, a flow run in `gpuflow serve`)."""
+    code = ("import sys; from gpuflow.cluster.spec import check_spec, load_spec; "
+            f"problems = check_spec(load_spec({str(DIGITS)!r})); "
+            "print(problems, sorted(m for m in ('torch', 'ray', 'experiments.digits') if m in sys.modules))")
+    shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert shown.strip() == "[] []", shown
+
+
+def test_an_edited_loop_is_checked_again(tmp_path):
+    (tmp_path / "edited_loop.py").write_text("def train_loop(config, other):\n    pass\n")
+    spec = parse_spec({"train": {"loop": "edited_loop:train_loop"}, "workdir": str(tmp_path)})
+    assert "takes (config, other)" in check_spec(spec)[0]
+    assert check_entrypoints(spec) is check_entrypoints(spec)  # unchanged: the check is not run again
+
+    (tmp_path / "edited_loop.py").write_text("def train_loop(config):\n    pass\n")
+    later = time.time() + 5  # a clock that ticks coarsely must still see the edit
+    os.utime(tmp_path / "edited_loop.py", (later, later))
+    assert check_spec(spec) == []
+
+
+def test_a_loop_that_ends_the_interpreter_is_reported(tmp_path):
+    (tmp_path / "exiting_loop.py").write_text("import os\nos._exit(3)\n")
+    problems = check_spec(parse_spec({"train": {"loop": "exiting_loop:train_loop"}, "workdir": str(tmp_path)}))
+    assert len(problems) == 1 and problems[0].startswith("train.loop:") and "exit code 3" in problems[0], problems

@@ -1,0 +1,116 @@
+"""Checks a spec's entrypoints (train.loop, data.generate) in a fresh interpreter, as the job will import them.
+
+    python -m gpuflow.cluster.entrypoints WORKDIR train.loop=experiments.digits:train_loop
+
+Importing a loop imports torch and Ray Train: seconds of CPU that the process checking a spec (`gpuflow run`,
+a flow run in `gpuflow serve`) needs for nothing else. In a process of its own, the import runs beside the other
+checks, and the checking process stays small. A result is reused while the workdir's files that the import read
+are unchanged: a flow run checks the spec that `gpuflow run` checked a second before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+# How gpuflow calls each entrypoint: (positional arguments, what they are).
+ENTRYPOINT_ARGUMENTS = {
+    "train.loop": (1, "a Ray Train loop is `def train_loop(config: dict)`"),
+    "data.generate": (2, "a data generator is `def write_parquet(train_uri, validation_uri)`"),
+}
+IMPORT_TIMEOUT_S = 300.0  # torch and Ray Train on a busy small machine take tens of seconds; a hang must not block
+REPORT = "gpuflow-entrypoints "  # the report's line, apart from whatever the user's modules print
+
+_checks: dict[tuple, EntrypointCheck] = {}
+_lock = threading.Lock()
+
+
+def entrypoint_check(workdir: str, entrypoints: dict[str, str]) -> EntrypointCheck:
+    """The check of these entrypoints from this workdir: the one under way, or done with its files unchanged, else
+    a new one. Start it early; `problems()` waits for it."""
+    key = (workdir, str(Path(workdir).absolute()), tuple(sorted(entrypoints.items())))
+    with _lock:
+        check = _checks.get(key)
+        if check is None or check.outdated():
+            check = _checks[key] = EntrypointCheck(workdir, entrypoints)
+        return check
+
+
+class EntrypointCheck:
+    def __init__(self, workdir: str, entrypoints: dict[str, str]):
+        self.workdir, self.entrypoints = workdir, entrypoints
+        self.found: list[str] | None = None
+        self.files: dict[str, int] = {}  # what the imports read from the workdir, and when it was last changed
+        self._lock = threading.Lock()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpuflow.cluster.entrypoints", workdir,
+             *(f"{field}={entrypoint}" for field, entrypoint in entrypoints.items())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def outdated(self) -> bool:
+        if self.found is None:
+            return False  # under way
+        try:
+            return any(os.stat(path).st_mtime_ns != mtime for path, mtime in self.files.items())
+        except OSError:
+            return True
+
+    def problems(self) -> list[str]:
+        with self._lock:
+            if self.found is None:
+                self.found = self._wait()
+            return self.found
+
+    def _wait(self) -> list[str]:
+        try:
+            out, err = self.process.communicate(timeout=IMPORT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            return [f"{field}: importing {entrypoint!r} took more than {IMPORT_TIMEOUT_S:g} s; does the module do "
+                    "work at import time?" for field, entrypoint in self.entrypoints.items()]
+        reports = [line.removeprefix(REPORT) for line in out.splitlines() if line.startswith(REPORT)]
+        if not reports:  # the import ended the interpreter: os._exit, a crash in an extension
+            self.files = {"": 0}  # never reused
+            return [f"{field}: importing {entrypoint!r} from workdir {self.workdir!r} ended the process "
+                    f"(exit code {self.process.returncode}): {err.strip()[-300:]}"
+                    for field, entrypoint in self.entrypoints.items()]
+        report = json.loads(reports[-1])
+        self.files = report["files"]
+        return report["problems"]
+
+
+def check(workdir: str, field: str, entrypoint: str) -> str | None:
+    from gpuflow.cluster.checks import signature_problem
+    from gpuflow.cluster.spec import cut, resolve
+
+    try:
+        function = resolve(entrypoint)
+    except Exception as exc:  # any import-time error is the user's to see
+        return f"{field}: cannot load {entrypoint!r} from workdir {workdir!r}: {cut(str(exc), 200)}"
+    arguments, what = ENTRYPOINT_ARGUMENTS[field]
+    wrong = signature_problem(function, arguments, what)
+    return f"{field}: {entrypoint!r} {wrong}" if wrong else None
+
+
+def main(argv: list[str]) -> int:
+    workdir, *pairs = argv
+    root = Path(workdir).absolute()
+    sys.path[0] = str(root)  # where `python -m` put this process's folder: the job imports from its workdir
+    problems = [problem for field, entrypoint in (pair.split("=", 1) for pair in pairs)
+                if (problem := check(workdir, field, entrypoint))]
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).is_relative_to(root):
+            files[path] = os.stat(path).st_mtime_ns
+    print(REPORT + json.dumps({"problems": problems, "files": files}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
