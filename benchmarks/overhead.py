@@ -63,6 +63,7 @@ def role(process: psutil.Process) -> str:
     text = " ".join(command)
     for needle, name in (("gpuflow.flows.cli", "gpuflow run (flow)"), ("bare_ray_train", "bare script (driver)"),
                          ("prefect", "prefect temporary API"), ("gpuflow.cluster.job", "gpuflow job (driver)"),
+                         ("gpuflow.cluster.entrypoints", "loop import check"),
                          ("local_ray", "cluster supervisor"), ("outlive", "gpuflow watchers"),
                          ("gcs_server", "ray daemons"), ("raylet", "ray daemons"), ("dashboard", "ray daemons"),
                          ("log_monitor", "ray daemons"), ("monitor.py", "ray daemons"), ("runtime_env", "ray daemons")):
