@@ -68,12 +68,19 @@ def runs_of(served, deployment_id) -> list:
 
 
 def submit_until_a_run_exists(page, shot, new_runs, attempts: int = 3, wait_s: float = 90):
-    """Clicks Submit and waits for the flow run it makes. On a saturated machine a click can land while the form
-    is still busy and do nothing (seen in the full suite, never alone): the form is still there, so click again."""
+    """Clicks Submit and waits for the flow run it makes. On a busy machine a click can land while the form is still
+    busy and do nothing, or the form can keep re-rendering under the click until the click times out: while the
+    form is still there, click again."""
     submit = page.get_by_role("button", name="Submit")
     for attempt in range(1, attempts + 1):
         if submit.is_visible():  # still on the form (else the page moved on: the run is on its way)
-            submit.click()
+            try:
+                submit.click(timeout=30_000)
+            except PlaywrightTimeout:  # it may have landed all the same: look before clicking again
+                shot(f"submit-not-clickable-{attempt}")
+                time.sleep(5)
+                if not new_runs():
+                    continue
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if runs := new_runs():
