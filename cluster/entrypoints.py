@@ -44,7 +44,7 @@ class EntrypointCheck:
     def __init__(self, workdir: str, entrypoints: dict[str, str]):
         self.workdir, self.entrypoints = workdir, entrypoints
         self.found: list[str] | None = None
-        self.files: dict[str, int] = {}  # what the imports read from the workdir, and when it was last changed
+        self.files: dict[str, int] | None = {}  # the workdir's files the import read, by mtime; None: never reuse
         self._lock = threading.Lock()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpuflow.cluster.entrypoints", workdir,
@@ -54,6 +54,8 @@ class EntrypointCheck:
     def outdated(self) -> bool:
         if self.found is None:
             return False  # under way
+        if self.files is None:
+            return True
         try:
             return any(os.stat(path).st_mtime_ns != mtime for path, mtime in self.files.items())
         except OSError:
@@ -75,7 +77,7 @@ class EntrypointCheck:
                     "work at import time?" for field, entrypoint in self.entrypoints.items()]
         reports = [line.removeprefix(REPORT) for line in out.splitlines() if line.startswith(REPORT)]
         if not reports:  # the import ended the interpreter: os._exit, a crash in an extension
-            self.files = {"": 0}  # never reused
+            self.files = None
             return [f"{field}: importing {entrypoint!r} from workdir {self.workdir!r} ended the process "
                     f"(exit code {self.process.returncode}): {err.strip()[-300:]}"
                     for field, entrypoint in self.entrypoints.items()]

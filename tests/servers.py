@@ -140,31 +140,19 @@ def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names:
 def stop_left_behind(gpuflow_home: Path, grace_s: float = 10) -> None:
     """Stops what serve's flow runs started in sessions of their own and left behind when serve was stopped in the
     middle of one: a reaper run that had started SkyPilot's local API server (it stops it when it finishes, not when
-    it is killed). Found by the gpuflow home in their environment; each is named in the test's output."""
-    marker = f"GPUFLOW_HOME={gpuflow_home}\0".encode()
-    left = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            pid = int(entry.name) if entry.name.isdigit() else None
-            if pid and marker in (entry / "environ").read_bytes() and os.getsid(pid) != os.getsid(0):  # not ours
-                left.append(pid)
+    it is killed). Found by the gpuflow home in their environment (processes_of names each one)."""
+    from tests.conftest import alive, processes_of
+
+    left = [pid for pid in processes_of(gpuflow_home) if os.getsid(pid) != os.getsid(0)]  # never the tests' own
     for pid in left:
         with contextlib.suppress(OSError):
-            print(f"stopping what serve left: {pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:200]!r}")
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(running(pid) for pid in left):
+    while time.monotonic() < deadline and alive(left):
         time.sleep(0.2)
-    for pid in left:
+    for pid in alive(left):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 RUN_TIMEOUT_S = 900  # a full digits run takes 1-2 min alone; the machine is shared
