@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.guard import JobGuard, block_owner_signal
+from gpuflow.cluster.preload import import_in_background
 from gpuflow.cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
 
 # Ray and Ray Train are imported where the job runs them, not here: the flow imports this module
@@ -161,6 +162,12 @@ def system_metrics_monitor():
     return monitor
 
 
+def preload(spec: ExperimentSpec) -> None:
+    """What training needs (torch through Ray Train, MLflow, Ray Tune for a sweep), imported while Ray connects."""
+    import_in_background("ray.train.torch", "mlflow.system_metrics.system_metrics_monitor",
+                         *(["gpuflow.cluster.sweep"] if spec.sweep else []))
+
+
 JOIN_TIMEOUT_S = 300
 
 
@@ -193,6 +200,7 @@ def main(argv=None) -> int:
     tune_ray_train()
     spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
     JobGuard(spec).start()  # limits and the flow's lease, enforced here too: the flow may die
+    preload(spec)
     import ray
 
     workdir = str(Path(spec.workdir).absolute())
@@ -209,12 +217,15 @@ def main(argv=None) -> int:
     ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
-    from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only here, on the cluster
-
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
     try:
         with on_sys_path(workdir):
-            summary = run_sweep(spec, args.run_name) if spec.sweep else run_training(spec, args.run_name)
+            if spec.sweep:
+                from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only for a sweep, on the cluster
+
+                summary = run_sweep(spec, args.run_name)
+            else:
+                summary = run_training(spec, args.run_name)
     finally:
         if monitor:
             monitor.finish()

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 
+from gpuflow.cluster.preload import import_in_background
 from gpuflow.cluster.spec import SpecError, check_entrypoints, load_spec, validate_spec
 
 
@@ -234,6 +235,17 @@ def start_temporary_api() -> None:
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def flow_imports(spec) -> list[str]:
+    """What the flow run imports once it starts, beyond the flow's own module: MLflow's database store for a
+    sqlite:// tracking URI (~2 s here) and SkyPilot for the skypilot backend (~1 s)."""
+    modules = ["mlflow"]
+    if (spec.tracking_uri or "").startswith("sqlite:"):
+        modules.append("mlflow.store.tracking.sqlalchemy_store")
+    if spec.compute.backend == "skypilot":
+        modules.append("sky")
+    return modules
+
+
 def run(spec, verbose: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     interrupt_on_sigterm()
@@ -249,6 +261,7 @@ def run(spec, verbose: bool = False) -> int:
     try:
         from gpuflow.flows.experiment import run_experiment  # its imports take a second or two: meanwhile, the check
 
+        import_in_background(*flow_imports(spec))  # this process now waits on the check, and on Prefect's API
         validate_spec(spec)  # before anything starts
         warm_cluster = start_side_by_side(spec)
         state = run_experiment(spec, return_state=True)

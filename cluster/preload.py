@@ -1,0 +1,22 @@
+"""Imports in a background thread: modules a process needs in a moment, loaded while it waits on something else
+(a subprocess, a server's start, a connection). Torch, Ray Train, MLflow's stores and SkyPilot each take seconds."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+
+def import_in_background(*modules: str) -> threading.Thread:
+    """Starts importing `modules`, in order; a module that fails to import is left for its user to import again,
+    where the error is raised and reported. Not a daemon: an import is never cut off at interpreter exit."""
+    def load():
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 - see above
+                pass
+
+    thread = threading.Thread(target=load, name="gpuflow-preload")
+    thread.start()
+    return thread
