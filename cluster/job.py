@@ -189,6 +189,14 @@ def wait_for_nodes(count: int) -> int:
     return joined
 
 
+def wait_for_file(path: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
+        time.sleep(0.05)
+
+
 def main(argv=None) -> int:
     block_owner_signal()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -196,6 +204,7 @@ def main(argv=None) -> int:
     parser.add_argument("--address", required=True, help="GCS address of the Ray cluster to run on")
     parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
     parser.add_argument("--nodes", type=int, default=1, help="wait for this many Ray nodes before training")
+    parser.add_argument("--after", default=None, help="connect to Ray once this file exists (the node starts Ray)")
     args = parser.parse_args(argv)
     tune_ray_train()
     spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
@@ -215,6 +224,8 @@ def main(argv=None) -> int:
     }
     started = time.time()
     ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
+    if args.after:
+        wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads

@@ -62,23 +62,28 @@ def main() -> int:
     # --block keeps every Ray process a child of this job, so whatever ends the job (a cancel, a Slurm
     # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
     # Not `ray stop`: it stops every Ray of this user on the machine, other jobs' included.
+    spec_file = Path(temp_dir) / "spec.json"
+    spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
+    ray_started = Path(temp_dir) / "ray-started"
+    # The job starts beside Ray: its imports (seconds) overlap Ray's start, and it connects once Ray is up. It waits
+    # for the other nodes to join itself: it connects to Ray anyway.
+    job = subprocess.Popen([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
+                            "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"],
+                            "--nodes", str(num_nodes), "--after", str(ray_started)])
     head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
                                 f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_started(head)
-        spec_file = Path(temp_dir) / "spec.json"
-        spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
-        # the job waits for the other nodes to join: it connects to Ray anyway
-        return subprocess.call([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
-                                "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"],
-                                "--nodes", str(num_nodes)])
+        ray_started.touch()
+        return job.wait()
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
+        for process in (job, head):  # the job first: it is still waiting if Ray never started
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 if __name__ == "__main__":

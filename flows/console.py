@@ -24,6 +24,9 @@ def quiet_console(log_folder: Path) -> Path:
     consoles = [handler for handler in root.handlers if isinstance(handler, PrefectConsoleHandler)]
     for handler in consoles:
         handler.addFilter(HideJobDetail())
+    # MLflow's own notes (INFO lines, "View run ... at" links): the summary at the end gives the run and its link
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     log_folder.mkdir(parents=True, exist_ok=True)
     path = log_folder / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     to_file = logging.FileHandler(path)

@@ -224,12 +224,9 @@ def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: 
 
 @task(name="teardown", cache_policy=NO_CACHE)
 def teardown(life: Lifecycle) -> float:
-    """Downs the cluster (retried inside; idempotent, so the cancel/crash hooks and the reaper may call down too)."""
-    logger = get_run_logger()
-    logger.info(f"tearing down cluster {life.cluster_name}")
-    seconds = life.teardown()
-    logger.info(f"cluster {life.cluster_name} is down ({seconds:.1f}s)")
-    return seconds
+    """Downs the cluster (retried inside; idempotent, so the cancel/crash hooks and the reaper may call down too).
+    The lifecycle says when it starts and when the cluster is down, on every path: not said twice here."""
+    return life.teardown()
 
 
 def deadline_check(spec: ExperimentSpec, life: Lifecycle) -> Check:

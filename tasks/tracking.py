@@ -9,6 +9,7 @@ from urllib.parse import quote
 import yaml
 from mlflow import MlflowClient
 from mlflow.entities import RunStatus
+from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
@@ -156,8 +157,14 @@ def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
         return None
     import mlflow
 
-    mlflow.set_tracking_uri(spec.tracking_uri)
-    version = mlflow.register_model(f"models:/{models[0].model_id}", spec.name)
+    mlflow.set_tracking_uri(spec.tracking_uri)  # where the registry looks up the logged model of `models:/<id>`
+    try:  # the client, not mlflow.register_model: that one prints its progress to stderr, past the quiet console
+        client.create_registered_model(spec.name)
+    except MlflowException as exc:
+        if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+            raise
+    model_id = models[0].model_id
+    version = client.create_model_version(spec.name, f"models:/{model_id}", run_id=run_id, model_id=model_id)
     client.set_tag(run_id, "gpuflow.registered_model", f"{spec.name}/{version.version}")
     get_run_logger().info(f"registered model {spec.name!r} version {version.version}")
     return version.version

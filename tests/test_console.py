@@ -1,5 +1,7 @@
 """What `gpuflow run` shows of a job's log (tasks/compute.py): the line a terminal would show."""
 
+from pathlib import Path
+
 from gpuflow.tasks.compute import ANSI, EPOCH_LINE, RESULT_LINE, visible
 
 
@@ -21,3 +23,59 @@ def test_only_the_jobs_own_result_line_ends_the_tail():
     assert not RESULT_LINE.match(f"(digits-mlp, pid=25726) (RayTrainWorker pid=26135) {result}")
     assert not RESULT_LINE.match(f"(RayTrainWorker pid=26135) {result}")
     assert not RESULT_LINE.match(f"\r(pid=14686) Running Dataset\r{result}")
+
+
+REGISTER_TWICE = """
+import sys
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import torch
+from prefect import flow
+
+from gpuflow.cluster.spec import parse_spec
+from gpuflow.flows.console import quiet_console
+from gpuflow.tasks.tracking import register_model
+
+folder = Path(sys.argv[1])
+spec = parse_spec({"train": {"loop": "experiments.digits:train_loop"}, "name": "quiet",
+                   "tracking": {"uri": f"sqlite:///{folder}/mlflow.db"}})
+mlflow.set_tracking_uri(spec.tracking_uri)
+with mlflow.start_run() as run:
+    mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", input_example=np.zeros((1, 2), dtype=np.float32),
+                             pip_requirements=["torch"])
+print("LOG FILE", quiet_console(folder / "logs"), flush=True)
+
+
+@flow
+def register_twice() -> list:
+    return [register_model(spec, run.info.run_id) for _ in range(2)]
+
+
+print("VERSIONS", [str(version) for version in register_twice()])
+"""
+
+
+def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_server, tmp_path):
+    """What `gpuflow run` shows of a registration: gpuflow's line, not MLflow's own notes ("Successfully registered
+    model", "already exists. Creating a new version", "Waiting up to 300 seconds"), on the terminal or in the log."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    done = subprocess.run([sys.executable, "-c", REGISTER_TWICE, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    shown = done.stdout + done.stderr
+    assert done.returncode == 0, shown[-3000:]
+    log_file = shown.split("LOG FILE ", 1)[1].split("\n", 1)[0]
+    shown = shown.split("LOG FILE ", 1)[1]  # what the quiet console shows: after quiet_console
+    assert "VERSIONS ['1', '2']" in shown  # the second time, the model exists: a new version
+    assert "registered model 'quiet' version 2" in shown  # gpuflow's own line
+    for noise in ("Successfully registered", "already exists", "Created version", "Waiting up to"):
+        assert noise not in shown and noise not in Path(log_file).read_text(), noise
