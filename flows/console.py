@@ -24,7 +24,10 @@ def quiet_console(log_folder: Path) -> Path:
     consoles = [handler for handler in root.handlers if isinstance(handler, PrefectConsoleHandler)]
     for handler in consoles:
         handler.addFilter(HideJobDetail())
-    # MLflow's own notes (INFO lines, "View run ... at" links): the summary at the end gives the run and its link
+    # MLflow's own notes (INFO lines, "View run ... at" links): the summary at the end gives the run and its link.
+    # Importing MLflow sets its loggers' levels: quieted after that, not before.
+    import mlflow  # noqa: F401
+
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     log_folder.mkdir(parents=True, exist_ok=True)
