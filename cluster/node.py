@@ -65,8 +65,8 @@ def main() -> int:
     spec_file = Path(temp_dir) / "spec.json"
     spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
     ray_started = Path(temp_dir) / "ray-started"
-    # The job starts beside Ray: its imports (seconds) overlap Ray's start, and it connects once Ray is up. It waits
-    # for the other nodes to join itself: it connects to Ray anyway.
+    # The job starts beside Ray: its imports (seconds) overlap Ray's start. It connects once Ray is up, then waits
+    # for the other nodes to join.
     job = subprocess.Popen([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
                             "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"],
                             "--nodes", str(num_nodes), "--after", str(ray_started)])

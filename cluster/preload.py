@@ -7,7 +7,7 @@ import importlib
 import threading
 
 
-def import_in_background(*modules: str) -> threading.Thread:
+def import_in_background(*modules: str) -> None:
     """Starts importing `modules`, in order; a module that fails to import is left for its user to import again,
     where the error is raised and reported. Not a daemon: an import is never cut off at interpreter exit."""
     def load():
@@ -17,6 +17,4 @@ def import_in_background(*modules: str) -> threading.Thread:
             except Exception:  # noqa: BLE001 - see above
                 pass
 
-    thread = threading.Thread(target=load, name="gpuflow-preload")
-    thread.start()
-    return thread
+    threading.Thread(target=load, name="gpuflow-preload").start()

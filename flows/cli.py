@@ -236,9 +236,9 @@ def start_temporary_api() -> None:
 
 
 def flow_imports(spec) -> list[str]:
-    """What the flow run imports once it starts, beyond the flow's own module: MLflow's database store for a
+    """What the flow run imports once it starts, beyond the flow's own modules: MLflow's database store for a
     sqlite:// tracking URI (~2 s here) and SkyPilot for the skypilot backend (~1 s)."""
-    modules = ["mlflow"]
+    modules = []
     if (spec.tracking_uri or "").startswith("sqlite:"):
         modules.append("mlflow.store.tracking.sqlalchemy_store")
     if spec.compute.backend == "skypilot":
