@@ -4,12 +4,16 @@
 
 Importing a loop imports torch and Ray Train: seconds of CPU that the process checking a spec (`gpuflow run`,
 a flow run in `gpuflow serve`) needs for nothing else. In a process of its own, the import runs beside the other
-checks, and the checking process stays small. A result is reused while the workdir's files that the import read
-are unchanged: a flow run checks the spec that `gpuflow run` checked a second before.
+checks, and the checking process stays small. A check that passed is reused while the workdir's files that the
+import read, and the folders it imported from (site-packages: an install or uninstall), are unchanged: a flow run
+checks the spec that `gpuflow run` checked a second before, and a run of an unchanged loop reuses the last run's
+check (kept under GPUFLOW_HOME/checks). The job imports the loop anyway: a stale pass could only move an import
+error from the check to the job's start, never let a run train something else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -44,8 +48,13 @@ class EntrypointCheck:
     def __init__(self, workdir: str, entrypoints: dict[str, str]):
         self.workdir, self.entrypoints = workdir, entrypoints
         self.found: list[str] | None = None
-        self.files: dict[str, int] | None = {}  # the workdir's files the import read, by mtime; None: never reuse
+        # what the import read (the workdir's files, the folders it imported from), by mtime; None: never reuse
+        self.files: dict[str, int] | None = {}
         self._lock = threading.Lock()
+        self.record = record_of(workdir, entrypoints)
+        if (passed := passed_before(self.record)) is not None:
+            self.found, self.files, self.process = [], passed, None
+            return
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gpuflow.cluster.entrypoints", workdir,
              *(f"{field}={entrypoint}" for field, entrypoint in entrypoints.items())],
@@ -54,12 +63,7 @@ class EntrypointCheck:
     def outdated(self) -> bool:
         if self.found is None:
             return False  # under way
-        if self.files is None:
-            return True
-        try:
-            return any(os.stat(path).st_mtime_ns != mtime for path, mtime in self.files.items())
-        except OSError:
-            return True
+        return self.files is None or changed(self.files)
 
     def problems(self) -> list[str]:
         with self._lock:
@@ -83,7 +87,42 @@ class EntrypointCheck:
                     for field, entrypoint in self.entrypoints.items()]
         report = json.loads(reports[-1])
         self.files = report["files"]
+        if not report["problems"]:  # a failure is checked anew each time: its message must be today's
+            remember(self.record, self.files)
         return report["problems"]
+
+
+def record_of(workdir: str, entrypoints: dict[str, str]) -> Path:
+    """Where a passed check of these entrypoints, from this workdir with this Python, is kept."""
+    from gpuflow.cluster.spec import state_dir
+
+    key = json.dumps([sys.executable, str(Path(workdir).absolute()), sorted(entrypoints.items())])
+    return state_dir() / "checks" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def passed_before(record: Path) -> dict[str, int] | None:
+    """The files of a check that passed, if none of them changed since."""
+    try:
+        files = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    return None if changed(files) else files
+
+
+def remember(record: Path, files: dict[str, int]) -> None:
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.with_suffix(".tmp").write_text(json.dumps(files))
+        os.replace(record.with_suffix(".tmp"), record)
+    except OSError:
+        pass  # a read-only home: the next run checks again
+
+
+def changed(files: dict[str, int]) -> bool:
+    try:
+        return any(os.stat(path).st_mtime_ns != mtime for path, mtime in files.items())
+    except OSError:
+        return True
 
 
 def check(workdir: str, field: str, entrypoint: str) -> str | None:
@@ -110,6 +149,9 @@ def main(argv: list[str]) -> int:
         path = getattr(module, "__file__", None)
         if path and Path(path).is_relative_to(root):
             files[path] = os.stat(path).st_mtime_ns
+    for folder in sys.path[1:]:  # an install or uninstall changes its folder's mtime
+        if os.path.isdir(folder):
+            files[folder] = os.stat(folder).st_mtime_ns
     print(REPORT + json.dumps({"problems": problems, "files": files}), flush=True)
     return 0
 

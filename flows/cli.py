@@ -206,9 +206,17 @@ def start_side_by_side(spec) -> str | None:
     Returns the name of the pre-started local cluster (the flow's provision step adopts it), if any."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    api = None
+    api, failed = None, []
     if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        api = threading.Thread(target=start_temporary_api, daemon=True)
+        from gpuflow.flows import temporary_api
+
+        def start_api():
+            try:
+                temporary_api.start()
+            except Exception as exc:
+                failed.append(exc)
+
+        api = threading.Thread(target=start_api, daemon=True)
         api.start()
     warm = None
     if spec.compute.backend == "local":
@@ -217,22 +225,11 @@ def start_side_by_side(spec) -> str | None:
         warm = LocalBackend().prewarm(spec)
     if api:
         api.join()
+    if failed:
+        if warm:
+            LocalBackend().down(warm)
+        raise failed[0]
     return warm
-
-
-def start_temporary_api() -> None:
-    """Starts Prefect's temporary API server (the one every flow run of this process uses) with a watcher that
-    stops it if this process is killed: Prefect only stops it at a normal exit."""
-    import subprocess
-
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
-    server.start()
-    if server.server_process:
-        subprocess.Popen([sys.executable, "-m", "gpuflow.flows.outlive", "--owner", str(os.getpid()),
-                          "--kill", str(server.server_process.pid)], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def flow_imports(spec) -> list[str]:

@@ -1,9 +1,11 @@
 """Bad specs fail before any cluster exists, with the field, the bad value and the fix."""
 
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -236,6 +238,45 @@ def test_an_edited_loop_is_checked_again(tmp_path):
     later = time.time() + 5  # a clock that ticks coarsely must still see the edit
     os.utime(tmp_path / "edited_loop.py", (later, later))
     assert check_spec(spec) == []
+
+
+def test_a_passed_check_is_reused_by_the_next_run_until_the_loop_or_an_install_changes(tmp_path):
+    """Each `gpuflow run` is a new process: a check that passed is kept under GPUFLOW_HOME, and a run of the same
+    loop with nothing changed imports nothing to check it. A failed check is never reused."""
+    workdir, libs = tmp_path / "project", tmp_path / "libs"  # libs: a folder packages are installed into
+    workdir.mkdir(), libs.mkdir()
+    (libs / "helper.py").write_text("VALUE = 1\n")
+    (workdir / "loop.py").write_text("import helper\ndef train_loop(config):\n    pass\n")
+    spec = {"train": {"loop": "loop:train_loop"}, "workdir": str(workdir)}
+    code = ("import json, sys; from gpuflow.cluster.spec import check_entrypoints, check_spec, parse_spec; "
+            f"spec = parse_spec({spec!r}); problems = check_spec(spec); "
+            "print(json.dumps([problems, check_entrypoints(spec).process is not None]))")
+    env = {**os.environ, "GPUFLOW_HOME": str(tmp_path / "home"), "PYTHONPATH": str(libs)}
+
+    def a_run() -> tuple[list, bool]:
+        """(the problems found, whether a check process ran) in a new process, as `gpuflow run` checks"""
+        done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return tuple(json.loads(done.stdout.splitlines()[-1]))
+
+    def later(path: Path) -> None:  # an edit that a coarse clock must still see
+        stamp = time.time() + 5
+        os.utime(path, (stamp, stamp))
+
+    assert a_run() == ([], True)
+    assert a_run() == ([], False)  # nothing changed: no check process
+    later(workdir / "loop.py")
+    assert a_run() == ([], True)  # the loop was edited
+    assert a_run() == ([], False)
+    (libs / "newly_installed.py").write_text("")
+    later(libs)
+    assert a_run() == ([], True)  # something was installed where the loop imports from
+
+    (workdir / "loop.py").write_text("import helper\ndef train_loop(config, extra):\n    pass\n")
+    later(workdir / "loop.py")
+    for _ in range(2):  # a failure is checked again each time
+        problems, checked = a_run()
+        assert checked and len(problems) == 1 and "takes (config, extra)" in problems[0], problems
 
 
 def test_a_loop_that_ends_the_interpreter_is_reported(tmp_path):
