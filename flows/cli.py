@@ -13,7 +13,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 
 from gpuflow.cluster.preload import import_in_background
@@ -200,36 +199,26 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def start_side_by_side(spec) -> str | None:
-    """Prefect's temporary API and a local Ray cluster each take seconds to start: start them together.
-
-    Returns the name of the pre-started local cluster (the flow's provision step adopts it), if any."""
+def temporary_api_launched():
+    """Prefect's temporary API (flows/temporary_api.py), launched now when no Prefect server is configured: its
+    seconds of start-up overlap this process's imports and checks. None when a server is configured."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    api, failed = None, []
-    if not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        from gpuflow.flows import temporary_api
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    from gpuflow.flows import temporary_api
 
-        def start_api():
-            try:
-                temporary_api.start()
-            except Exception as exc:
-                failed.append(exc)
+    return temporary_api.launch()
 
-        api = threading.Thread(target=start_api, daemon=True)
-        api.start()
-    warm = None
-    if spec.compute.backend == "local":
-        from gpuflow.cluster.backends.local import LocalBackend
 
-        warm = LocalBackend().prewarm(spec)
-    if api:
-        api.join()
-    if failed:
-        if warm:
-            LocalBackend().down(warm)
-        raise failed[0]
-    return warm
+def prewarm_cluster(spec) -> str | None:
+    """A local Ray cluster takes seconds to start: it starts as soon as the spec is valid, while Prefect's API starts
+    and the flow run begins. Returns its name (the flow's provision step adopts it), if any."""
+    if spec.compute.backend != "local":
+        return None
+    from gpuflow.cluster.backends.local import LocalBackend
+
+    return LocalBackend().prewarm(spec)
 
 
 def flow_imports(spec) -> list[str]:
@@ -248,6 +237,7 @@ def run(spec, verbose: bool = False) -> int:
     interrupt_on_sigterm()
     started = time.time()
     check_entrypoints(spec)  # the loop's import takes seconds: it starts first, in a process of its own
+    api = temporary_api_launched()  # so does Prefect's API, when there is no server
     log_file = None
     if not verbose:
         from gpuflow.cluster.spec import state_dir
@@ -260,7 +250,9 @@ def run(spec, verbose: bool = False) -> int:
 
         import_in_background(*flow_imports(spec))  # this process now waits on the check, and on Prefect's API
         validate_spec(spec)  # before anything starts
-        warm_cluster = start_side_by_side(spec)
+        warm_cluster = prewarm_cluster(spec)
+        if api:
+            api.ready()
         state = run_experiment(spec, return_state=True)
     except KeyboardInterrupt:
         print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",

@@ -24,27 +24,44 @@ PORT_IN_USE = 3  # uvicorn's exit code when the port was taken between our probe
 
 def start() -> str:
     """Starts the server, waits until it answers, makes it this process's Prefect API; returns its URL."""
-    from prefect.context import refresh_global_settings_context
+    return launch().ready()
+
+
+def launch() -> TemporaryApi:
+    """Starts the server's process and returns at once: `ready()` waits for it. Its imports take seconds of CPU,
+    which overlap whatever this process does meanwhile."""
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
 
-    settings_env = get_current_settings().to_environment_variables(exclude_unset=True)
-    deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
-    while True:
+    return TemporaryApi(get_current_settings().to_environment_variables(exclude_unset=True),
+                        time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+
+
+class TemporaryApi:
+    def __init__(self, settings_env: dict[str, str], deadline: float):
+        self.settings_env, self.deadline = settings_env, deadline
+        self.server, self.api_url = self._launch()
+
+    def _launch(self) -> tuple[subprocess.Popen, str]:
         port = free_port()
-        server = uvicorn(port, settings_env)
+        server = uvicorn(port, self.settings_env)
         atexit.register(stop, server)
         watch(server)
-        api_url = f"http://127.0.0.1:{port}/api"
-        if wait_until_healthy(server, api_url, deadline):
-            break
-        if server.returncode != PORT_IN_USE:
-            stop(server)
-            raise RuntimeError(f"Prefect's temporary API server did not answer on {api_url} "
-                               f"(exit code {server.returncode}); set PREFECT_API_URL to a running server instead")
-    os.environ["PREFECT_API_URL"] = api_url
-    os.environ["PREFECT_UI_URL"] = ""  # it serves no UI: no "View at" link to a page that does not exist
-    refresh_global_settings_context()
-    return api_url
+        return server, f"http://127.0.0.1:{port}/api"
+
+    def ready(self) -> str:
+        """Waits until the server answers, then points this process's Prefect settings at it; returns its URL."""
+        from prefect.context import refresh_global_settings_context
+
+        while not wait_until_healthy(self.server, self.api_url, self.deadline):
+            if self.server.returncode != PORT_IN_USE:
+                stop(self.server)
+                raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
+                                   f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
+            self.server, self.api_url = self._launch()
+        os.environ["PREFECT_API_URL"] = self.api_url
+        os.environ["PREFECT_UI_URL"] = ""  # it serves no UI: no "View at" link to a page that does not exist
+        refresh_global_settings_context()
+        return self.api_url
 
 
 def uvicorn(port: int, settings_env: dict[str, str]) -> subprocess.Popen:
