@@ -2,8 +2,8 @@
 
     python -m gpuflow.flows.outlive --owner 1234 --kill 5678
 
-Prefect stops that server at exit, but not when `gpuflow run` is killed (kill -9, OOM): this watcher,
-in a session of its own, does. It imports nothing heavy: it costs a few MB for the life of the run.
+`gpuflow run` stops that server at exit (flows/temporary_api.py), but cannot when it is killed (kill -9,
+OOM): this watcher, in a session of its own, does. It imports nothing heavy: it costs a few MB for the life of the run.
 """
 
 import argparse
