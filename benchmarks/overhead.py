@@ -1,11 +1,14 @@
 """gpuflow's fixed overhead: `gpuflow run` of the shipped digits spec against a bare Ray Train script, alternating.
 
-    python benchmarks/overhead.py [--repeats 3]
+    python benchmarks/overhead.py [--repeats 3] [--sides bare,gpuflow,warm]
 
-Prints medians of wall time, cluster up, first training step, last step → last Ray process gone,
-the overhead in seconds (gpuflow − bare) and the ratio, and where each side's CPU time went (every process
-started for the run, by role): on a machine with few cores, CPU-seconds are what the wall time is made of.
-Both runs train the same loop on the same data, read through Ray Data.
+Three sides, one after the other in each round: `bare` (the script, its own ray.init), `gpuflow` (a cold
+`gpuflow run`: Prefect's temporary API and a Ray cluster of its own) and `warm` (`gpuflow run` on the warm stack of
+`gpuflow up`: its Prefect API, a spare cluster claimed). Every run starts once the stack's next spare is up, so that
+no side pays for the stack's work between runs. Prints medians of wall time, cluster up, first training step,
+last step → last Ray process of the run gone, each gpuflow side's overhead (− bare) and ratio, and where each
+side's CPU time went during its run (every process of the run, by role): on a machine with few cores, CPU-seconds
+are what the wall time is made of. All train the same loop on the same data, read through Ray Data.
 """
 
 import argparse
@@ -41,16 +44,19 @@ def started_for(home: Path) -> list[int]:
     return found
 
 
-def ray_processes(home: Path, exclude: int) -> list[int]:
-    """Live Ray processes (daemons, workers, drivers, the job) started for this gpuflow home."""
+def ray_processes(home: Path, exclude: int, started_before: float) -> list[int]:
+    """Live Ray processes (daemons, workers, drivers, the job) started for this gpuflow home before a time: the warm
+    stack's next spare, started after the run's cluster is down, is not the run's."""
     found = []
     for pid in started_for(home):
         try:
             command = Path(f"/proc/{pid}/cmdline").read_bytes()
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
+            created = psutil.Process(pid).create_time()
+        except (OSError, psutil.Error):
             continue
-        if pid != exclude and state != "Z" and (b"ray" in command or b"gpuflow.cluster.job" in command):
+        if (pid != exclude and state != "Z" and created < started_before
+                and (b"ray" in command or b"gpuflow.cluster.job" in command)):
             found.append(pid)
     return found
 
@@ -62,6 +68,7 @@ def role(process: psutil.Process) -> str:
         return command[0].split(".")[0]
     text = " ".join(command)
     for needle, name in (("gpuflow.flows.cli", "gpuflow run (flow)"), ("bare_ray_train", "bare script (driver)"),
+                         ("gpuflow.flows.stack", "warm stack"),
                          ("prefect", "prefect temporary API"), ("gpuflow.cluster.job", "gpuflow job (driver)"),
                          ("gpuflow.cluster.entrypoints", "loop import check"),
                          ("local_ray", "cluster supervisor"), ("outlive", "gpuflow watchers"),
@@ -73,13 +80,16 @@ def role(process: psutil.Process) -> str:
 
 
 class CpuByRole(threading.Thread):
-    """Samples every process of the run (GPUFLOW_HOME in its environment) until stopped: CPU-seconds by role."""
+    """Samples every process of the run (GPUFLOW_HOME in its environment) until stopped: CPU-seconds by role, spent
+    during the run (a warm spare's daemons were started before it: their earlier seconds are not the run's)."""
 
     def __init__(self, home: Path, root_pid: int):
         super().__init__(daemon=True)
         self.home, self.root_pid = home, root_pid
         self.seen: dict[tuple[int, float], tuple[str, float]] = {}
         self.done = threading.Event()
+        self.sample()
+        self.before = {key: seconds for key, (_, seconds) in self.seen.items()}
 
     def sample(self) -> None:
         for pid in {self.root_pid, *started_for(self.home)}:
@@ -98,8 +108,8 @@ class CpuByRole(threading.Thread):
         self.sample()
         self.done.set()
         by_role = collections.Counter()
-        for name, seconds in self.seen.values():
-            by_role[name] += seconds
+        for key, (name, seconds) in self.seen.items():
+            by_role[name] += seconds - self.before.get(key, 0.0)
         return dict(by_role)
 
 
@@ -116,7 +126,8 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
 
     def watch():
         training_over.wait()
-        while ray_processes(home, exclude):
+        over_at = time.time()
+        while ray_processes(home, exclude, over_at):
             time.sleep(0.02)
         gone_at[0] = time.time()
 
@@ -153,44 +164,59 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sides", default="bare,gpuflow,warm", help="which of bare, gpuflow, warm, in this order")
     args = parser.parse_args()
+    sides = args.sides.split(",")
     home = Path(tempfile.mkdtemp(prefix="gpuflow-bench-"))
-    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_HOME": str(home / "prefect")}
+    env.pop("PREFECT_API_URL", None)
     python = sys.executable
-    gpuflow = [python, "-m", "gpuflow.flows.cli", "run", str(SPEC), "--set", f"data.train={home}/data/train.parquet",
-               "--set", f"data.validation={home}/data/validation.parquet"]
-    bare = [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC),
-            f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
-    measure(gpuflow, env, home, False)  # warm-up: writes the data, creates the MLflow store and Prefect's database
-    results = {"gpuflow": [], "bare": []}
-    for i in range(args.repeats):
-        for name, command in (("bare", bare), ("gpuflow", gpuflow)):
-            results[name].append(measure(command, env, home, driver_is_ray=name == "bare"))
-            print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()
-                                                        if k != "cpu"), flush=True)
+    data = [f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
+    gpuflow_run = [python, "-m", "gpuflow.flows.cli", "run", str(SPEC), *[arg for item in data for arg in ("--set", item)]]
+    stack = [python, "-m", "gpuflow.flows.cli", "up", str(SPEC), "--idle-minutes", "60"]
+    commands = {"bare": [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC), *data],
+                "gpuflow": gpuflow_run, "warm": gpuflow_run}
+    measure(gpuflow_run, env, home, False)  # warm-up: writes the data, creates the MLflow store and Prefect's database
+    results = {name: [] for name in sides}
+    try:
+        for i in range(args.repeats):
+            for name in sides:
+                if "warm" in sides:  # the stack is up for the warm side (and idle, its spare up, for every side)
+                    subprocess.run(stack, env=env, check=True, stdout=subprocess.DEVNULL)
+                run_env = env if name == "warm" else {**env, "GPUFLOW_STACK": "off"}
+                results[name].append(measure(commands[name], run_env, home, driver_is_ray=name == "bare"))
+                print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()
+                                                            if k != "cpu"), flush=True)
+    finally:
+        subprocess.run([python, "-m", "gpuflow.flows.cli", "down"], env=env, stdout=subprocess.DEVNULL)
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "cpu"}
                for name, runs in results.items()}
     print(f"\nmedians over {args.repeats} runs each (seconds)")
-    print(f"{'':24s}{'bare':>10s}{'gpuflow':>10s}")
-    for key in medians["bare"]:
-        print(f"{key:24s}{medians['bare'][key]:10.2f}{medians['gpuflow'][key]:10.2f}")
+    print(f"{'':24s}" + "".join(f"{name:>10s}" for name in sides))
+    for key in medians[sides[0]]:
+        print(f"{key:24s}" + "".join(f"{medians[name][key]:10.2f}" for name in sides))
     print_cpu_breakdown(results)
-    overhead = medians["gpuflow"]["wall"] - medians["bare"]["wall"]
-    print(f"\ngpuflow fixed overhead: {overhead:.2f} s (target ≤ 5 s)")
-    print(f"ratio gpuflow / bare:   {medians['gpuflow']['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.15)")
-    print(f"last step → last Ray process gone (gpuflow): {medians['gpuflow']['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)")
+    if "bare" in sides:
+        for name in [side for side in sides if side != "bare"]:
+            overhead = medians[name]["wall"] - medians["bare"]["wall"]
+            print(f"\n{name}: fixed overhead {overhead:.2f} s (target ≤ 5 s), "
+                  f"ratio {medians[name]['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.15), "
+                  f"last step → last Ray process gone {medians[name]['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)")
     shutil.rmtree(home, ignore_errors=True)
 
 
 def print_cpu_breakdown(results: dict) -> None:
-    """Median CPU-seconds per role, both sides in one table: the roles only gpuflow has are its overhead."""
+    """Median CPU-seconds per role, the sides in one table: the roles only gpuflow has are its overhead."""
+    sides = list(results)
+    last = sides[-1]
     roles = sorted({name for runs in results.values() for run in runs for name in run["cpu"]},
-                   key=lambda name: -statistics.median(run["cpu"].get(name, 0) for run in results["gpuflow"]))
-    print(f"\nCPU-seconds by process (median){'':6s}{'bare':>10s}{'gpuflow':>10s}")
+                   key=lambda name: -statistics.median(run["cpu"].get(name, 0) for run in results[last]))
+    print(f"\nCPU-seconds by process (median){'':6s}" + "".join(f"{name:>10s}" for name in sides))
     for name in roles:
-        line = [statistics.median(run["cpu"].get(name, 0.0) for run in results[side]) for side in ("bare", "gpuflow")]
+        line = [statistics.median(run["cpu"].get(name, 0.0) for run in results[side]) for side in sides]
         if max(line) >= 0.5:
-            print(f"{name:36s}{line[0]:10.1f}{line[1]:10.1f}")
+            print(f"{name:36s}" + "".join(f"{value:10.1f}" for value in line))
 
 
 if __name__ == "__main__":

@@ -197,16 +197,38 @@ def wait_for_file(path: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> No
         time.sleep(0.05)
 
 
+def wait_for_handoff(args: argparse.Namespace) -> None:
+    """An early job (the local backend starts it before the run exists): imports what training needs meanwhile, then
+    takes its spec, address, run name and environment from the hand-off file. Exits if the process that started it
+    dies first: nobody would ever hand it a run."""
+    import_in_background("ray", "ray.train.torch", "mlflow.system_metrics.system_metrics_monitor",
+                         "mlflow.store.tracking.sqlalchemy_store")
+    starter = os.getppid()
+    while not os.path.exists(args.handoff):
+        if os.getppid() != starter:
+            sys.exit(f"[gpuflow] the process that started this job ({starter}) is gone: no run to train")
+        time.sleep(0.02)
+    handoff = json.loads(Path(args.handoff).read_text())
+    os.environ.update(handoff["env"])
+    args.spec, args.address, args.run_name = handoff["spec"], handoff["address"], handoff["run_name"]
+
+
 def main(argv=None) -> int:
     block_owner_signal()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", required=True, help="spec as JSON (ExperimentSpec.model_dump_json)")
-    parser.add_argument("--address", required=True, help="GCS address of the Ray cluster to run on")
-    parser.add_argument("--run-name", required=True, help="Ray Train run name: the checkpoint folder under storage")
+    parser.add_argument("--spec", help="spec as JSON (ExperimentSpec.model_dump_json)")
+    parser.add_argument("--address", help="GCS address of the Ray cluster to run on")
+    parser.add_argument("--run-name", help="Ray Train run name: the checkpoint folder under storage")
+    parser.add_argument("--handoff", help="instead of the three above: wait for this JSON file to give them, and the "
+                                          "job's environment")
     parser.add_argument("--nodes", type=int, default=1, help="wait for this many Ray nodes before training")
     parser.add_argument("--after", default=None, help="connect to Ray once this file exists (the node starts Ray)")
     args = parser.parse_args(argv)
+    if not args.handoff and not (args.spec and args.address and args.run_name):
+        parser.error("give --spec, --address and --run-name, or --handoff")
     tune_ray_train()
+    if args.handoff:
+        wait_for_handoff(args)
     spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
     JobGuard(spec).start()  # limits and the flow's lease, enforced here too: the flow may die
     preload(spec)

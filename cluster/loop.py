@@ -17,6 +17,7 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
+from gpuflow.cluster.preload import import_in_background
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -69,6 +70,10 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
     if rank() != 0:
         ray.train.report(metrics)
         return
+    if os.environ.get("GPUFLOW_MLFLOW_RUN_ID"):
+        # What `log_model` needs at the end (MLflow's PyTorch flavour, torch.export for its pt2 format: ~3 s of
+        # imports), loaded while training goes on, so that the end of the run does not wait for it. Once per process.
+        import_in_background("mlflow.pytorch", "torch.export._trace")
     with tempfile.TemporaryDirectory() as folder:
         state = {"epoch": epoch, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
         if scaler is not None and scaler.is_enabled():

@@ -7,9 +7,17 @@ import importlib
 import threading
 
 
+_started: set[tuple[str, ...]] = set()
+
+
 def import_in_background(*modules: str) -> None:
-    """Starts importing `modules`, in order; a module that fails to import is left for its user to import again,
-    where the error is raised and reported. Not a daemon: an import is never cut off at interpreter exit."""
+    """Starts importing `modules`, in order, unless this process already started the same; a module that fails to
+    import is left for its user to import again, where the error is raised and reported. Not a daemon: an import is
+    never cut off at interpreter exit."""
+    if modules in _started:
+        return
+    _started.add(modules)
+
     def load():
         for module in modules:
             try:

@@ -5,6 +5,7 @@
     gpuflow cost --since 7d
     gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
     gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
+    gpuflow up                    # a warm local stack that the next runs start on at once; gpuflow down stops it
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="override a field of the deployments' default spec, e.g. --set tracking.uri=http://...")
     serve.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="serve only this one (repeatable)")
     serve.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1)")
-    down = commands.add_parser("down", help="tear down a gpuflow cluster by name (what the reaper would do)")
-    down.add_argument("cluster", help="cluster name, gpuflow-<flow run id>")
+    up = commands.add_parser("up", help="keep a warm local stack (Prefect API, a spare Ray cluster) for the next runs")
+    up.add_argument("spec", nargs="?", help="shape the spare cluster for this spec (default: as the last run's)")
+    up.add_argument("--idle-minutes", type=float, default=30, help="stop after this long without a run (default 30)")
+    down = commands.add_parser("down", help="tear down a gpuflow cluster by name (what the reaper would do), "
+                                            "or without a name the warm stack")
+    down.add_argument("cluster", nargs="?", help="cluster name, gpuflow-<flow run id>")
     down.add_argument("--backend", choices=["local", "skypilot"], default=None,
                       help="where it runs (default: local if this machine has it, else skypilot)")
     deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with a work pool")
@@ -57,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "deploy"):
         return deployments(args)
     if args.command == "down":
-        return down_cluster(args.cluster, args.backend)
+        return down_cluster(args.cluster, args.backend) if args.cluster else down_stack()
     try:
+        if args.command == "up":
+            return up_stack(args.spec, args.idle_minutes)
         if args.command == "cost":
             return cost_command.run(args)
         spec = load_spec(args.spec, args.overrides)
@@ -122,6 +129,31 @@ def down_cluster(cluster: str, backend_name: str | None) -> int:
         backend_name = "local" if any(status.name == cluster for status in local.status()) else "skypilot"
     existed = get_backend(backend_name).down(cluster)
     print(f"{backend_name} cluster {cluster} {'is down' if existed else 'was not found (nothing to tear down)'}")
+    return 0
+
+
+def up_stack(spec_path: str | None, idle_minutes: float) -> int:
+    from gpuflow.cluster.backends.local import shape_of
+    from gpuflow.flows import stack
+
+    shape = None
+    if spec_path:
+        spec = load_spec(spec_path)
+        validate_spec(spec)
+        shape = shape_of(spec)
+    record = stack.up(idle_minutes, shape)
+    spare = record.get("spare_shape")
+    print(f"gpuflow: warm stack up (stops after {record['idle_minutes']:g} idle min, or `gpuflow down`)")
+    print(f"  Prefect API  {record['api_url']}")
+    print(f"  spare        " + (f"a local Ray cluster of {spare['num_nodes']} node(s) × {spare['cpus']:g} CPU(s)"
+                                if spare else "none yet: the first run's shape makes the next one"))
+    return 0
+
+
+def down_stack() -> int:
+    from gpuflow.flows import stack
+
+    print("gpuflow: warm stack " + ("stopped" if stack.down() else "was not up (nothing to stop)"))
     return 0
 
 
@@ -201,23 +233,32 @@ def interrupt_on_sigterm() -> None:
 
 def temporary_api_launched():
     """Prefect's temporary API (flows/temporary_api.py), launched now when no Prefect server is configured: its
-    seconds of start-up overlap this process's imports and checks. None when a server is configured."""
+    seconds of start-up overlap this process's imports and checks. The warm stack's API instead, when one is up
+    (`gpuflow up`); None when a server is configured."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
-    from gpuflow.flows import temporary_api
+    from gpuflow.flows import stack, temporary_api
 
+    record = stack.read_stack()
+    if record and temporary_api.answers(record["api_url"], timeout_s=2):
+        temporary_api.use(record["api_url"])
+        return None
     return temporary_api.launch()
 
 
 def prewarm_cluster(spec) -> str | None:
-    """A local Ray cluster takes seconds to start: it starts as soon as the spec is valid, while Prefect's API starts
-    and the flow run begins. Returns its name (the flow's provision step adopts it), if any."""
+    """A local Ray cluster takes seconds to start: the warm stack's spare is claimed, or one starts as soon as the spec
+    is valid, while Prefect's API starts and the flow run begins. Returns its name (the flow's provision step adopts
+    it), if any."""
     if spec.compute.backend != "local":
         return None
-    from gpuflow.cluster.backends.local import LocalBackend
+    from gpuflow.cluster.backends.local import LocalBackend, shape_of
+    from gpuflow.flows import stack
 
+    if stack.read_stack():
+        stack.want_shape(shape_of(spec))  # the stack's next spare: one like this run's
     return LocalBackend().prewarm(spec)
 
 

@@ -50,18 +50,23 @@ class TemporaryApi:
 
     def ready(self) -> str:
         """Waits until the server answers, then points this process's Prefect settings at it; returns its URL."""
-        from prefect.context import refresh_global_settings_context
-
         while not wait_until_healthy(self.server, self.api_url, self.deadline):
             if self.server.returncode != PORT_IN_USE:
                 stop(self.server)
                 raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
                                    f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
             self.server, self.api_url = self._launch()
-        os.environ["PREFECT_API_URL"] = self.api_url
-        os.environ["PREFECT_UI_URL"] = ""  # it serves no UI: no "View at" link to a page that does not exist
-        refresh_global_settings_context()
+        use(self.api_url)
         return self.api_url
+
+
+def use(api_url: str) -> None:
+    """Points this process's Prefect settings (every thread's client) at a server of ours, which serves no UI."""
+    from prefect.context import refresh_global_settings_context
+
+    os.environ["PREFECT_API_URL"] = api_url
+    os.environ["PREFECT_UI_URL"] = ""  # no "View at" link to a page that does not exist
+    refresh_global_settings_context()
 
 
 def uvicorn(port: int, settings_env: dict[str, str]) -> subprocess.Popen:
@@ -85,14 +90,18 @@ def free_port() -> int:
 def wait_until_healthy(server: subprocess.Popen, api_url: str, deadline: float) -> bool:
     """True once the server answers; False if it exited or the deadline passed."""
     while time.monotonic() < deadline and server.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{api_url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return True
-        except (urllib.error.URLError, OSError):
-            pass
+        if answers(api_url):
+            return True
         time.sleep(0.1)
     return False
+
+
+def answers(api_url: str, timeout_s: float = 5) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def watch(server: subprocess.Popen) -> None:

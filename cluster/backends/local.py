@@ -7,6 +7,7 @@ the process that launched it (the flow) and goes away within seconds of its deat
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -26,7 +27,11 @@ from gpuflow.cluster.spec import ExperimentSpec, state_dir
 LAUNCH_TIMEOUT_S = 120
 NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
 LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
+OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
 WARM_CLUSTER_ENV = "GPUFLOW_WARM_CLUSTER"
+SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/stack.py)
+HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
+CHILDREN: dict[str, subprocess.Popen] = {}  # this process's children, ours to reap (the CLI starts some, the flow others)
 
 
 class LocalBackend:
@@ -36,7 +41,7 @@ class LocalBackend:
 
     def __init__(self, root: Path | None = None):
         self.root = root or state_dir() / "clusters"
-        self._children: dict[str, subprocess.Popen] = {}  # ours to reap
+        self._children = CHILDREN
 
     # -- launch -----------------------------------------------------------------------------------
     def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
@@ -53,23 +58,24 @@ class LocalBackend:
 
     def start(self, spec: ExperimentSpec, cluster_name: str) -> None:
         """Starts the cluster's processes and returns at once; `wait_until_up` waits for them."""
+        self.start_shaped(shape_of(spec), cluster_name, os.getpid())
+
+    def start_shaped(self, shape: dict, cluster_name: str, owner_pid: int) -> None:
+        """Starts a cluster of `shape` (shape_of) that stops itself once `owner_pid` is gone."""
         folder = self.root / cluster_name
         folder.mkdir(parents=True)
         # Unix socket paths are limited to 107 bytes: Ray's temp dir must be short.
         temp_dir = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
-        cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
-        if spec.data is not None:  # Ray Data's read tasks need a logical CPU the training workers have not taken
-            cpus += 1
         with open(folder / "ray.log", "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "gpuflow.cluster.backends.local_ray", "--nodes", str(spec.compute.num_nodes),
-                 "--cpus-per-node", str(cpus), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
-                 "--owner-pid", str(os.getpid())],
+                [sys.executable, "-m", "gpuflow.cluster.backends.local_ray", "--nodes", str(shape["num_nodes"]),
+                 "--cpus-per-node", str(shape["cpus"]), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
+                 "--owner-pid", str(owner_pid)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
             )
         self._children[f"cluster:{process.pid}"] = process
         self._write(cluster_name, {"session": process.pid, "temp_dir": temp_dir, "launched_at": time.time(),
-                                   "jobs": {}, "shape": shape_of(spec)})
+                                   "jobs": {}, "shape": shape})
 
     def wait_until_up(self, cluster_name: str) -> str:
         record = self._record(cluster_name)
@@ -87,13 +93,53 @@ class LocalBackend:
         return record["address"]
 
     def prewarm(self, spec: ExperimentSpec) -> str:
-        """Starts a cluster for a flow run that has no id yet; `launch` adopts it when the shape matches.
-
-        `gpuflow run` starts one while Prefect's API starts, so the two start side by side."""
-        name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
-        self.start(spec, name)
+        """A cluster for a flow run that has no id yet; `launch` adopts it when the shape matches. It is the warm
+        stack's spare (flows/stack.py) when one of that shape is up, else one started now, so that it starts while
+        Prefect's API starts and the flow run begins. The job's process starts now too: its imports (Ray, torch,
+        MLflow: seconds) overlap the flow's start, and it waits for `exec` to hand it the run."""
+        name = self.claim_spare(spec)
+        if name is None:
+            name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
+            self.start(spec, name)
+        self._start_early_job(spec, name)
         os.environ[WARM_CLUSTER_ENV] = name
         return name
+
+    def _start_early_job(self, spec: ExperimentSpec, cluster_name: str) -> None:
+        record = self._record(cluster_name)
+        with open(self.root / cluster_name / "job.log", "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", f"{record['temp_dir']}/{HANDOFF_FILE}"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
+                env={**ray_env(), LOCAL_CLUSTER_ENV: str(record["session"])},
+            )
+        record["jobs"][str(process.pid)] = {"log": "job.log", "run_name": None}
+        self._write(cluster_name, record)
+        self._children[str(process.pid)] = process
+
+    def claim_spare(self, spec: ExperimentSpec) -> str | None:
+        """Takes the warm stack's spare cluster if it has the spec's shape; returns its new name, or None.
+
+        The claim makes this process the cluster's owner first (the owner file), then renames it away from the
+        spare's name: a claimer killed in between leaves a cluster owned by a dead process, which stops itself.
+        The lock makes two runs that claim at once take at most one spare each."""
+        if not self.root.exists():
+            return None
+        lock = os.open(self.root, os.O_RDONLY)  # the clusters' folder itself: released on close, or with the process
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            for folder in sorted(self.root.glob(f"{SPARE_PREFIX}*")):
+                record = self._record(folder.name)
+                if record and record.get("shape") == shape_of(spec) and session_alive(record["session"]):
+                    owner = Path(record["temp_dir"]) / OWNER_FILE
+                    owner.with_suffix(".tmp").write_text(str(os.getpid()))
+                    os.replace(owner.with_suffix(".tmp"), owner)
+                    name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
+                    folder.rename(self.root / name)
+                    return name
+        finally:
+            os.close(lock)
+        return None
 
     def _adopt_warm(self, spec: ExperimentSpec, cluster_name: str) -> bool:
         warm = os.environ.pop(WARM_CLUSTER_ENV, None)
@@ -105,12 +151,23 @@ class LocalBackend:
 
     # -- run the job ------------------------------------------------------------------------------
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
-        """Starts cluster/job.py against the cluster as a process of its own, as on a remote head node."""
+        """Starts cluster/job.py against the cluster as a process of its own, as on a remote head node; or hands the
+        run to the job process already waiting there (`prewarm`)."""
         folder = self.root / handle.name
         spec_file = folder / f"{run_name}.spec.json"
         spec_file.write_text(spec.model_dump_json())
-        log = folder / f"{run_name}.log"
         record = self._record(handle.name)
+        waiting = [pid for pid, job in record["jobs"].items() if job["run_name"] is None and running(pid)]
+        if waiting:
+            [pid] = waiting
+            record["jobs"][pid] = {"log": str(folder / "job.log"), "run_name": run_name}
+            self._write(handle.name, record)
+            handoff = Path(record["temp_dir"]) / HANDOFF_FILE
+            handoff.with_suffix(".tmp").write_text(json.dumps({"spec": str(spec_file), "address": handle.address,
+                                                               "run_name": run_name, "env": env}))
+            os.replace(handoff.with_suffix(".tmp"), handoff)
+            return pid
+        log = folder / f"{run_name}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
@@ -203,7 +260,11 @@ class LocalBackend:
 
 
 def shape_of(spec: ExperimentSpec) -> dict:
-    return {"num_nodes": spec.compute.num_nodes, "cpus": spec.compute.workers_per_node * spec.compute.cpus_per_worker}
+    """What a local cluster for the spec is made of: its nodes and each node's logical CPUs."""
+    cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
+    if spec.data is not None:  # Ray Data's read tasks need a logical CPU the training workers have not taken
+        cpus += 1
+    return {"num_nodes": spec.compute.num_nodes, "cpus": cpus}
 
 
 def ray_env() -> dict[str, str]:
@@ -219,10 +280,12 @@ def stop_sessions(sessions: list[int]) -> None:
 
     Sessions, not process groups: Ray puts each worker in a process group of its own, but all
     stay in the session we started. Nothing in a throwaway local cluster needs a graceful stop:
-    checkpoints and metrics are persisted before teardown, and Ray's own shutdown takes seconds."""
+    checkpoints and metrics are persisted before teardown, and Ray's own shutdown takes seconds.
+    A caller inside one of the sessions (the supervisor) is spared, to go on killing what is forked meanwhile (Ray
+    starts its agents seconds after the raylet): it exits once the rest is gone."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        members = [pid for session in sessions for pid in session_members(session)]
+        members = [pid for session in sessions for pid in session_members(session) if pid != os.getpid()]
         if not members:
             return
         for pid in members:
@@ -249,6 +312,11 @@ def session_members(session: int) -> list[int]:
 
 def session_alive(session: int) -> bool:
     return bool(session_members(session))
+
+
+def running(pid: str) -> bool:
+    """A job process of ours has not exited (a child of ours that exited is a zombie until reaped: not running)."""
+    return CHILDREN[pid].poll() is None if pid in CHILDREN else pid_alive(int(pid))
 
 
 def pid_alive(pid: int) -> bool:

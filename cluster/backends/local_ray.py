@@ -5,6 +5,8 @@
 The owner is the process that launched the cluster (the flow). When it dies (kill -9, OOM, a runner that
 SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor tells the jobs on it
 (which end their MLflow run as orphaned), then stops every process of the cluster, itself last.
+A spare cluster of the warm stack (flows/stack.py) changes hands: the run that claims it writes its own pid to
+the `owner` file in the temp dir, and from then on that process is the owner.
 """
 
 import argparse
@@ -27,7 +29,7 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends import HEAD_NODE_RESOURCES  # noqa: E402
-from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE  # noqa: E402
+from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
 
 
 def main() -> int:
@@ -40,7 +42,8 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.owner_pid is not None:  # from the start: an owner killed while Ray starts must not leave it behind
-        threading.Thread(target=watch_owner, args=(args.owner_pid,), daemon=True, name="owner-watch").start()
+        threading.Thread(target=watch_owner, args=(args.owner_pid, Path(args.temp_dir) / OWNER_FILE), daemon=True,
+                         name="owner-watch").start()
     node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2}
     cluster = Cluster(
         initialize_head=True,
@@ -70,11 +73,19 @@ def main() -> int:
         time.sleep(OWNER_POLL_S)
 
 
-def watch_owner(owner_pid: int) -> None:
-    while alive(owner_pid):
+def watch_owner(owner_pid: int, owner_file: Path) -> None:
+    while alive(owner_pid := current_owner(owner_pid, owner_file)):
         time.sleep(OWNER_POLL_S)
     print(f"owner process {owner_pid} is gone: stopping the cluster", flush=True)
     release_orphan()
+
+
+def current_owner(first_owner: int, owner_file: Path) -> int:
+    """The pid in the owner file once a claim wrote one, else the process that launched the cluster."""
+    try:
+        return int(owner_file.read_text())
+    except (FileNotFoundError, ValueError):
+        return first_owner
 
 
 OWNER_POLL_S = 1.0
@@ -128,8 +139,9 @@ def release_orphan() -> None:
     deadline = time.monotonic() + JOB_CLOSE_S
     while time.monotonic() < deadline and any(alive(pid) for pid in jobs):
         time.sleep(0.1)
-    # each job runs in a session of its own (the job's pid): stop those that did not exit, then our own
+    # each job runs in a session of its own (the job's pid): stop those that did not exit, then our own, then exit
     stop_sessions([pid for pid in jobs if session_members(pid)] + [os.getsid(0)])
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,203 @@
+"""The warm local stack: a Prefect API and a spare Ray cluster kept up between runs, so a run does not wait for them.
+
+    gpuflow up [experiments/digits.yaml] [--idle-minutes 30]     # then gpuflow run ... as usual
+    gpuflow down                                                 # or let it stop itself once idle
+
+Without it, each `gpuflow run` starts Prefect's temporary API and a Ray cluster of its own: seconds of CPU before
+the first step. With it, a run uses the stack's API and claims its spare cluster (one of the run's shape), which
+from then on is the run's alone: owned by the run's process, downed at its end or with its death, as any other.
+Once no run is going, the stack starts the next spare in the shape of the last run. It stops itself after
+`--idle-minutes` without a run; its API and spare stop with it, even after a kill -9 (each watches its owner).
+GPUFLOW_STACK=off makes a run start its own, as without a stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions
+from gpuflow.flows.outlive import alive
+from gpuflow.cluster.spec import state_dir
+
+POLL_S = 1.0
+UP_TIMEOUT_S = 180
+
+
+def stack_file() -> Path:
+    return state_dir() / "stack" / "stack.json"
+
+
+def shape_file() -> Path:
+    """The shape of the next spare cluster: the last run's (or `gpuflow up SPEC`'s)."""
+    return state_dir() / "stack" / "shape.json"
+
+
+def read_stack() -> dict | None:
+    """The running stack's record (its pid, API URL, spare), or None when no stack is up (or GPUFLOW_STACK=off)."""
+    if os.environ.get("GPUFLOW_STACK") == "off":
+        return None
+    try:
+        record = json.loads(stack_file().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return record if alive(record["pid"]) else None  # a zombie (killed, not yet reaped) is not a stack
+
+
+def want_shape(shape: dict) -> None:
+    write_json(shape_file(), shape)
+
+
+def write_json(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(value))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+# -- gpuflow up / down ---------------------------------------------------------------------------------------------
+def up(idle_minutes: float, shape: dict | None = None) -> dict:
+    """Starts the stack unless one is up; returns its record once its API answers and its spare (if it has a shape
+    to make one of) is up."""
+    if shape:
+        want_shape(shape)
+    process = None
+    if read_stack() is None:
+        log = state_dir() / "stack" / "stack.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "gpuflow.flows.stack", "--idle-minutes", f"{idle_minutes:g}"],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    return wait_until_ready(shape, process)
+
+
+def wait_until_ready(shape: dict | None, process: subprocess.Popen | None) -> dict:
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while time.monotonic() < deadline and (process is None or process.poll() is None):
+        record = read_stack()
+        if record and record.get("api_url") and (not shape or record.get("spare_shape") == shape):
+            return record
+        time.sleep(0.2)
+    log = state_dir() / "stack" / "stack.log"
+    tail = log.read_text()[-2000:] if log.exists() else ""
+    raise RuntimeError(f"the warm stack did not come up within {UP_TIMEOUT_S}s:\n{tail}")
+
+
+def down() -> bool:
+    """Stops the stack: its API, its spare cluster, itself. False when none was up."""
+    record = read_stack()
+    if record is None:
+        return False
+    os.kill(record["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while session_alive(record["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop_sessions([record["pid"]])  # whatever did not stop in time
+    stack_file().unlink(missing_ok=True)
+    return True
+
+
+# -- the stack's own process ---------------------------------------------------------------------------------------
+class Stack:
+    def __init__(self, idle_minutes: float):
+        self.idle_s = idle_minutes * 60
+        self.backend = LocalBackend()
+        self.api = None
+        self.spare: str | None = None
+        self.last_busy = time.monotonic()
+
+    def start_api(self) -> str:
+        from gpuflow.flows import temporary_api
+
+        self.api = temporary_api.launch()
+        return self.api.ready()
+
+    def runs_going(self) -> bool:
+        """Any local cluster up other than the spare: a run is using this machine (and its CPUs)."""
+        return any(status.status == "UP" and status.name != self.spare for status in self.backend.status())
+
+    def keep_a_spare(self) -> None:
+        """A spare of the wanted shape, started only while no run goes: its start would take CPU from one."""
+        record = self.backend._record(self.spare) if self.spare else None
+        if record and not session_alive(record["session"]):
+            self.backend.down(self.spare)
+            record = None
+        if record is None:
+            self.spare = None
+        try:
+            shape = json.loads(shape_file().read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return
+        if record and record.get("shape") != shape:  # the runs changed shape: this spare would never be claimed
+            self.backend.down(self.spare)
+            self.spare = None
+        if self.spare is None and not self.runs_going():
+            self.spare = f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}"
+            self.backend.start_shaped(shape, self.spare, os.getpid())
+            self.backend.wait_until_up(self.spare)
+            self.last_busy = time.monotonic()  # idle from when the spare is ready, not while it starts
+            print(f"spare cluster {self.spare} up: {shape}", flush=True)
+
+    def record(self) -> dict:
+        spare = self.backend._record(self.spare) if self.spare else None
+        return {"pid": os.getpid(), "api_url": self.api.api_url, "idle_minutes": self.idle_s / 60,
+                "spare": self.spare, "spare_shape": spare.get("shape") if spare and spare.get("address") else None}
+
+    def serve(self) -> None:
+        print(f"Prefect API at {self.start_api()}", flush=True)
+        self.last_busy = time.monotonic()
+        while True:
+            # a claimed spare is renamed: from then on it is a run's cluster, not ours
+            if self.spare and self.backend._record(self.spare) is None:
+                self.spare = None
+            if self.runs_going():
+                self.last_busy = time.monotonic()
+            elif time.monotonic() - self.last_busy > self.idle_s:
+                print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
+                return
+            self.keep_a_spare()
+            write_json(stack_file(), self.record())
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        if self.spare:
+            self.backend.down(self.spare)
+        if self.api:
+            from gpuflow.flows.temporary_api import stop
+
+            stop(self.api.server)
+        try:
+            if json.loads(stack_file().read_text())["pid"] == os.getpid():
+                stack_file().unlink()
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-minutes", type=float, default=30)
+    args = parser.parse_args()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.pop("PREFECT_API_URL", None)  # the stack serves its own API
+    stack = Stack(args.idle_minutes)
+
+    def terminate(*_):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        stack.serve()
+    finally:
+        stack.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

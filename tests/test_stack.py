@@ -1,0 +1,124 @@
+"""The warm local stack (`gpuflow up`): runs start on its Prefect API and spare cluster, and every guarantee holds.
+
+Each test starts its own stack in its own gpuflow home, and leaves no process of that home behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.conftest import REPO, alive, processes_of
+from tests.test_faults import wait_until
+from tests.test_lifecycle import GpuflowRun
+
+SPEC = REPO / "experiments" / "digits.yaml"
+
+
+@pytest.fixture
+def stack_env(gpuflow_home):
+    """`gpuflow` as a user without a Prefect server runs it: Prefect's home (its database) under the gpuflow home."""
+    env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home), "PREFECT_HOME": str(gpuflow_home / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    yield env
+    subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "down"], env=env, cwd=REPO, capture_output=True)
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "nothing of the stack left")
+
+
+def gpuflow(env: dict, *args: str, timeout_s: float = 300) -> str:
+    done = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", *args], env=env, cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return done.stdout
+
+
+def data_of(home) -> list[str]:
+    return [f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
+
+
+def stack_record(home) -> dict:
+    return json.loads((home / "stack" / "stack.json").read_text())
+
+
+def spare_pids(home) -> list[int]:
+    """The spare cluster's processes: its supervisor's session."""
+    from gpuflow.cluster.backends.local import LocalBackend
+
+    return LocalBackend(home / "clusters").pids(stack_record(home)["spare"])
+
+
+def flow_runs_in(api_url: str) -> list:
+    import asyncio
+
+    from prefect.client.orchestration import PrefectClient
+
+    async def read():
+        async with PrefectClient(api_url) as client:
+            return await client.read_flow_runs()
+    return asyncio.run(read())
+
+
+def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(stack_env, gpuflow_home):
+    out = gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
+    assert "spare        a local Ray cluster of 1 node(s) × 3 CPU(s)" in out, out
+    stack = stack_record(gpuflow_home)
+    spare = spare_pids(gpuflow_home)
+    assert spare, "the spare cluster is up"
+
+    # The run's Prefect home is another: had it started an API of its own, the flow run would be stored there.
+    run_env = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-run")}
+    out = gpuflow(run_env, "run", str(SPEC), "--set", "train.epochs=2",
+                  *[arg for item in data_of(gpuflow_home) for arg in ("--set", item)])
+    assert "finished in" in out, out
+
+    [flow_run] = flow_runs_in(stack["api_url"])
+    assert flow_run.state.is_completed()
+    assert not (gpuflow_home / "prefect-of-the-run" / "prefect.db").exists(), "the run started no Prefect API"
+    assert alive(spare) == [], "the run trained on the spare, and downed it at its end as its own cluster"
+    [mlflow_run] = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+    assert mlflow_run.info.status == "FINISHED"
+
+    # once the run is over, the stack makes the next spare
+    wait_until(lambda: stack_record(gpuflow_home)["spare"] not in (None, stack["spare"])
+               and stack_record(gpuflow_home)["spare_shape"], 120, "a new spare")
+    assert gpuflow(stack_env, "down") == "gpuflow: warm stack stopped\n"
+    wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
+
+
+def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, digits_spec, gpuflow_home):
+    """The spare changes owner when claimed: the run's death must stop it, while the stack goes on."""
+    gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
+    stack = stack_record(gpuflow_home)
+    own = set(processes_of(gpuflow_home)) - set(spare_pids(gpuflow_home))  # the stack, its API, their watchers
+    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)  # a long, paced digits run
+    run.wait_for_line("[gpuflow] epoch 2:")
+    of_the_run = set(processes_of(gpuflow_home)) - own
+    run.process.kill()
+    run.wait()
+
+    wait_until(lambda: alive(of_the_run) == [], 60, "the claimed cluster, the job and its workers gone")
+    [mlflow_run] = wait_until(lambda: [r for r in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}")
+                                       .search_runs(["1"]) if r.info.status != "RUNNING"], 60, "the MLflow run closed")
+    assert mlflow_run.info.status == "FAILED" and mlflow_run.data.tags["stopped_by"] == "orphaned"
+    assert set(alive(own)) == own, "the stack goes on"
+    assert stack_record(gpuflow_home)["api_url"] == stack["api_url"]
+
+
+def test_the_stack_stops_itself_once_idle_and_a_kill_9_of_it_leaves_nothing(stack_env, gpuflow_home):
+    gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "0.1")
+    assert spare_pids(gpuflow_home)
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the idle stack gone, with its API and spare")
+    assert "stopping" in (gpuflow_home / "stack" / "stack.log").read_text()
+
+    gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
+    os.kill(stack_record(gpuflow_home)["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the API and the spare gone with the stack")
+    print(f"kill -9 of the stack → nothing left in {time.monotonic() - killed_at:.1f}s")
+    assert "was not up" in gpuflow(stack_env, "down")
