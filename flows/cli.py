@@ -140,6 +140,9 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
     if spec_path:
         spec = load_spec(spec_path)
         validate_spec(spec)
+        if spec.compute.backend != "local":
+            raise SpecError([f"compute.backend: the warm stack's spare is a local cluster, and {spec_path} runs on "
+                             f"{spec.compute.backend!r}; name a local spec, or none (its API serves every run)"])
         shape = shape_of(spec)
     record = stack.up(idle_minutes, shape)
     spare = record.get("spare_shape")
