@@ -125,7 +125,7 @@ class Stack:
 
     def keep_a_spare(self) -> None:
         """A spare of the wanted shape, started only while no run goes: its start would take CPU from one."""
-        record = self.backend._record(self.spare) if self.spare else None
+        record = self.backend.record(self.spare) if self.spare else None
         if record and not session_alive(record["session"]):
             self.backend.down(self.spare)
             record = None
@@ -146,7 +146,7 @@ class Stack:
             print(f"spare cluster {self.spare} up: {shape}", flush=True)
 
     def record(self) -> dict:
-        spare = self.backend._record(self.spare) if self.spare else None
+        spare = self.backend.record(self.spare) if self.spare else None
         return {"pid": os.getpid(), "api_url": self.api.api_url, "idle_minutes": self.idle_s / 60,
                 "spare": self.spare, "spare_shape": spare.get("shape") if spare and spare.get("address") else None}
 
@@ -155,7 +155,7 @@ class Stack:
         self.last_busy = time.monotonic()
         while True:
             # a claimed spare is renamed: from then on it is a run's cluster, not ours
-            if self.spare and self.backend._record(self.spare) is None:
+            if self.spare and self.backend.record(self.spare) is None:
                 self.spare = None
             if self.runs_going():
                 self.last_busy = time.monotonic()

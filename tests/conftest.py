@@ -145,10 +145,9 @@ def slurm_infra():
 
 # Tests that run in the second pytest-xdist worker, beside the rest: the Slurm tier (one Slurm cluster on this machine,
 # mostly waiting on it), then the team stack and its load test, then the watchdog's limits (minutes of waiting, which
-# balance the two workers: measured 2570 s against 1874 s with it in the first), then the warm stack's. Everything
-# else keeps its order in the first worker.
-BESIDE = ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_team_stack.py", "tests/test_watchdog.py",
-          "tests/test_stack.py")
+# balance the two workers: measured 2570 s against 1874 s with it in the first). Everything else keeps its order in
+# the first worker.
+BESIDE = ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_team_stack.py", "tests/test_watchdog.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups

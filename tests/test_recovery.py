@@ -46,7 +46,7 @@ class NodeKiller(threading.Thread):
         while len(self.killed) < self.times and time.monotonic() < deadline:
             clusters = [s for s in LocalBackend().status() if s.status == "UP"]
             if self.checkpoints() >= target and clusters:
-                record = LocalBackend()._record(clusters[0].name)
+                record = LocalBackend().record(clusters[0].name)
                 nodes = Path(record["temp_dir"]) / NODES_FILE
                 if nodes.exists():
                     self.kill(record, json.loads(nodes.read_text()))

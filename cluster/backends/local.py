@@ -47,14 +47,14 @@ class LocalBackend:
     def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
                job: Job | None = None) -> ClusterHandle:
         """Starts the cluster, or returns it if a cluster of that name is already up (SkyPilot's semantics)."""
-        record = self._record(cluster_name)
+        record = self.record(cluster_name)
         if not (record and session_alive(record["session"])):
             if not self._adopt_warm(spec, cluster_name):
                 self.down(cluster_name)  # a half-made cluster of that name: start clean
                 self.start(spec, cluster_name)
         address = self.wait_until_up(cluster_name)
         on_line(f"local Ray cluster {cluster_name}: {spec.compute.num_nodes} node(s) at {address}")
-        return ClusterHandle(cluster_name, self.name, address, self._record(cluster_name))
+        return ClusterHandle(cluster_name, self.name, address, self.record(cluster_name))
 
     def start(self, spec: ExperimentSpec, cluster_name: str) -> None:
         """Starts the cluster's processes and returns at once; `wait_until_up` waits for them."""
@@ -78,7 +78,7 @@ class LocalBackend:
                                    "jobs": {}, "shape": shape})
 
     def wait_until_up(self, cluster_name: str) -> str:
-        record = self._record(cluster_name)
+        record = self.record(cluster_name)
         address_file = Path(record["temp_dir"]) / "address"
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         while not address_file.exists():
@@ -106,7 +106,7 @@ class LocalBackend:
         return name
 
     def _start_early_job(self, spec: ExperimentSpec, cluster_name: str) -> None:
-        record = self._record(cluster_name)
+        record = self.record(cluster_name)
         with open(self.root / cluster_name / "job.log", "wb") as out:
             process = subprocess.Popen(
                 [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", f"{record['temp_dir']}/{HANDOFF_FILE}"],
@@ -129,7 +129,7 @@ class LocalBackend:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             for folder in sorted(self.root.glob(f"{SPARE_PREFIX}*")):
-                record = self._record(folder.name)
+                record = self.record(folder.name)
                 if record and record.get("shape") == shape_of(spec) and session_alive(record["session"]):
                     owner = Path(record["temp_dir"]) / OWNER_FILE
                     owner.with_suffix(".tmp").write_text(str(os.getpid()))
@@ -143,7 +143,7 @@ class LocalBackend:
 
     def _adopt_warm(self, spec: ExperimentSpec, cluster_name: str) -> bool:
         warm = os.environ.pop(WARM_CLUSTER_ENV, None)
-        record = self._record(warm) if warm else None
+        record = self.record(warm) if warm else None
         if not record or record.get("shape") != shape_of(spec) or not session_alive(record["session"]):
             return False
         (self.root / warm).rename(self.root / cluster_name)  # the rename is the claim: one adopter only
@@ -156,7 +156,7 @@ class LocalBackend:
         folder = self.root / handle.name
         spec_file = folder / f"{run_name}.spec.json"
         spec_file.write_text(spec.model_dump_json())
-        record = self._record(handle.name)
+        record = self.record(handle.name)
         waiting = [pid for pid, job in record["jobs"].items() if job["run_name"] is None and running(pid)]
         if waiting:
             [pid] = waiting
@@ -182,7 +182,7 @@ class LocalBackend:
 
     def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int:
         """Follows the job's log until it exits; returns its exit code."""
-        record = self._record(handle.name) or {}
+        record = self.record(handle.name) or {}
         log = Path(record.get("jobs", {}).get(job_id, {}).get("log", ""))
         process = self._children.get(job_id)
         position = 0
@@ -210,14 +210,14 @@ class LocalBackend:
     def status(self) -> list[ClusterStatus]:
         found = []
         for folder in sorted(self.root.glob("*")) if self.root.exists() else []:
-            record = self._record(folder.name) or {}
+            record = self.record(folder.name) or {}
             up = bool(record) and session_alive(record.get("session", -1))
             found.append(ClusterStatus(folder.name, self.name, "UP" if up else "INIT", record.get("launched_at")))
         return found
 
     def lost(self, cluster_name: str) -> str | None:
         """Why the cluster is no longer whole: a node's processes died (its supervisor noticed), or it is gone."""
-        record = self._record(cluster_name)
+        record = self.record(cluster_name)
         if record is None or not session_alive(record["session"]):
             return f"local cluster {cluster_name}: its processes are gone"
         lost_file = Path(record["temp_dir"]) / LOST_FILE
@@ -226,7 +226,7 @@ class LocalBackend:
     def down(self, cluster_name: str) -> bool:
         """Stops every process of the cluster (jobs first), removes its state. Safe to repeat."""
         folder = self.root / cluster_name
-        record = self._record(cluster_name)
+        record = self.record(cluster_name)
         if record is None:
             if folder.exists():
                 shutil.rmtree(folder, ignore_errors=True)
@@ -243,11 +243,12 @@ class LocalBackend:
 
     def pids(self, cluster_name: str) -> set[int]:
         """Every live process of the cluster (for tests and the reaper's report)."""
-        record = self._record(cluster_name) or {}
+        record = self.record(cluster_name) or {}
         sessions = [int(pid) for pid in record.get("jobs", {})] + ([record["session"]] if record else [])
         return {pid for session in sessions for pid in session_members(session)}
 
-    def _record(self, cluster_name: str) -> dict | None:
+    def record(self, cluster_name: str) -> dict | None:
+        """What this backend keeps of a cluster: its session, temp dir, address, shape and jobs; None if unknown."""
         try:
             return json.loads((self.root / cluster_name / "cluster.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
