@@ -162,10 +162,13 @@ def system_metrics_monitor():
     return monitor
 
 
+# What training needs in the job's process: torch through Ray Train, MLflow's system metrics (seconds of imports).
+TRAINING_IMPORTS = ("ray.train.torch", "mlflow.system_metrics.system_metrics_monitor")
+
+
 def preload(spec: ExperimentSpec) -> None:
-    """What training needs (torch through Ray Train, MLflow, Ray Tune for a sweep), imported while Ray connects."""
-    import_in_background("ray.train.torch", "mlflow.system_metrics.system_metrics_monitor",
-                         *(["gpuflow.cluster.sweep"] if spec.sweep else []))
+    """What training needs (and Ray Tune for a sweep), imported while Ray connects."""
+    import_in_background(*TRAINING_IMPORTS, *(["gpuflow.cluster.sweep"] if spec.sweep else []))
 
 
 JOIN_TIMEOUT_S = 300
@@ -201,8 +204,7 @@ def wait_for_handoff(args: argparse.Namespace) -> None:
     """An early job (the local backend starts it before the run exists): imports what training needs meanwhile, then
     takes its spec, address, run name and environment from the hand-off file. Exits if the process that started it
     dies first: nobody would ever hand it a run."""
-    import_in_background("ray", "ray.train.torch", "mlflow.system_metrics.system_metrics_monitor",
-                         "mlflow.store.tracking.sqlalchemy_store")
+    import_in_background(*TRAINING_IMPORTS, "mlflow.store.tracking.sqlalchemy_store")
     starter = os.getppid()
     while not os.path.exists(args.handoff):
         if os.getppid() != starter:

@@ -23,9 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions
-from gpuflow.flows.outlive import alive
+from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions, write_atomically
 from gpuflow.cluster.spec import state_dir
+from gpuflow.flows.outlive import alive
 
 POLL_S = 1.0
 UP_TIMEOUT_S = 180
@@ -57,8 +57,7 @@ def want_shape(shape: dict) -> None:
 
 def write_json(path: Path, value: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(value))
-    os.replace(path.with_suffix(".tmp"), path)
+    write_atomically(path, json.dumps(value))
 
 
 # -- gpuflow up / down ---------------------------------------------------------------------------------------------
@@ -129,7 +128,7 @@ class Stack:
         if record and not session_alive(record["session"]):
             self.backend.down(self.spare)
             record = None
-        if record is None:
+        if record is None:  # claimed (a run renamed it: its cluster now, not ours) or gone
             self.spare = None
         try:
             shape = json.loads(shape_file().read_text())
@@ -154,9 +153,6 @@ class Stack:
         print(f"Prefect API at {self.start_api()}", flush=True)
         self.last_busy = time.monotonic()
         while True:
-            # a claimed spare is renamed: from then on it is a run's cluster, not ours
-            if self.spare and self.backend.record(self.spare) is None:
-                self.spare = None
             if self.runs_going():
                 self.last_busy = time.monotonic()
             elif time.monotonic() - self.last_busy > self.idle_s:

@@ -31,7 +31,7 @@ OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that c
 WARM_CLUSTER_ENV = "GPUFLOW_WARM_CLUSTER"
 SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/stack.py)
 HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
-CHILDREN: dict[str, subprocess.Popen] = {}  # this process's children, ours to reap (the CLI starts some, the flow others)
+CHILDREN: dict[str, subprocess.Popen] = {}  # this process's children, ours to reap (the CLI starts some, the flow more)
 
 
 class LocalBackend:
@@ -109,7 +109,8 @@ class LocalBackend:
         record = self.record(cluster_name)
         with open(self.root / cluster_name / "job.log", "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", f"{record['temp_dir']}/{HANDOFF_FILE}"],
+                [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff",
+                 str(Path(record["temp_dir"]) / HANDOFF_FILE)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
                 env={**ray_env(), LOCAL_CLUSTER_ENV: str(record["session"])},
             )
@@ -131,9 +132,7 @@ class LocalBackend:
             for folder in sorted(self.root.glob(f"{SPARE_PREFIX}*")):
                 record = self.record(folder.name)
                 if record and record.get("shape") == shape_of(spec) and session_alive(record["session"]):
-                    owner = Path(record["temp_dir"]) / OWNER_FILE
-                    owner.with_suffix(".tmp").write_text(str(os.getpid()))
-                    os.replace(owner.with_suffix(".tmp"), owner)
+                    write_atomically(Path(record["temp_dir"]) / OWNER_FILE, str(os.getpid()))
                     name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
                     folder.rename(self.root / name)
                     return name
@@ -162,10 +161,8 @@ class LocalBackend:
             [pid] = waiting
             record["jobs"][pid] = {"log": str(folder / "job.log"), "run_name": run_name}
             self._write(handle.name, record)
-            handoff = Path(record["temp_dir"]) / HANDOFF_FILE
-            handoff.with_suffix(".tmp").write_text(json.dumps({"spec": str(spec_file), "address": handle.address,
-                                                               "run_name": run_name, "env": env}))
-            os.replace(handoff.with_suffix(".tmp"), handoff)
+            write_atomically(Path(record["temp_dir"]) / HANDOFF_FILE, json.dumps(
+                {"spec": str(spec_file), "address": handle.address, "run_name": run_name, "env": env}))
             return pid
         log = folder / f"{run_name}.log"
         with open(log, "wb") as out:
@@ -255,9 +252,13 @@ class LocalBackend:
             return None
 
     def _write(self, cluster_name: str, record: dict) -> None:
-        path = self.root / cluster_name / "cluster.json"
-        path.with_suffix(".tmp").write_text(json.dumps(record))
-        os.replace(path.with_suffix(".tmp"), path)
+        write_atomically(self.root / cluster_name / "cluster.json", json.dumps(record))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers in other processes (the supervisor, the job, the stack) see the old text or the new, never half."""
+    path.with_suffix(".tmp").write_text(text)
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def shape_of(spec: ExperimentSpec) -> dict:

@@ -29,7 +29,7 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends import HEAD_NODE_RESOURCES  # noqa: E402
-from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
+from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE, write_atomically  # noqa: E402
 
 
 def main() -> int:
@@ -61,14 +61,14 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     folder = Path(args.temp_dir)
-    write(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node)}
-                                          for node in cluster.list_all_nodes()]))
-    write(Path(args.address_file), cluster.address)
+    write_atomically(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node)}
+                                                      for node in cluster.list_all_nodes()]))
+    write_atomically(Path(args.address_file), cluster.address)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
     lost = None
     while True:
         if lost is None and (lost := lost_nodes(cluster)):  # e.g. a node's raylet killed: the cluster is not whole
-            write(folder / LOST_FILE, lost)
+            write_atomically(folder / LOST_FILE, lost)
             print(f"cluster lost a node: {lost}", flush=True)
         time.sleep(OWNER_POLL_S)
 
@@ -89,11 +89,6 @@ def current_owner(first_owner: int, owner_file: Path) -> int:
 
 
 OWNER_POLL_S = 1.0
-
-
-def write(path: Path, text: str) -> None:
-    path.with_suffix(".tmp").write_text(text)
-    os.replace(path.with_suffix(".tmp"), path)
 
 
 def raylet_pid(node) -> int:
