@@ -143,16 +143,22 @@ def slurm_infra():
             print(harness.stop())
 
 
-# Tests that run in the second pytest-xdist worker, beside the rest: the Slurm tier (one Slurm cluster on this machine,
-# mostly waiting on it), then the team stack and its load test, then the watchdog's limits (minutes of waiting, which
-# balance the two workers: measured 2570 s against 1874 s with it in the first). Everything else keeps its order in
-# the first worker.
-BESIDE = ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_team_stack.py", "tests/test_watchdog.py")
+# The suite runs in three pytest-xdist workers (`-n 3 --dist loadgroup`, pyproject's addopts), one per lane, each in
+# file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute:
+# - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm);
+# - "faults": the team stack and its load test, the watchdog's limits, the warm stack's idle stop, the fault and
+#   recovery tests; most of them wait for a signal, a limit or a cleanup (their loops train an epoch a second);
+# - "main": everything else.
+LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py"),
+         "faults": ("tests/test_team_stack.py", "tests/test_watchdog.py", "tests/test_stack.py", "tests/test_faults.py",
+                    "tests/test_recovery.py")}
+
+
+def lane_of(nodeid: str) -> str:
+    return next((lane for lane, paths in LANES.items() if nodeid.startswith(paths)), "main")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (`-n 2 --dist loadgroup`, pyproject's addopts) the suite runs as two groups, one per worker;
-    those two are all that ever runs at once."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("beside" if item.nodeid.startswith(BESIDE) else "main"))
+        item.add_marker(pytest.mark.xdist_group(lane_of(item.nodeid)))
