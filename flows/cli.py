@@ -276,6 +276,33 @@ def flow_imports(spec) -> list[str]:
     return modules
 
 
+def prefect_api_answers() -> bool:
+    from prefect.settings import PREFECT_API_URL
+
+    from gpuflow.flows.temporary_api import answers
+
+    return answers(PREFECT_API_URL.value(), timeout_s=5) if PREFECT_API_URL.value() else True
+
+
+def exit_without_prefect(spec, outcome: str, log_file) -> None:
+    """Ends this process when Prefect's API went away mid-run (its server stopped, the warm stack killed).
+
+    The flow's teardown has run here by then (the cluster is down, the MLflow run closed), but Prefect's log and event
+    workers would still drain at exit, each retrying the API for minutes: the run's outcome is printed, then the
+    process exits without them. The watcher of a temporary API stops its server, as after any exit."""
+    from prefect.settings import PREFECT_API_URL
+
+    print(f"\ngpuflow: {spec.name} lost Prefect's API ({PREFECT_API_URL.value()} stopped answering): {outcome}\n"
+          f"  its cluster was torn down and its MLflow run closed here: experiment {spec.experiment_name!r} in "
+          f"{spec.tracking_uri} says how training ended; Prefect's record of the run stops where its API went",
+          file=sys.stderr)
+    if log_file:
+        print(f"  full log     {log_file}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 def run(spec, verbose: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     interrupt_on_sigterm()
@@ -288,7 +315,7 @@ def run(spec, verbose: bool = False) -> int:
         from gpuflow.flows.console import quiet_console
 
         log_file = quiet_console(state_dir() / "logs")
-    warm_cluster = None
+    warm_cluster, lost_api = None, None
     try:
         from gpuflow.flows.experiment import run_experiment  # its imports take a second or two: meanwhile, the check
 
@@ -297,7 +324,12 @@ def run(spec, verbose: bool = False) -> int:
         warm_cluster = prewarm_cluster(spec)
         if api:
             api.ready()
-        state = run_experiment(spec, return_state=True)
+        try:
+            state = run_experiment(spec, return_state=True)
+        except Exception as exc:
+            if prefect_api_answers():
+                raise
+            state, lost_api = None, f"{type(exc).__name__}: {exc}"
     except KeyboardInterrupt:
         print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
               file=sys.stderr)
@@ -309,6 +341,8 @@ def run(spec, verbose: bool = False) -> int:
             LocalBackend().down(warm_cluster)
     from gpuflow.tasks.tracking import open_command, run_url
 
+    if lost_api or (not state.is_completed() and not prefect_api_answers()):
+        exit_without_prefect(spec, lost_api or f"{state.name}: {state.message or ''}", log_file)
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)
         if log_file:

@@ -9,7 +9,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.cluster import limits
@@ -20,6 +19,7 @@ from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.limits import Check, Watchdog
 from gpuflow.cluster.node import SETUP_DONE
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.tasks.progress import ProgressBar
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
 # the job's own result line: bare (the local backend's log) or behind SkyPilot's "(task, pid=N) ", not a Ray worker's
@@ -99,7 +99,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     result = TrainResult()
     started = time.time()
     done_of = f"trials done of {spec.sweep.num_trials}" if spec.sweep else f"epochs done of {spec.train.epochs}"
-    progress = create_progress_artifact(0.0, description=f"{spec.name}: {done_of}")
+    progress = ProgressBar(f"{spec.name}: {done_of}", logger)
 
     tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
 
@@ -120,10 +120,10 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             life.epoch_done()
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             if not spec.sweep:
-                update_progress_artifact(progress, 100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
+                progress.set(100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
         trial = TRIAL_LINE.search(line)
         if trial:
-            update_progress_artifact(progress, 100.0 * int(trial.group(1)) / int(trial.group(2)))
+            progress.set(100.0 * int(trial.group(1)) / int(trial.group(2)))
         tail.append(line)
         if any(noise in line for noise in NOISE):
             logger.debug(line)
@@ -151,6 +151,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             if life.stopped or stopped_by_the_job(job.env, life):
                 raise RunStopped(life.stop_reason, life.stop_detail) from exc
             raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
+        finally:
+            progress.close()
     result.train_seconds = time.time() - started
     if life.stopped or (exit_code != 0 and stopped_by_the_job(job.env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)

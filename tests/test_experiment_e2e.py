@@ -40,6 +40,15 @@ def mlflow_run_of(spec, flow_run_id):
     return client, run
 
 
+def progress_bars(flow_run_id) -> list[float]:
+    """The values of the flow run's progress artifacts, as the Prefect UI shows them."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    with get_client(sync_client=True) as client:
+        return [artifact.data for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"])))]
+
+
 def test_digits_trains_tracks_and_tears_down(prefect_server, digits_spec, gpuflow_home):
     state = run_experiment(digits_spec, return_state=True)
     flow_run_id = state.state_details.flow_run_id
@@ -55,6 +64,7 @@ def test_digits_trains_tracks_and_tears_down(prefect_server, digits_spec, gpuflo
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(digits_spec.train.epochs))
     assert run.data.params["train.lr"] == str(digits_spec.train.lr)
+    assert progress_bars(flow_run_id) == [100.0]  # the train task's bar in the Prefect UI, at its last epoch
 
     # the registered model loads and predicts digits from the held-out split
     mlflow.set_tracking_uri(digits_spec.tracking_uri)

@@ -90,6 +90,38 @@ def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow
     assert processes_of(gpuflow_home) == [], "the reaper stops what it started (its API server)"
 
 
+def test_prefect_api_killed_mid_run_training_goes_on_and_the_run_ends_saying_so(digits_spec, gpuflow_home, monkeypatch):
+    """kill -9 of Prefect's API server mid-training (a temporary API here; the warm stack's, or a team's server, is the
+    same to the run): training goes on to its last epoch, the run downs its cluster and closes its MLflow run, and
+    `gpuflow run` exits saying what happened, instead of hanging on Prefect's log and event workers' retries."""
+    monkeypatch.setenv("PREFECT_CLIENT_MAX_RETRIES", "1")  # each call to the dead API gives up sooner: same path
+    epochs = 12
+    run = GpuflowRun(digits_spec, gpuflow_home, f"train.epochs={epochs}", ephemeral_api=True)
+    run.wait_for_line("[gpuflow] epoch 1:")
+    [server] = [pid for pid in children_of(run.process.pid)
+                if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(server, signal.SIGKILL)
+    killed_at = time.monotonic()
+
+    assert run.wait(timeout_s=CLEANUP_S) == 1
+    output = "".join(run.lines)
+    assert "lost Prefect's API" in output and "Traceback" not in output.split("lost Prefect's API")[1], output[-3000:]
+    wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "every process of the run gone (cluster, job)")
+    print(f"API killed → gpuflow run exited, nothing left in {time.monotonic() - killed_at:.1f}s")
+    [mlflow_run] = mlflow_runs(digits_spec)
+    # Task runs report their states as events, which wait for the API: training, teardown and the MLflow run's
+    # close go on without it. The first call that needs an answer (the summary artifact) ends the flow.
+    assert mlflow_run.info.status == "FINISHED"
+    client = MlflowClient(tracking_uri=digits_spec.tracking_uri)
+    steps = sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy"))
+    assert steps == list(range(epochs)), "every epoch trained and logged after the API went"
+    assert len(checkpoints_under(gpuflow_home)) == epochs
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec, gpuflow_home):
     run = GpuflowRun(digits_spec, gpuflow_home, GRACE)
     run.wait_for_line("provisioning local cluster")
