@@ -15,13 +15,20 @@ CANCEL_POLL_S = 2.0
 
 
 def cancel_check(flow_run_id) -> Check:
-    """Fires once the flow run is Cancelling or Cancelled."""
+    """Fires once the flow run is Cancelling or Cancelled.
+
+    One client serves every poll: each new one loads the system's TLS certificates (~0.15 s of CPU here, on a run
+    that polls every 2 s), even for a plain-HTTP API."""
+    client = None
 
     def check():
+        nonlocal client
         try:
-            with get_client(sync_client=True) as client:
-                state = client.read_flow_run(flow_run_id).state
-        except Exception:  # the API blinked: look again next time
+            if client is None:
+                client = get_client(sync_client=True).__enter__()
+            state = client.read_flow_run(flow_run_id).state
+        except Exception:  # the API blinked: look again next time, with a new client
+            client = None
             return None
         if state and state.type in CANCEL_STATES:
             return "cancelled", "cancelled from Prefect"
