@@ -109,8 +109,8 @@ def test_prefect_api_killed_mid_run_training_goes_on_and_the_run_ends_saying_so(
     wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "every process of the run gone (cluster, job)")
     print(f"API killed → gpuflow run exited, nothing left in {time.monotonic() - killed_at:.1f}s")
     [mlflow_run] = mlflow_runs(digits_spec)
-    # Task runs report their states as events, which wait for the API: training, teardown and the MLflow run's
-    # close go on without it. The first call that needs an answer (the summary artifact) ends the flow.
+    # Task runs report their states as events, queued for the API and never waited on: training, teardown and the
+    # MLflow run's close go on without it. The first call that needs an answer (the summary artifact) ends the flow.
     assert mlflow_run.info.status == "FINISHED"
     client = MlflowClient(tracking_uri=digits_spec.tracking_uri)
     steps = sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy"))
