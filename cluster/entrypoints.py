@@ -21,6 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
+from gpuflow.cluster.files import write_atomically
+
 # How gpuflow calls each entrypoint: (positional arguments, what they are).
 ENTRYPOINT_ARGUMENTS = {
     "train.loop": (1, "a Ray Train loop is `def train_loop(config: dict)`"),
@@ -112,8 +114,7 @@ def passed_before(record: Path) -> dict[str, int] | None:
 def remember(record: Path, files: dict[str, int]) -> None:
     try:
         record.parent.mkdir(parents=True, exist_ok=True)
-        record.with_suffix(".tmp").write_text(json.dumps(files))
-        os.replace(record.with_suffix(".tmp"), record)
+        write_atomically(record, json.dumps(files))
     except OSError:
         pass  # a read-only home: the next run checks again
 

@@ -23,7 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions, write_atomically
+from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions
+from gpuflow.cluster.files import write_atomically
 from gpuflow.cluster.spec import state_dir
 from gpuflow.flows.outlive import alive
 

@@ -28,10 +28,19 @@ def cancel_check(flow_run_id) -> Check:
                 client = get_client(sync_client=True).__enter__()
             state = client.read_flow_run(flow_run_id).state
         except Exception:  # the API blinked: look again next time, with a new client
-            client = None
+            client = close_quietly(client)
             return None
         if state and state.type in CANCEL_STATES:
             return "cancelled", "cancelled from Prefect"
         return None
 
     return check
+
+
+def close_quietly(client) -> None:
+    """Closes a client whose API may be gone; returns None, the client the next poll starts from."""
+    if client is not None:
+        try:
+            client.__exit__(None, None, None)
+        except Exception:
+            pass

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.files import write_atomically
 from gpuflow.cluster.guard import LOCAL_CLUSTER_ENV
 from gpuflow.cluster.spec import ExperimentSpec, state_dir
 
@@ -253,12 +254,6 @@ class LocalBackend:
 
     def _write(self, cluster_name: str, record: dict) -> None:
         write_atomically(self.root / cluster_name / "cluster.json", json.dumps(record))
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Readers in other processes (the supervisor, the job, the stack) see the old text or the new, never half."""
-    path.with_suffix(".tmp").write_text(text)
-    os.replace(path.with_suffix(".tmp"), path)
 
 
 def shape_of(spec: ExperimentSpec) -> dict:

@@ -29,7 +29,8 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends import HEAD_NODE_RESOURCES  # noqa: E402
-from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE, write_atomically  # noqa: E402
+from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
+from gpuflow.cluster.files import write_atomically  # noqa: E402
 
 
 def main() -> int:
