@@ -25,7 +25,11 @@ class CpuAccount:
     def __init__(self, name: str):
         self.group = CPUACCT / name
         self.group.mkdir()
-        (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            (self.group / "cgroup.procs").write_text(str(os.getpid()))
+        except OSError:
+            self.group.rmdir()
+            raise
 
     def used_s(self) -> float:
         return int((self.group / "cpuacct.usage").read_text()) / 1e9
