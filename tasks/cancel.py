@@ -28,7 +28,8 @@ def cancel_check(flow_run_id) -> Check:
                 client = get_client(sync_client=True).__enter__()
             state = client.read_flow_run(flow_run_id).state
         except Exception:  # the API blinked: look again next time, with a new client
-            client = close_quietly(client)
+            close_quietly(client)
+            client = None
             return None
         if state and state.type in CANCEL_STATES:
             return "cancelled", "cancelled from Prefect"
@@ -38,7 +39,7 @@ def cancel_check(flow_run_id) -> Check:
 
 
 def close_quietly(client) -> None:
-    """Closes a client whose API may be gone; returns None, the client the next poll starts from."""
+    """Closes a client whose API may be gone."""
     if client is not None:
         try:
             client.__exit__(None, None, None)
