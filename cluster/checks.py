@@ -6,6 +6,7 @@ probes of the checkpoint storage and the tracking server. No Prefect; spec.py's 
 
 from __future__ import annotations
 
+import http.client
 import inspect
 import os
 import re
@@ -209,3 +210,6 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
         reason = getattr(exc, "reason", exc)
         return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(str(reason), 200)} within "
                 f"{timeout_s:g}s); start it, or fix the host and port")
+    except http.client.HTTPException:
+        return (f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, "
+                f"or the scheme")

@@ -6,20 +6,22 @@ the server runs in a process of its own. This starts that process as Prefect 3.8
 `prefect.server.api.server:create_app`, its UI off, ephemeral), then points this process's Prefect settings at it
 (PREFECT_API_URL), so that no part of Prefect starts another one. The server stops when this process exits, and
 a watcher (flows/outlive.py) stops it if this process is killed.
+
+Its port is bound here and handed to uvicorn as an open socket: a port probed free and bound later by the server
+can be taken in between (Ray's servers take ports all the time), and uvicorn's exit code does not say so once
+Prefect's lifespan fails on the way out.
 """
 
 from __future__ import annotations
 
 import atexit
+import http.client
 import os
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
-
-PORT_IN_USE = 3  # uvicorn's exit code when the port was taken between our probe and its bind
 
 
 def start() -> str:
@@ -38,24 +40,20 @@ def launch() -> TemporaryApi:
 
 class TemporaryApi:
     def __init__(self, settings_env: dict[str, str], deadline: float):
-        self.settings_env, self.deadline = settings_env, deadline
-        self.server, self.api_url = self._launch()
-
-    def _launch(self) -> tuple[subprocess.Popen, str]:
-        port = free_port()
-        server = uvicorn(port, self.settings_env)
-        atexit.register(stop, server)
-        watch(server)
-        return server, f"http://127.0.0.1:{port}/api"
+        self.deadline = deadline
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            self.api_url = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
+            self.server = uvicorn(listener, settings_env)
+        atexit.register(stop, self.server)
+        watch(self.server)
 
     def ready(self) -> str:
         """Waits until the server answers, then points this process's Prefect settings at it; returns its URL."""
-        while not wait_until_healthy(self.server, self.api_url, self.deadline):
-            if self.server.returncode != PORT_IN_USE:
-                stop(self.server)
-                raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
-                                   f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
-            self.server, self.api_url = self._launch()
+        if not wait_until_healthy(self.server, self.api_url, self.deadline):
+            stop(self.server)
+            raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
+                               f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
         use(self.api_url)
         return self.api_url
 
@@ -69,22 +67,18 @@ def use(api_url: str) -> None:
     refresh_global_settings_context()
 
 
-def uvicorn(port: int, settings_env: dict[str, str]) -> subprocess.Popen:
+def uvicorn(listener: socket.socket, settings_env: dict[str, str]) -> subprocess.Popen:
+    """The server on `listener`, a bound socket that uvicorn inherits (it listens on it once the app is loaded)."""
     import prefect
 
     return subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
+         "prefect.server.api.server:create_app", "--fd", str(listener.fileno()), "--log-level", "error",
          "--lifespan", "on"],
         env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
              **settings_env},
+        pass_fds=(listener.fileno(),),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_until_healthy(server: subprocess.Popen, api_url: str, deadline: float) -> bool:
@@ -97,10 +91,12 @@ def wait_until_healthy(server: subprocess.Popen, api_url: str, deadline: float) 
 
 
 def answers(api_url: str, timeout_s: float = 5) -> bool:
+    """True when a Prefect API answers there. Another server may hold the port meanwhile (a port is free when probed,
+    taken before uvicorn binds it: Ray's gRPC servers take ports all the time), and its reply need not be HTTP/1."""
     try:
         with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
             return response.status == 200
-    except (urllib.error.URLError, OSError):
+    except (OSError, http.client.HTTPException):  # URLError is an OSError
         return False
 
 

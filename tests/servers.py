@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import http.client
 import os
 import signal
 import socket
+import socketserver
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -38,7 +41,7 @@ def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout_s: flo
             with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up yet, or another server's port (not HTTP/1)
             pass
         time.sleep(0.5)
     raise TimeoutError(f"{url} not ready after {timeout_s}s:\n{log.read_text()[-3000:]}")
@@ -69,6 +72,53 @@ def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO
         stop_group(process)
 
 
+@contextlib.contextmanager
+def serving(launch_at, log: Path, health: str, port: int | None = None, tries: int = 3):
+    """Starts the (command, env) of `launch_at(port)`; yields (process, url) once url + health answers. Ray's servers
+    take ports all the time, so a port probed free can be taken before the server binds it: then it tries another
+    (unless a port was asked for)."""
+    for attempt in range(1, tries + 1):
+        chosen = port or free_port()
+        url, logged = f"http://127.0.0.1:{chosen}", log.stat().st_size if log.exists() else 0
+        command, env = launch_at(chosen)
+        with started(command, log, env) as process:
+            try:
+                wait_for_http(f"{url}{health}", process, log)
+            except RuntimeError:
+                taken = "already in use" in log.read_bytes()[logged:].decode(errors="replace").lower()
+                if taken and port is None and attempt < tries:
+                    continue
+                raise
+            yield process, url
+            return
+
+
+# what an HTTP/2-only server (Ray's gRPC servers) answers to an HTTP/1 request: its SETTINGS, then GOAWAY
+HTTP2_REPLY = bytes.fromhex("000000040000000000" "000008070000000000" "0000000000000001")
+
+
+@contextlib.contextmanager
+def not_http_server():
+    """A server on a free port of 127.0.0.1 that answers every connection as an HTTP/2-only server does; yields
+    its port."""
+    class Reply(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.settimeout(5)
+            with contextlib.suppress(OSError):
+                self.request.recv(65536)
+                self.request.sendall(HTTP2_REPLY)
+
+    class Server(socketserver.ThreadingTCPServer):
+        daemon_threads = True  # a client that never sends must not hold the process at exit
+
+    with Server(("127.0.0.1", 0), Reply) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield server.server_address[1]
+        finally:
+            server.shutdown()
+
+
 def base_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
             "RAY_USAGE_STATS_ENABLED": "0", "NO_PROXY": "127.0.0.1,localhost", **extra}
@@ -77,34 +127,38 @@ def base_env(**extra: str) -> dict[str, str]:
 @contextlib.contextmanager
 def prefect_server(home: Path):
     """`prefect server start` with its own database; yields the API URL (the UI is the same origin)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(
-        PREFECT_HOME=str(home), PREFECT_API_URL=f"{url}/api", PREFECT_UI_API_URL=f"{url}/api", PREFECT_UI_URL=url,
-        PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
+        PREFECT_HOME=str(home), PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
         # the scheduler makes runs of a new schedule within seconds, not within its default minute
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
     )
     env.pop("GPUFLOW_HOME", None)  # not a process of any run: the fault tests find a run's processes by this
-    with started([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                 home / "server.log", env) as process:
-        wait_for_http(f"{url}/api/health", process, home / "server.log")
+    with serving(prefect_server_at(env), home / "server.log", "/api/health") as (_, url):
         yield f"{url}/api"
+
+
+def prefect_server_at(env: dict[str, str]):
+    """`prefect server start` on a port, with its UI (same origin) and its own settings pointed at that port."""
+    def launch_at(port: int) -> tuple[list[str], dict[str, str]]:
+        url = f"http://127.0.0.1:{port}"
+        return ([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                {**env, "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api", "PREFECT_UI_URL": url})
+    return launch_at
 
 
 @contextlib.contextmanager
 def mlflow_server(home: Path, port: int | None = None):
     """`mlflow server` with a sqlite store and proxied artifacts; yields its URL. The same home and port again:
     the same server, restarted."""
-    port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-               "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination", str(home / "artifacts")]
-    with started(command, home / "mlflow.log", env) as process:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{url}/health", process, home / "mlflow.log")
+
+    def launch_at(port: int) -> tuple[list[str], dict[str, str]]:
+        return ([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                 "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination",
+                 str(home / "artifacts")], env)
+    with serving(launch_at, home / "mlflow.log", "/health", port) as (_, url):
         yield url
 
 

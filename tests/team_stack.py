@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.infra.postgres import harness
-from tests.servers import BIN, READY_TIMEOUT_S, base_env, free_port, started, wait_for_http
+from tests.servers import BIN, READY_TIMEOUT_S, base_env, prefect_server_at, serving
 
 MLFLOW_ADMIN = "admin"
 
@@ -60,26 +60,20 @@ def team_stack():
 
 @contextlib.contextmanager
 def prefect_on_postgres(home: Path, pg: harness.Postgres):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     auth = f"admin:{secrets.token_hex(12)}"
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(
-        PREFECT_HOME=str(home), PREFECT_API_URL=f"{url}/api", PREFECT_UI_API_URL=f"{url}/api", PREFECT_UI_URL=url,
-        PREFECT_API_DATABASE_CONNECTION_URL=pg.url("prefect", driver="postgresql+asyncpg"),
+        PREFECT_HOME=str(home), PREFECT_API_DATABASE_CONNECTION_URL=pg.url("prefect", driver="postgresql+asyncpg"),
         PREFECT_SERVER_API_AUTH_STRING=auth, PREFECT_API_AUTH_STRING=auth,
         PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
     )
-    with started([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                 home / "server.log", env) as process:
-        wait_for_http(f"{url}/api/health", process, home / "server.log")
+    with serving(prefect_server_at(env), home / "server.log", "/api/health") as (_, url):
         yield f"{url}/api", auth
 
 
 @contextlib.contextmanager
 def mlflow_on_postgres(home: Path, pg: harness.Postgres):
     """`mlflow server --app-name basic-auth`: runs and users both in PostgreSQL; the admin's password is generated."""
-    port = free_port()
     password = secrets.token_hex(12)
     home.mkdir(parents=True, exist_ok=True)
     config = home / "basic_auth.ini"
@@ -88,12 +82,12 @@ def mlflow_on_postgres(home: Path, pg: harness.Postgres):
                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     env = base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", MLFLOW_AUTH_CONFIG_PATH=str(config),
                    MLFLOW_AUTH_ADMIN_PASSWORD=password, MLFLOW_FLASK_SERVER_SECRET_KEY=secrets.token_hex(16))
-    command = [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port),
-               "--workers", "1", "--backend-store-uri", pg.url("mlflow"),
-               "--artifacts-destination", str(home / "artifacts")]
-    with started(command, home / "mlflow.log", env) as process:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_http(f"{url}/health", process, home / "mlflow.log")
+
+    def launch_at(port: int) -> tuple[list[str], dict[str, str]]:
+        return ([str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port),
+                 "--workers", "1", "--backend-store-uri", pg.url("mlflow"),
+                 "--artifacts-destination", str(home / "artifacts")], env)
+    with serving(launch_at, home / "mlflow.log", "/health") as (_, url):
         yield url, password
 
 

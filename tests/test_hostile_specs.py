@@ -8,6 +8,7 @@ import pytest
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
 from gpuflow.flows.cli import main as gpuflow
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
+from tests.servers import not_http_server
 
 MAX_MESSAGE_BYTES = 4096
 HUGE = "x" * 100_000
@@ -148,6 +149,12 @@ def test_tracking_server_that_is_down_is_a_clear_error(gpuflow_home):
         port = s.getsockname()[1]
     problems = checked({"tracking": {"uri": f"http://127.0.0.1:{port}"}})
     assert any(p.startswith("tracking.uri") and "does not answer" in p for p in problems), problems
+
+
+def test_tracking_uri_of_a_server_that_is_not_http_is_a_clear_error(gpuflow_home):
+    with not_http_server() as port:  # as Ray's gRPC servers are
+        problems = checked({"tracking": {"uri": f"http://127.0.0.1:{port}"}})
+    assert any(p.startswith("tracking.uri") and "not an HTTP server" in p for p in problems), problems
 
 
 def test_tracking_server_that_answers_passes(mlflow_url, gpuflow_home):
