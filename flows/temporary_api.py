@@ -91,8 +91,9 @@ def wait_until_healthy(server: subprocess.Popen, api_url: str, deadline: float) 
 
 
 def answers(api_url: str, timeout_s: float = 5) -> bool:
-    """True when a Prefect API answers there. Another server may hold the port meanwhile (a port is free when probed,
-    taken before uvicorn binds it: Ray's gRPC servers take ports all the time), and its reply need not be HTTP/1."""
+    """True when a Prefect API answers there. Something else may: the port of an API that has stopped (the warm
+    stack's, a configured one) can be taken since by another server, such as one of Ray's gRPC servers, whose reply
+    is not HTTP/1."""
     try:
         with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
             return response.status == 200
