@@ -53,9 +53,9 @@ def started(gpuflow_home):
         env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
         env.update(GPUFLOW_HOME=str(gpuflow_home), PREFECT_HOME=str(gpuflow_home / "prefect"),
                    PREFECT_SERVER_ANALYTICS_ENABLED="false")
-        log = open(gpuflow_home / "stderr.log", "w")  # a file: a pipe nobody reads would fill up and block it
-        processes.append(subprocess.Popen([sys.executable, "-c", A_FLOW, *args], cwd=REPO, env=env, text=True,
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+        with open(gpuflow_home / "stderr.log", "w") as log:  # a file: a pipe nobody reads would fill up and block it
+            processes.append(subprocess.Popen([sys.executable, "-c", A_FLOW, *args], cwd=REPO, env=env, text=True,
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
         return processes[-1]
 
     yield start
@@ -63,6 +63,8 @@ def started(gpuflow_home):
         if process.poll() is None:
             process.kill()
             process.wait()
+        process.stdin.close()
+        process.stdout.close()
 
 
 def test_the_temporary_api_serves_the_process_and_exits_with_it(started, gpuflow_home):
