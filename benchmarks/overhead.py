@@ -142,7 +142,7 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
         if EPOCH.search(line):
             marks.setdefault("first_step", now - started)
             marks["last_step_at"] = now
-        if "[gpuflow] result" in line or "val_accuracy " in line:
+        if "training finished in" in line or "[bench] val_accuracy" in line:  # gpuflow's flow, the bare script
             training_over.set()
     process.wait()
     ended = time.time()

@@ -6,10 +6,12 @@ that Ray Train's workers stay in step.
 """
 
 import contextlib
+import importlib
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import psutil
@@ -17,12 +19,12 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
-from gpuflow.cluster.preload import import_in_background
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # when this worker's previous epoch ended (the first: when the loop started), for perf/epoch_s
 _last_report_at = time.monotonic()
+_preparing: threading.Thread | None = None  # rank 0's preparation of `log_model`, started at its first report
 
 
 def read_table(uri: str):
@@ -71,9 +73,7 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
         ray.train.report(metrics)
         return
     if os.environ.get("GPUFLOW_MLFLOW_RUN_ID"):
-        # What `log_model` needs at the end (MLflow's PyTorch flavour, torch.export for its pt2 format: ~3 s of
-        # imports), loaded while training goes on, so that the end of the run does not wait for it. Once per process.
-        import_in_background("mlflow.pytorch", "torch.export._trace")
+        prepare_model_logging(os.environ["GPUFLOW_MLFLOW_RUN_ID"])
     with tempfile.TemporaryDirectory() as folder:
         state = {"epoch": epoch, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
         if scaler is not None and scaler.is_enabled():
@@ -129,6 +129,28 @@ def log_profile(folder) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     print("[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
           "profile/top_operators.txt", flush=True)
+
+
+def prepare_model_logging(run_id: str) -> None:
+    """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds on
+    two cores): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: its schema
+    check). Not the pt2 save itself: torch.export patches torch process-wide while it traces, and a trace beside the
+    training loop broke its next step. A failure is left to `log_model` to meet and report."""
+    global _preparing
+    if _preparing is not None:
+        return
+
+    def prepare():
+        try:
+            importlib.import_module("torch.export._trace")
+            import mlflow.pytorch  # noqa: F401 - the flavour, and MLflow with it
+
+            mlflow.MlflowClient().get_run(run_id)
+        except Exception:  # noqa: BLE001 - see above
+            pass
+
+    _preparing = threading.Thread(target=prepare, name="gpuflow-preload")  # not a daemon: an import is never cut off
+    _preparing.start()
 
 
 def log_model(model, input_example=None) -> None:

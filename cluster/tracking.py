@@ -220,7 +220,7 @@ class MlflowTracker:
                 with checkpoint.as_directory() as folder:
                     self.client.log_artifacts(self.run_id, folder, "checkpoint")
             self._call(upload)
-            print(f"[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run", flush=True)
+            print("[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run", flush=True)
 
     def logged_a_model(self) -> bool:
         try:

@@ -148,7 +148,7 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
     spare = record.get("spare_shape")
     print(f"gpuflow: warm stack up (stops after {record['idle_minutes']:g} idle min, or `gpuflow down`)")
     print(f"  Prefect API  {record['api_url']}")
-    print(f"  spare        " + (f"a local Ray cluster of {spare['num_nodes']} node(s) × {spare['cpus']:g} CPU(s)"
+    print("  spare        " + (f"a local Ray cluster of {spare['num_nodes']} node(s) × {spare['cpus']:g} CPU(s)"
                                 if spare else "none yet: the first run's shape makes the next one"))
     return 0
 
@@ -339,6 +339,7 @@ def run(spec, verbose: bool = False) -> int:
             from gpuflow.cluster.backends.local import LocalBackend
 
             LocalBackend().down(warm_cluster)
+    from gpuflow.tasks.progress import metrics_line
     from gpuflow.tasks.tracking import open_command, run_url
 
     if lost_api or (not state.is_completed() and not prefect_api_answers()):
@@ -355,7 +356,7 @@ def run(spec, verbose: bool = False) -> int:
     if open_command(spec):
         print(f"  open it      {open_command(spec)}")
     print(f"               then {run_url(spec, summary['run_id'])}")
-    print("  metrics      " + "  ".join(f"{k}={v:.4g}" for k, v in summary["metrics"].items()))
+    print("  metrics      " + metrics_line(summary["metrics"]))
     sweep = summary.get("sweep")
     if sweep:
         print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "

@@ -20,6 +20,7 @@ from gpuflow.tasks.cancel import CANCEL_POLL_S, cancel_check
 from gpuflow.tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
 from gpuflow.tasks.cost import idle_gpu_check
 from gpuflow.tasks.prepare import stage_data, validate
+from gpuflow.tasks.progress import metrics_line
 from gpuflow.tasks.tracking import RunRecord, close_runs_of_flow_run, open_mlflow_run, publish_summary, register_model
 
 
@@ -104,7 +105,7 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
                "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name,
                "cost": life.bill(), "price": life.price.describe(), "sweep": result.sweep}
     publish_summary(spec, run_id, summary)
-    logger.info(f"done in {record.phases['wall_seconds']:.1f}s: {result.metrics}")
+    logger.info(f"done in {record.phases['wall_seconds']:.1f}s: {metrics_line(result.metrics, telemetry=False)}")
     return summary
 
 

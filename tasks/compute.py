@@ -19,7 +19,7 @@ from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.limits import Check, Watchdog
 from gpuflow.cluster.node import SETUP_DONE
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.tasks.progress import ProgressBar
+from gpuflow.tasks.progress import ProgressBar, metrics_line
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
 # the job's own result line: bare (the local backend's log) or behind SkyPilot's "(task, pid=N) ", not a Ray worker's
@@ -127,8 +127,8 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
         tail.append(line)
         if any(noise in line for noise in NOISE):
             logger.debug(line)
-        else:  # the console shows gpuflow's own lines; the Prefect run and the log file keep every line
-            logger.info(line, extra={JOB_DETAIL: GPUFLOW_MARK not in line})
+        else:  # the console shows gpuflow's own lines, less the result's JSON; the Prefect run and the log file keep all
+            logger.info(line, extra={JOB_DETAIL: GPUFLOW_MARK not in line or RESULT_PREFIX in line})
         # The job's result line is its last act: the tail ends there, not once the job's process and Ray have
         # stopped (seconds of an idle, billing cluster). The whole line, not what a terminal shows of it: a worker's
         # line holding the same text carries Ray's prefix, and a prefix before a \r is still a prefix.
@@ -159,7 +159,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     if exit_code != 0:
         raise JobFailed(f"training job failed with exit code {exit_code}; the end of its log:\n" + "\n".join(tail),
                         exit_code)
-    logger.info(f"training finished in {result.train_seconds:.1f}s: {result.metrics}")
+    logger.info(f"training finished in {result.train_seconds:.1f}s: {metrics_line(result.metrics, telemetry=False)}")
     return result
 
 

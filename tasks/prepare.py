@@ -24,5 +24,5 @@ def validate(spec: ExperimentSpec) -> ExperimentSpec:
 def stage_data(spec: ExperimentSpec) -> dict[str, str | None]:
     """Writes the Parquet data with data.generate when it is missing; returns the resolved locations."""
     uris = ensure_data(spec)
-    get_run_logger().info(f"data ready: {uris}")
+    get_run_logger().info("data ready: " + " ".join(f"{split}={uri}" for split, uri in uris.items() if uri))
     return uris

@@ -13,6 +13,14 @@ import threading
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+TELEMETRY_PREFIX = "perf/"  # the step timer's figures (cluster/telemetry.py): in each epoch's line and the summary
+
+
+def metrics_line(metrics: dict, telemetry: bool = True) -> str:
+    """Metrics as a person reads them, `val_accuracy=0.975 epoch=9`; without the telemetry figures on request."""
+    return " ".join(f"{key}={value:.4g}" if isinstance(value, (int, float)) else f"{key}={value}"
+                    for key, value in metrics.items() if telemetry or not key.startswith(TELEMETRY_PREFIX))
+
 
 class ProgressBar:
     def __init__(self, description: str, logger):

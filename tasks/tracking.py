@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 from urllib.parse import quote
 
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import RunStatus
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact

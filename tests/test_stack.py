@@ -76,6 +76,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
     out = gpuflow(run_env, "run", str(SPEC), "--set", "train.epochs=2",
                   *[arg for item in data_of(gpuflow_home) for arg in ("--set", item)])
     assert "finished in" in out, out
+    assert_a_clean_console(out)
 
     [flow_run] = flow_runs_in(stack["api_url"])
     assert flow_run.state.is_completed()
@@ -89,6 +90,19 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
                and stack_record(gpuflow_home)["spare_shape"], 120, "a new spare")
     assert gpuflow(stack_env, "down") == "gpuflow: warm stack stopped\n"
     wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
+
+
+def assert_a_clean_console(out: str) -> None:
+    """What a person reads of a 2-epoch run: a line per epoch and the end of training in readable metrics; not the
+    job's result JSON, Ray's or MLflow's own lines, nor raw metric dicts. The log file keeps every line."""
+    assert [line for line in out.splitlines() if "[gpuflow] epoch " in line] and "[gpuflow] epoch 1:" in out, out
+    [finished] = [line for line in out.splitlines() if "training finished in" in line]
+    assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
+    for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group"):
+        assert hidden not in out, hidden
+    log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
+    kept = open(log_file).read()
+    assert "[gpuflow] result " in kept and "Started training worker group" in kept
 
 
 def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, digits_spec, gpuflow_home):

@@ -295,20 +295,22 @@ def stop_sessions(sessions: list[int]) -> None:
 
 def session_members(session: int) -> list[int]:
     """Live (not zombie) processes of a session: the supervisor or job we started and all they started."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            if int(fields[3]) == session and fields[0] != "Z":
-                members.append(int(entry.name))
-    return members
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit() and in_session(entry, session)]
+
+
+def in_session(proc_entry: Path, session: int) -> bool:
+    """Whether /proc/<pid> is a live (not zombie) process of the session."""
+    try:
+        fields = (proc_entry / "stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return int(fields[3]) == session and fields[0] != "Z"
 
 
 def session_alive(session: int) -> bool:
-    return bool(session_members(session))
+    """Its leader (the process we started) is asked first: one file, where the loss and start-up polls would read
+    every process's, every second or 50 ms. A session whose leader died is alive while any member is."""
+    return in_session(Path(f"/proc/{session}"), session) or bool(session_members(session))
 
 
 def running(pid: str) -> bool:
