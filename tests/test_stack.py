@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -101,7 +102,7 @@ def assert_a_clean_console(out: str) -> None:
     for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group"):
         assert hidden not in out, hidden
     log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
-    kept = open(log_file).read()
+    kept = Path(log_file).read_text()
     assert "[gpuflow] result " in kept and "Started training worker group" in kept
 
 
