@@ -6,12 +6,10 @@ that Ray Train's workers stay in step.
 """
 
 import contextlib
-import importlib
 import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 import psutil
@@ -19,12 +17,12 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
+from gpuflow.cluster.preload import import_in_background
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # when this worker's previous epoch ended (the first: when the loop started), for perf/epoch_s
 _last_report_at = time.monotonic()
-_preparing: threading.Thread | None = None  # rank 0's preparation of `log_model`, started at its first report
 
 
 def read_table(uri: str):
@@ -135,22 +133,14 @@ def prepare_model_logging(run_id: str) -> None:
     """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds on
     two cores): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: its schema
     check). Not the pt2 save itself: torch.export patches torch process-wide while it traces, and a trace beside the
-    training loop broke its next step. A failure is left to `log_model` to meet and report."""
-    global _preparing
-    if _preparing is not None:
-        return
+    training loop broke its next step."""
 
-    def prepare():
-        try:
-            importlib.import_module("torch.export._trace")
-            import mlflow.pytorch  # noqa: F401 - the flavour, and MLflow with it
+    def open_the_store():
+        from mlflow import MlflowClient
 
-            mlflow.MlflowClient().get_run(run_id)
-        except Exception:  # noqa: BLE001 - see above
-            pass
+        MlflowClient().get_run(run_id)
 
-    _preparing = threading.Thread(target=prepare, name="gpuflow-preload")  # not a daemon: an import is never cut off
-    _preparing.start()
+    import_in_background("mlflow.pytorch", "torch.export._trace", then=open_the_store)
 
 
 def log_model(model, input_example=None) -> None:

@@ -5,23 +5,27 @@ from __future__ import annotations
 
 import importlib
 import threading
+from functools import partial
+from typing import Callable
 
 
 _started: set[tuple[str, ...]] = set()
 
 
-def import_in_background(*modules: str) -> None:
-    """Starts importing `modules`, in order, unless this process already started the same; a module that fails to
-    import is left for its user to import again, where the error is raised and reported. Not a daemon: an import is
-    never cut off at interpreter exit."""
+def import_in_background(*modules: str, then: Callable[[], object] | None = None) -> None:
+    """Starts importing `modules`, in order, then calling `then` (a first use that warms what they load), unless this
+    process already started the same modules; a module that fails to import, or a `then` that fails, is left for its
+    user to meet again, where the error is raised and reported. Not a daemon: an import is never cut off at
+    interpreter exit."""
     if modules in _started:
         return
     _started.add(modules)
 
     def load():
-        for module in modules:
+        steps = [partial(importlib.import_module, module) for module in modules] + ([then] if then else [])
+        for step in steps:
             try:
-                importlib.import_module(module)
+                step()
             except Exception:  # noqa: BLE001 - see above
                 pass
 
