@@ -6,9 +6,9 @@ Three sides, one after the other in each round: `bare` (the script, its own ray.
 `gpuflow run`: Prefect's temporary API and a Ray cluster of its own) and `warm` (`gpuflow run` on the warm stack of
 `gpuflow up`: its Prefect API, a spare cluster claimed). Every run starts once the stack's next spare is up, so that
 no side pays for the stack's work between runs. Prints medians of wall time, cluster up, first training step,
-last step → last Ray process of the run gone, each gpuflow side's overhead (− bare) and ratio, and where each
-side's CPU time went during its run (every process of the run, by role): on a machine with few cores, CPU-seconds
-are what the wall time is made of. All train the same loop on the same data, read through Ray Data.
+last step → last Ray process of the run gone, each gpuflow side's overhead (− bare) and ratio, the same round by
+round, and where each side's CPU time went during its run (every process of the run, by role): on a machine with
+few cores, CPU-seconds are what the wall time is made of. All train the same loop on the same data, read through Ray Data.
 """
 
 import argparse
@@ -203,7 +203,22 @@ def main() -> None:
             print(f"\n{name}: fixed overhead {overhead:.2f} s (target ≤ 5 s), "
                   f"ratio {medians[name]['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.15), "
                   f"last step → last Ray process gone {medians[name]['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)")
+            print_rounds(results["bare"], results[name])
     shutil.rmtree(home, ignore_errors=True)
+
+
+def print_rounds(bare: list[dict], side: list[dict]) -> None:
+    """Each round's difference (the two ran back to back, so a slower hour weighs on both), and what the extra
+    CPU-seconds come to in wall time at the cores the bare run kept busy: on a machine with few cores, every
+    CPU-second a gpuflow process spends is a share of wall time, even when it runs beside training."""
+    walls = [b["wall"] for b in bare]
+    behind = [s["wall"] - b["wall"] for b, s in zip(bare, side)]
+    extra_cpu = statistics.median(s["cpu_seconds"] - b["cpu_seconds"] for b, s in zip(bare, side))
+    busy = statistics.median(b["cpu_seconds"] / b["wall"] for b in bare)
+    print(f"  round by round: {' / '.join(f'{d:+.1f}' for d in behind)} s against bare "
+          f"({' / '.join(f'{w:.1f}' for w in walls)} s); median {statistics.median(behind):+.2f} s")
+    print(f"  extra CPU: {extra_cpu:+.1f} CPU-seconds a run (median of rounds); at the {busy:.2f} cores bare keeps "
+          f"busy, that is {extra_cpu / busy:+.1f} s of wall time")
 
 
 def print_cpu_breakdown(results: dict) -> None:
