@@ -131,9 +131,9 @@ def log_profile(folder) -> None:
 
 def prepare_model_logging(run_id: str) -> None:
     """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds on
-    two cores): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: its schema
-    check). Not the pt2 save itself: torch.export patches torch process-wide while it traces, and a trace beside the
-    training loop broke its next step."""
+    two cores): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: SQLAlchemy and
+    MLflow's table models imported, the schema checked). Not the pt2 save itself: torch.export patches torch
+    process-wide while it traces, and a trace beside the training loop broke its next step."""
 
     def open_the_store():
         from mlflow import MlflowClient
