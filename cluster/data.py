@@ -1,6 +1,6 @@
 """Makes sure the spec's Parquet data exists where this process runs (the flow's machine, or a cloud node)."""
 
-from gpuflow.cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, readable, resolve
+from gpuflow.cluster.spec import ExperimentSpec, on_sys_path, readable, resolve
 
 
 def ensure_data(spec: ExperimentSpec) -> dict[str, str | None]:
@@ -9,8 +9,8 @@ def ensure_data(spec: ExperimentSpec) -> dict[str, str | None]:
     A spec without `data` (a loop that reads its own) has nothing to stage."""
     if spec.data is None:
         return {"train": None, "validation": None}
-    uris = {"train": absolute_uri(spec.data.train),
-            "validation": absolute_uri(spec.data.validation) if spec.data.validation else None}
+    spec = spec.anchored()
+    uris = {"train": spec.data.train, "validation": spec.data.validation}
     missing = [uri for uri in uris.values() if uri and not readable(uri)]
     if missing and spec.data.generate:
         with on_sys_path(spec.workdir):

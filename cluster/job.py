@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     tune_ray_train()
     if args.handoff:
         wait_for_handoff(args)
-    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True})
+    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True}).anchored()
     JobGuard(spec).start()  # limits and the flow's lease, enforced here too: the flow may die
     preload(spec)
     import ray

@@ -386,6 +386,22 @@ class ExperimentSpec(Strict):
     def checkpoint_uri(self) -> str:
         return absolute_uri(self.storage.checkpoints or str(state_dir() / "checkpoints"))
 
+    def anchored(self) -> "ExperimentSpec":
+        """This spec with every location absolute: the workdir against the current folder, relative data paths
+        against the workdir (on a cloud node, the synced workdir). Each process of a run then reads the same
+        files, wherever it runs: Ray Tune runs each trial in a folder of its own."""
+        workdir = Path(self.workdir).expanduser().absolute()
+
+        def located(uri: str | None) -> str | None:
+            return uri if uri is None or "://" in uri else str(workdir / Path(uri).expanduser())
+
+        data = self.data and self.data.model_copy(update={
+            "train": located(self.data.train), "validation": located(self.data.validation)})
+        return self.model_copy(update={
+            "workdir": str(workdir), "data": data,
+            "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
+            "storage": self.storage.model_copy(update={"checkpoints": self.checkpoint_uri})})
+
 
 def sweep_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
     """(field, problem) for what a sweep asks that the rest of the spec cannot give: unknown fields, values the
@@ -579,9 +595,10 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     problems = []
     if not Path(spec.workdir).is_dir():
         problems.append(f"workdir: {spec.workdir!r} is not a folder")
+    located = spec.anchored().data
     for field in ("train", "validation"):
         uri = getattr(spec.data, field) if spec.data else None
-        if uri and not generate and not readable(uri):
+        if uri and not generate and not readable(getattr(located, field)):
             problems.append(
                 f"data.{field}: {uri!r} cannot be read as Parquet; give an existing Parquet file or folder, "
                 "or set data.generate to a function that writes it"

@@ -20,7 +20,8 @@ from gpuflow.cluster.preload import import_in_background
 from gpuflow.cluster.spec import SpecError, check_entrypoints, load_spec, validate_spec
 
 
-def main(argv: list[str] | None = None) -> int:
+def command_line() -> argparse.ArgumentParser:
+    """Every gpuflow command and its arguments."""
     parser = argparse.ArgumentParser(prog="gpuflow", description="Run ML experiments on cloud GPUs as one unit of work.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("run", "run an experiment: provision, train, track, tear down"),
@@ -56,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     init = commands.add_parser("init", help="write a starter project: experiment.yaml, train.py (a Ray Train loop), prefect.yaml")
     init.add_argument("folder", nargs="?", default=".", help="where to write it (default: here)")
     init.add_argument("--force", action="store_true", help="overwrite those files if they exist")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
     if args.command == "init":
         return init_project(args.folder, args.force)
     if args.command in ("serve", "deploy"):
@@ -67,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             return up_stack(args.spec, args.idle_minutes)
         if args.command == "cost":
+            from gpuflow.flows import cost_command
+
             return cost_command.run(args)
         spec = load_spec(args.spec, args.overrides)
         if args.command == "validate":

@@ -1,10 +1,18 @@
 """Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session,
-a real MLflow tracking server and the local Slurm cluster (tests/infra/slurm) for the `slurm` tests."""
+a real MLflow tracking server and the local Slurm cluster (tests/infra/slurm) for the `slurm` tests.
+
+The tiers (`pytest`, `pytest --full`) and the end-of-session checks are in tests/tiers.py; see tests/README.md."""
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
+
+
+pytest_plugins = ["pytester"]  # tests.tiers and tests.cpu_report come in through addopts (pyproject.toml)
 
 REPO = Path(__file__).resolve().parents[1]
 A_LOOP = {"train": {"loop": "experiments.digits:train_loop"}}  # the one required field, for specs built in tests
@@ -23,9 +31,21 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-@pytest.fixture
+def pytest_configure(config):
+    """Outside any test (session fixtures, servers) gpuflow's state goes to a temp folder too, never the repo."""
+    if not hasattr(config, "workerinput") and "GPUFLOW_HOME" not in os.environ:
+        config._session_home = tempfile.mkdtemp(prefix="gpuflow-tests-home-")
+        os.environ["GPUFLOW_HOME"] = config._session_home
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_session_home", None):
+        shutil.rmtree(config._session_home, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
 def gpuflow_home(tmp_path, monkeypatch) -> Path:
-    """GPUFLOW_HOME in a temp folder: MLflow store, checkpoints, cluster records of this test only."""
+    """GPUFLOW_HOME in a temp folder, for every test: MLflow store, checkpoints, cluster records of this test only."""
     home = tmp_path / "gpuflow-home"
     monkeypatch.setenv("GPUFLOW_HOME", str(home))
     return home
@@ -57,29 +77,24 @@ def alive(pids) -> list[int]:
     running = []
     for pid in pids:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.Error:
             continue
-        if state != "Z":
-            running.append(pid)
     return running
 
 
 def processes_of(home: Path) -> list[int]:
     """Live processes started for one gpuflow home: Ray's daemons and workers and the job inherit GPUFLOW_HOME."""
-    marker = f"GPUFLOW_HOME={home}\0".encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if marker in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    running = alive(found)
-    for pid in running:  # say what is left, for the failure message
-        print(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:300])
-    return running
+    for process in psutil.process_iter(["pid", "environ", "status", "cmdline"]):
+        info = process.info
+        if info["pid"] == os.getpid() or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if (info["environ"] or {}).get("GPUFLOW_HOME") == str(home):
+            print(info["pid"], " ".join(info["cmdline"] or [])[:300])  # say what is left, for the failure message
+            found.append(info["pid"])
+    return found
 
 
 # -- real servers for the deployment, tracking-server and browser tests (tests/servers.py) ------------------
@@ -130,11 +145,10 @@ def slurm_infra():
     """
     from tests.infra.slurm import harness
 
+    from tests.tiers import require
+
     ok, why = harness.available()
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail(f"local Slurm harness unavailable in CI: {why}")
-        pytest.skip(f"local Slurm harness unavailable: {why}")
+    require(ok, f"the local Slurm harness ({why})", "run as root on Debian with its package mirror (tests/infra/slurm)")
     try:
         yield harness.start()
     finally:
@@ -160,5 +174,9 @@ def lane_of(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("full"):  # the quick tier: files go to the workers as they free up, each whole
+        for item in items:                # (a module's shared run happens once)
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        return
     for item in items:
         item.add_marker(pytest.mark.xdist_group(lane_of(item.nodeid)))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from tests import tiers
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 240  # generous: the machine is shared with Ray jobs
@@ -63,6 +65,7 @@ def stop_group(process: subprocess.Popen, grace_s: float = 15) -> None:
 
 @contextlib.contextmanager
 def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO):
+    tiers.started(f"a server ({Path(command[0]).name} {command[1]})")
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                    start_new_session=True)

@@ -1,6 +1,6 @@
 """prefect.yaml's deployments: declared right, served by `gpuflow serve`, run by a schedule, bad values refused.
 
-    .venv/bin/python -m pytest tests/test_deployments.py
+    .venv/bin/python -m pytest --full tests/test_deployments.py
 """
 
 
@@ -43,6 +43,7 @@ def test_served_deployments_carry_the_form_schema_and_overrides():
         runner_deployments(["train.epochs=0"])
 
 
+@pytest.mark.full
 def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run):
     assert scheduled_run.auto_scheduled
     assert scheduled_run.state.is_completed(), scheduled_run.state.message
@@ -55,6 +56,7 @@ def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run):
     assert summary and served.mlflow_url in summary[0].data and "val_accuracy" in summary[0].data
 
 
+@pytest.mark.full
 def test_a_bad_form_value_fails_the_run_naming_the_field(served):
     spec = served.deployment("run-experiment").parameters["spec"]
     bad = {**spec, "compute": {**spec["compute"], "accelerators": "H100:1"}}  # valid JSON schema, invalid spec
@@ -66,6 +68,7 @@ def test_a_bad_form_value_fails_the_run_naming_the_field(served):
     assert "compute" in flow_run.state.message and "backend: skypilot" in flow_run.state.message, flow_run.state.message
 
 
+@pytest.mark.full
 def test_a_value_outside_the_schema_is_refused_at_submission(served):
     spec = served.deployment("run-experiment").parameters["spec"]
     bad = {**spec, "train": {**spec["train"], "epochs": 0}}
@@ -73,6 +76,7 @@ def test_a_value_outside_the_schema_is_refused_at_submission(served):
         client.create_flow_run_from_deployment(served.deployment("run-experiment").id, parameters={"spec": bad})
 
 
+@pytest.mark.full
 def test_spec_file_is_used_instead_of_the_form(served, tmp_path):
     spec_file = tmp_path / "from-file.yaml"
     # where metrics go is the deployment's (its form_policy), so the file names the same tracking server

@@ -23,6 +23,8 @@ from tests.loops import paced_overrides
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
 
+pytestmark = pytest.mark.full
+
 GRACE = "limits.orphan_grace_minutes=0.2"  # 12 s without a lease renewal: the job stops itself
 
 

@@ -102,6 +102,7 @@ def test_the_open_form_fixes_what_runs_on_the_worker_besides_the_loop():
     ("nightly-digits", "train.loop: deployment 'nightly-digits' fixes this field"),
     ("run-experiment", "train.loop: 'os:system' is not a function defined in module 'os'"),
 ])
+@pytest.mark.full
 def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served, deployment, loop_refusal):
     """Through the real server and `gpuflow serve`: the run fails at spec_from, before validate or any cluster."""
     from mlflow import MlflowClient

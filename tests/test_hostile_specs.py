@@ -157,6 +157,7 @@ def test_tracking_uri_of_a_server_that_is_not_http_is_a_clear_error(gpuflow_home
     assert any(p.startswith("tracking.uri") and "not an HTTP server" in p for p in problems), problems
 
 
+@pytest.mark.full
 def test_tracking_server_that_answers_passes(mlflow_url, gpuflow_home):
     assert checked({"tracking": {"uri": mlflow_url}}) == []
 

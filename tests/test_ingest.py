@@ -2,6 +2,7 @@
 same every epoch; a dataset read lazily still streams, split as Ray Data does. Real Ray Train, real local cluster.
 (What the in-memory split saves, Ray Data's coordinator actors, is measured by benchmarks/overhead.py.)"""
 
+import pytest
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from tests.conftest import REPO, processes_of
 ROWS = 100
 
 
+@pytest.mark.full
 def test_each_worker_reads_an_equal_disjoint_share_of_each_dataset(gpuflow_home, tmp_path):
     pq.write_table(pa.table({"id": list(range(ROWS, 2 * ROWS))}), tmp_path / "streamed.parquet")
     spec = parse_spec({"train": {"loop": "tests.loops.plain:record_shards"}, "workdir": str(REPO),

@@ -1,5 +1,6 @@
 """A `gpuflow run` that is cancelled from Prefect or sent SIGTERM leaves no cluster and no RUNNING MLflow run."""
 
+import pytest
 import asyncio
 import os
 import re
@@ -16,6 +17,8 @@ from prefect.states import Cancelling
 from tests.conftest import REPO, processes_of
 from tests.loops import paced_overrides
 from tests.test_experiment_e2e import mlflow_run_of
+
+pytestmark = pytest.mark.full
 
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 

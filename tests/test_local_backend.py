@@ -1,5 +1,6 @@
 """The local backend starts real Ray processes on 127.0.0.1 and leaves none behind."""
 
+import pytest
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ def test_cluster_names_encode_the_flow_run():
     assert flow_run_id_of("my-own-cluster") is None
 
 
+@pytest.mark.full
 def test_up_down_leaves_no_ray_process(gpuflow_home):
     backend = LocalBackend()
     spec = parse_spec({**A_LOOP, "compute": {"workers_per_node": 1}})
@@ -35,6 +37,7 @@ def test_up_down_leaves_no_ray_process(gpuflow_home):
     assert backend.status() == []
 
 
+@pytest.mark.full
 def test_two_nodes_are_two_ray_nodes(gpuflow_home):
     backend = LocalBackend()
     handle = backend.launch(parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "workers_per_node": 1}}), NAME)
@@ -53,6 +56,7 @@ def test_two_nodes_are_two_ray_nodes(gpuflow_home):
     assert alive(pids) == []
 
 
+@pytest.mark.full
 def test_down_of_a_half_made_cluster(gpuflow_home):
     """A record whose processes never started (a crash mid-launch) is cleaned up without error."""
     backend = LocalBackend()

@@ -13,6 +13,8 @@ from mlflow import MlflowClient
 
 from tests.conftest import REPO, processes_of
 
+pytestmark = pytest.mark.full
+
 
 def tracked_files(repo: Path, into: Path) -> Path:
     """A copy of the repo's tracked files: pip builds there, leaving no build output in the repo."""

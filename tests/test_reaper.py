@@ -1,5 +1,6 @@
 """The reaper against real local Ray clusters and a real Prefect API: orphans downed, live and foreign clusters kept."""
 
+import pytest
 import time
 import uuid
 
@@ -46,6 +47,7 @@ class CloudDouble:
         return self.clusters.pop(cluster_name, None) is not None
 
 
+@pytest.mark.full
 def test_reaper_downs_orphans_keeps_live_and_foreign_clusters(prefect_server, digits_spec, gpuflow_home):
     spec = digits_spec.model_copy(update={"compute": digits_spec.compute.model_copy(update={"workers_per_node": 1})})
     finished, live = finished_flow_run_id(), running_flow_run_id()

@@ -1,5 +1,6 @@
 """A secret reaches the training loop and nothing else: not MLflow, not Prefect, not a log file."""
 
+import pytest
 import asyncio
 import hashlib
 import json
@@ -35,6 +36,7 @@ def files_holding(folder, needle: bytes) -> list[str]:
     return [str(path) for path in folder.rglob("*") if path.is_file() and needle in path.read_bytes()]
 
 
+@pytest.mark.full
 def test_canary_secret_appears_nowhere(prefect_server, digits_spec, gpuflow_home, monkeypatch, tmp_path, capfd, caplog):
     caplog.set_level("INFO")
     canary = f"canary-{uuid.uuid4().hex}"

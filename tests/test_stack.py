@@ -19,6 +19,8 @@ from tests.conftest import REPO, alive, processes_of
 from tests.test_faults import wait_until
 from tests.test_lifecycle import GpuflowRun
 
+pytestmark = pytest.mark.full
+
 SPEC = REPO / "experiments" / "digits.yaml"
 
 

@@ -1,6 +1,7 @@
 """A sweep end to end: one flow run, one local Ray cluster, Ray Tune trials that are Ray Train runs, one MLflow
 parent run with a child run per trial; and a cancelled sweep that leaves nothing running."""
 
+import pytest
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def children_of(client, parent):
     return client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
 
 
+@pytest.mark.full
 def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(prefect_server, gpuflow_home):
     spec = parse_spec(tunable_sweep())
     started = time.monotonic()
@@ -78,6 +80,7 @@ def mlflow_run_of_parent(spec, flow_run_id):
     return client, parent
 
 
+@pytest.mark.full
 def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, gpuflow_home, tmp_path):
     fields = tunable_sweep()
     fields["train"].update(epochs=400)  # still training when the cancel comes

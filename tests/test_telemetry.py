@@ -193,35 +193,7 @@ def prefect_artifact_of(flow_run_id) -> str:
     return asyncio.run(read())
 
 
-def test_digits_logs_telemetry_per_epoch_and_a_profile(prefect_server, digits_spec, gpuflow_home, tmp_path):
-    from gpuflow.flows.experiment import run_experiment
-    from tests.test_experiment_e2e import mlflow_run_of
-
-    spec = digits_spec.model_copy(update={
-        "train": digits_spec.train.model_copy(update={"epochs": 2}),
-        "tracking": digits_spec.tracking.model_copy(update={"register_model": False}),
-        "profile": parse_spec({**A_LOOP, "profile": {"steps": 4, "after": 2}}).profile,
-    })
-    state = run_experiment(spec, return_state=True)
-    assert state.is_completed(), state.message
-    client, run = mlflow_run_of(spec, state.state_details.flow_run_id)
-
-    for key in PERF_KEYS:
-        history = client.get_metric_history(run.info.run_id, key)
-        assert sorted(m.step for m in history) == [0, 1], key
-        assert all(m.value > 0 for m in history), (key, history)
-    assert client.get_metric_history(run.info.run_id, "perf/data_wait_pct")[0].value < 100
-    assert "perf/mfu_pct" not in run.data.metrics  # a CPU has no known peak
-    assert state.result()["metrics"]["perf/samples_per_s"] > 0
-    artifact = prefect_artifact_of(state.state_details.flow_run_id)
-    assert "**Training telemetry, last epoch**" in artifact and "samples/s" in artifact and "MFU | n/a" in artifact
-
-    trace = client.download_artifacts(run.info.run_id, "profile/trace.json", str(tmp_path))
-    assert json.loads(open(trace).read())["traceEvents"]
-    table = open(client.download_artifacts(run.info.run_id, "profile/top_operators.txt", str(tmp_path))).read()
-    assert "4 step(s) recorded after skipping 2" in table
-
-
+@pytest.mark.full
 def test_chargpt_cpu_spec_trains_on_the_local_backend(prefect_server, gpuflow_home):
     from gpuflow.flows.experiment import run_experiment
     from tests.test_experiment_e2e import mlflow_run_of

@@ -67,6 +67,7 @@ def started(gpuflow_home):
         process.stdout.close()
 
 
+@pytest.mark.cluster
 def test_the_temporary_api_serves_the_process_and_exits_with_it(started, gpuflow_home):
     process = started()
     out, _ = process.communicate(timeout=300)
@@ -86,6 +87,7 @@ def test_what_answers_on_a_port_counts_only_if_it_is_an_http_api():
         assert not temporary_api.answers(f"http://127.0.0.1:{port}/api", timeout_s=5)
 
 
+@pytest.mark.cluster
 def test_the_temporary_api_is_stopped_when_its_process_is_killed(started, gpuflow_home):
     process = started("hang")
     line = process.stdout.readline()

@@ -1,6 +1,7 @@
 """Every ray.train.report of a plain Ray Train loop reaches the MLflow run (cluster/tracking.py), with the right
 steps, the checkpoints' locations, the last checkpoint when no model was logged, and no step twice on a resume."""
 
+import pytest
 import json
 from pathlib import Path
 
@@ -21,6 +22,7 @@ def run_job(backend, handle, spec, run_name, env) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.full
 def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
     tracking_uri = f"sqlite:///{gpuflow_home}/mlflow.db"
     client = MlflowClient(tracking_uri)

@@ -1,13 +1,16 @@
 """gpuflow against a real `mlflow server` with proxied artifacts: the scheduled run's MLflow side, linked both ways.
 
-    .venv/bin/python -m pytest tests/test_tracking_server.py
+    .venv/bin/python -m pytest --full tests/test_tracking_server.py
 """
 
+import pytest
 import urllib.request
 
 import mlflow
 import yaml
 from mlflow import MlflowClient
+
+pytestmark = pytest.mark.full
 
 
 def the_mlflow_run(served, flow_run):

@@ -9,6 +9,8 @@ from gpuflow.cluster.backends.local import LocalBackend
 from tests.conftest import alive
 from tests.loops import PACED_LOOP
 
+pytestmark = pytest.mark.full
+
 
 # The limits: room for the cluster and Ray Train's workers to start, so that the stop comes mid-training. The load
 # test, whose three flows at once once made the first epoch here take over 130 s, runs before this one in the same

@@ -155,7 +155,7 @@ class LocalBackend:
         run to the job process already waiting there (`prewarm`)."""
         folder = self.root / handle.name
         spec_file = folder / f"{run_name}.spec.json"
-        spec_file.write_text(spec.model_dump_json())
+        spec_file.write_text(spec.anchored().model_dump_json())  # the job's folder is not the flow's
         record = self.record(handle.name)
         waiting = [pid for pid, job in record["jobs"].items() if job["run_name"] is None and running(pid)]
         if waiting:

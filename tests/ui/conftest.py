@@ -1,6 +1,6 @@
 """Headless Chromium (Debian's /usr/bin/chromium) driven by Playwright, offline: every non-loopback request is blocked.
 
-    apt-get install -y chromium && .venv/bin/python -m pytest -m browser
+    apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser
 """
 
 import shutil
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.tiers import require
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = REPO / "test-artifacts" / "ui"
@@ -25,9 +26,11 @@ try {
 @pytest.fixture(scope="session")
 def browser():
     """A Chromium context with a fresh profile; yields (context, list of blocked outside requests)."""
-    if not CHROMIUM.exists():
-        pytest.skip("no /usr/bin/chromium: apt-get install -y chromium")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (in the dev extra)")
+    require(CHROMIUM.exists(), "Chromium (/usr/bin/chromium)", "apt-get install -y chromium")
+    try:
+        from playwright import sync_api
+    except ImportError:
+        require(False, "Playwright", "pip install -e '.[dev]'")
     profile = tempfile.mkdtemp(prefix="gpuflow-chromium-")
     blocked: list[str] = []
 

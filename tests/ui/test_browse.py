@@ -1,6 +1,6 @@
 """As a person would: start a run from the Prefect UI's form, watch it complete, then find it in the MLflow UI.
 
-    apt-get install -y chromium && .venv/bin/python -m pytest -m browser tests/ui   # screenshots: test-artifacts/ui/
+    apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser tests/ui   # screenshots: test-artifacts/ui/
 """
 
 import contextlib

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests import tiers
+
 USER = "gpuflow"
 READY_TIMEOUT_S = 60
 
@@ -73,6 +75,7 @@ def as_server_user(command: list[str], **kwargs) -> subprocess.CompletedProcess:
 @contextlib.contextmanager
 def postgres(folder: Path, databases: tuple[str, ...] = ("prefect", "mlflow", "mlflow_auth")):
     """A fresh cluster in `folder`, password (scram) auth for USER, listening on 127.0.0.1 only; removed on exit."""
+    tiers.started("PostgreSQL")
     tools = bin_dir()
     data, sockets = folder / "pgdata", folder / "pgsocket"
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Checks of the harness itself (cheap: no sky.launch). Run: pytest -m slurm tests/infra/slurm"""
+"""Checks of the harness itself (cheap: no sky.launch). Run: pytest --full -m slurm tests/infra/slurm"""
 import subprocess
 
 import pytest

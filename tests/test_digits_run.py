@@ -1,0 +1,112 @@
+"""The quick tier's one real run: the README's quickstart (experiments/digits.yaml) end to end under a real Prefect
+API: a local Ray cluster, Ray Train DDP, MLflow, teardown. One run, read by every test of this file."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+
+from gpuflow.cluster.backends import cluster_name_for
+from gpuflow.cluster.spec import ExperimentSpec, load_spec
+from tests.conftest import REPO, processes_of
+from tests.test_experiment_e2e import mlflow_run_of, progress_bars
+from tests.test_telemetry import PERF_KEYS, prefect_artifact_of
+
+pytestmark = pytest.mark.cluster
+
+
+@dataclass
+class DigitsRun:
+    spec: ExperimentSpec
+    state: object
+    home: Path
+    left_running: list[int]
+
+    @property
+    def flow_run_id(self):
+        return self.state.state_details.flow_run_id
+
+    def mlflow_run(self):
+        return mlflow_run_of(self.spec, self.flow_run_id)
+
+
+@pytest.fixture(scope="module")
+def digits_run(prefect_server, tmp_path_factory) -> DigitsRun:
+    """`gpuflow run experiments/digits.yaml` as shipped, with a profiler window, its state in a folder of its own."""
+    from gpuflow.flows.experiment import run_experiment
+
+    home = tmp_path_factory.mktemp("digits-run")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GPUFLOW_HOME", str(home))
+        spec = load_spec(REPO / "experiments" / "digits.yaml", [
+            f"workdir={REPO}", f"data.train={home}/data/train.parquet",
+            f"data.validation={home}/data/validation.parquet", f"tracking.uri=sqlite:///{home}/mlflow.db",
+            f"storage.checkpoints={home}/checkpoints", "profile.steps=4", "profile.after=2"])
+        state = run_experiment(spec, return_state=True)
+        return DigitsRun(spec, state, home, processes_of(home))
+
+
+def test_the_flow_run_completes_with_its_progress_bar_at_100(digits_run):
+    assert digits_run.state.is_completed(), digits_run.state.message
+    assert progress_bars(digits_run.flow_run_id) == [100.0]  # the train task's bar in the Prefect UI
+
+
+def test_the_mlflow_run_has_every_epoch_its_params_and_its_cluster(digits_run):
+    spec = digits_run.spec
+    client, run = digits_run.mlflow_run()
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["val_accuracy"] >= 0.95
+    assert run.data.tags["gpuflow.backend"] == "local"
+    summary = digits_run.state.result()
+    assert run.data.tags["gpuflow.cluster"] == cluster_name_for(digits_run.flow_run_id) == summary["cluster"]
+    assert run.data.tags["prefect.flow_run_name"].startswith("digits-mlp-")
+    history = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in history) == list(range(spec.train.epochs))
+    assert run.data.params["train.lr"] == str(spec.train.lr)
+
+
+def test_the_registered_model_predicts_held_out_digits(digits_run):
+    import pyarrow.parquet as pq
+
+    mlflow.set_tracking_uri(digits_run.spec.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{digits_run.spec.name}/latest")
+    table = pq.read_table(digits_run.spec.data.validation)
+    pixels = torch.tensor(np.stack(table.column("pixels").to_numpy(zero_copy_only=False)))
+    predictions = model(pixels).argmax(dim=1).numpy()
+    assert (predictions == table.column("label").to_numpy()).mean() >= 0.95
+
+
+def test_every_epoch_left_a_checkpoint(digits_run):
+    summary = digits_run.state.result()
+    checkpoints = list(Path(summary["checkpoint"]).parent.glob("checkpoint_*/checkpoint.pt"))
+    assert len(checkpoints) == digits_run.spec.train.epochs
+    assert Path(summary["checkpoint"]).is_relative_to(digits_run.home / "checkpoints")
+
+
+def test_telemetry_every_epoch_and_a_profiler_trace(digits_run, tmp_path):
+    import json
+
+    client, run = digits_run.mlflow_run()
+    for key in PERF_KEYS:
+        history = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in history) == list(range(digits_run.spec.train.epochs)), key
+        assert all(m.value > 0 for m in history), (key, history)
+    assert client.get_metric_history(run.info.run_id, "perf/data_wait_pct")[0].value < 100
+    assert "perf/mfu_pct" not in run.data.metrics  # a CPU has no known peak
+    assert digits_run.state.result()["metrics"]["perf/samples_per_s"] > 0
+    artifact = prefect_artifact_of(digits_run.flow_run_id)
+    assert "**Training telemetry, last epoch**" in artifact and "samples/s" in artifact and "MFU | n/a" in artifact
+
+    trace = client.download_artifacts(run.info.run_id, "profile/trace.json", str(tmp_path))
+    assert json.loads(Path(trace).read_text())["traceEvents"]
+    table = Path(client.download_artifacts(run.info.run_id, "profile/top_operators.txt", str(tmp_path))).read_text()
+    assert "4 step(s) recorded after skipping 2" in table
+
+
+def test_nothing_is_left_running(digits_run):
+    assert digits_run.left_running == []  # right after the run
+    assert processes_of(digits_run.home) == []
+    assert not list((digits_run.home / "clusters").glob("*/cluster.json"))  # no cluster record: the cluster is gone

@@ -1,0 +1,125 @@
+"""The suite's own checks (tests/tiers.py), each shown catching a deliberate fault in a pytest session of its own."""
+
+import re
+
+import psutil
+import pytest
+
+from tests.conftest import REPO
+
+INNER_CONFTEST = """
+import pytest
+
+
+@pytest.fixture
+def mlflow_url():  # named as the real fixture that starts an MLflow server: the tier check goes by the name
+    return "http://127.0.0.1:1"
+"""
+
+
+@pytest.fixture
+def inner(pytester, monkeypatch):
+    """Runs a pytest session of its own (a subprocess) with the suite's plugin; returns (exit code, output)."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.delenv("CI", raising=False)
+    pytester.makeconftest(INNER_CONFTEST)
+
+    def run(source: str, *args: str) -> tuple[int, str]:
+        pytester.makepyfile(test_inner=source)
+        result = pytester.runpytest_subprocess("-p", "tests.tiers", "-p", "no:cacheprovider", "-o", "leftover_grace_s=2", "-rs", *args, timeout=300)
+        return result.ret, result.stdout.str() + result.stderr.str()
+
+    return run
+
+
+def test_a_process_a_test_leaves_running_fails_the_session_and_is_named(inner):
+    returncode, output = inner("""
+import subprocess
+
+def test_leaks_a_process():
+    subprocess.Popen(["sleep", "600"], start_new_session=True)  # its own session: outlives the test's process group
+""")
+    assert returncode == 1, output
+    [pid] = re.findall(r"left running: pid (\d+) 'sleep'", output)
+    assert "GPUFLOW_HOME=" in output  # which test's folder it came from
+    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_process_stopped_by_its_test_passes(inner):
+    returncode, output = inner("""
+import subprocess
+
+def test_stops_what_it_starts():
+    process = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    process.kill()
+    process.wait()
+""")
+    assert returncode == 0, output
+    assert "left running" not in output
+
+
+def test_a_file_written_inside_the_repository_fails_the_session(inner):
+    returncode, output = inner(f"""
+from pathlib import Path
+
+def test_writes_in_the_repo(tmp_path):
+    Path({str(REPO / "tests" / "written-by-a-test.tmp")!r}).write_text("x")
+""")
+    (REPO / "tests" / "written-by-a-test.tmp").unlink(missing_ok=True)
+    assert returncode == 1, output
+    assert "written inside the repository: tests/written-by-a-test.tmp" in output
+
+
+@pytest.mark.cluster  # it starts a Ray cluster (in the inner session), on purpose
+def test_a_test_that_starts_a_ray_cluster_without_a_tier_marker_fails_naming_it(inner):
+    returncode, output = inner("""
+import pytest
+import ray
+
+def test_unmarked_ray():
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+    ray.shutdown()
+
+def test_unmarked_server(mlflow_url):
+    pass
+
+@pytest.mark.full
+def test_marked_server(mlflow_url):
+    pass
+""", "--full")
+    assert returncode == 1, output
+    assert re.search(r"test_unmarked_ray starts a Ray cluster but carries no tier marker", output), output
+    assert re.search(r"test_unmarked_server starts an MLflow server but carries no tier marker", output), output
+    assert "test_marked_server starts" not in output
+    assert "2 errors" in output  # a teardown error each, for the two unmarked tests
+
+
+def test_the_quick_tier_leaves_out_the_whole_matrix(inner):
+    source = """
+import pytest
+
+def test_quick():
+    pass
+
+@pytest.mark.slurm
+def test_on_slurm():
+    pass
+"""
+    returncode, output = inner(source)
+    assert returncode == 0 and "1 passed, 1 deselected" in output, output
+    returncode, output = inner(source, "--full")
+    assert "test_on_slurm PASSED" in output or "2 passed" in output, output
+
+
+def test_a_missing_component_skips_saying_how_to_enable_it_and_fails_in_ci(inner, monkeypatch):
+    source = """
+from tests.tiers import require
+
+def test_needs_a_thing():
+    require(False, "the thing", "apt-get install thing")
+"""
+    returncode, output = inner(source)
+    assert returncode == 0 and "the thing is missing; to enable: apt-get install thing" in output, output
+    monkeypatch.setenv("CI", "1")
+    returncode, output = inner(source)
+    assert returncode == 1 and "nothing may be skipped" in output, output
