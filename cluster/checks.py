@@ -34,6 +34,11 @@ STORAGE_SCHEMES = {"file", "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "r2
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
+def cut(text: str, limit: int) -> str:
+    """`text`, shortened to `limit` characters, saying how long it was."""
+    return text if len(text) <= limit else text[: limit - 20] + f" ... ({len(text)} chars)"
+
+
 def shorten(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
     """repr(value), cut in the middle when long, so that a hostile value cannot flood a message."""
     text = repr(value)

@@ -7,13 +7,12 @@ No Prefect here: `gpuflow plan`, the validate task and the watchdog all call the
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
 from gpuflow.cluster.spec import ExperimentSpec, billed_sweep_minutes
 
-DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
 
 
 class CatalogMissing(RuntimeError):
@@ -217,7 +216,7 @@ def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
 
 
 def daily_budget_usd() -> float | None:
-    value = os.environ.get(DAILY_BUDGET_ENV)
+    value = daily_budget()
     if not value:
         return None
     try:

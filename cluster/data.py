@@ -1,6 +1,7 @@
 """Makes sure the spec's Parquet data exists where this process runs (the flow's machine, or a cloud node)."""
 
-from gpuflow.cluster.spec import ExperimentSpec, on_sys_path, readable, resolve
+from gpuflow.cluster.spec import ExperimentSpec, readable
+from gpuflow.cluster.usercode import on_sys_path, resolve
 
 
 def ensure_data(spec: ExperimentSpec) -> dict[str, str | None]:

@@ -21,7 +21,9 @@ import sys
 import threading
 from pathlib import Path
 
+from gpuflow.cluster.checks import cut, signature_problem
 from gpuflow.cluster.files import write_atomically
+from gpuflow.cluster.usercode import resolve
 
 # How gpuflow calls each entrypoint: (positional arguments, what they are).
 ENTRYPOINT_ARGUMENTS = {
@@ -96,7 +98,7 @@ class EntrypointCheck:
 
 def record_of(workdir: str, entrypoints: dict[str, str]) -> Path:
     """Where a passed check of these entrypoints, from this workdir with this Python, is kept."""
-    from gpuflow.cluster.spec import state_dir
+    from gpuflow.cluster.config import state_dir
 
     key = json.dumps([sys.executable, str(Path(workdir).absolute()), sorted(entrypoints.items())])
     return state_dir() / "checks" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
@@ -127,9 +129,6 @@ def changed(files: dict[str, int]) -> bool:
 
 
 def check(workdir: str, field: str, entrypoint: str) -> str | None:
-    from gpuflow.cluster.checks import signature_problem
-    from gpuflow.cluster.spec import cut, resolve
-
     try:
         function = resolve(entrypoint)
     except Exception as exc:  # any import-time error is the user's to see

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from gpuflow.cluster.checks import shorten
-from gpuflow.cluster.spec import ExperimentSpec, SpecError, on_sys_path, parse_spec
+from gpuflow.cluster.spec import ExperimentSpec, SpecError, parse_spec
+from gpuflow.cluster.usercode import on_sys_path
 
 # Derived from other fields, which are compared themselves.
 DERIVED = {"compute.num_workers", "compute.use_gpu"}

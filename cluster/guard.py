@@ -13,15 +13,14 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
-from gpuflow.cluster.lease import STOP_DETAIL_TAG, STOPPED_BY_TAG, LeaseWatch
+from gpuflow.cluster.lease import LeaseWatch
 from gpuflow.cluster.limits import Watchdog, cost_check, deadline_check
+from gpuflow.cluster.protocol import OWNER_DIED, STATUS_FOR_STOP, STOP_DETAIL_TAG, STOPPED_BY_TAG, JobEnv, stop_line
 from gpuflow.cluster.spec import ExperimentSpec
 
-STOP_PREFIX = "[gpuflow] stopped "  # the flow reads "<prefix><reason>: <detail>" from the job's log
 SELF_STOP_EXIT_CODE = 3
-OWNER_DIED = signal.SIGUSR1  # the local backend's supervisor: the process that owned the cluster is gone
-LOCAL_CLUSTER_ENV = "GPUFLOW_LOCAL_CLUSTER_SESSION"
 
 
 def block_owner_signal() -> None:
@@ -33,12 +32,12 @@ def block_owner_signal() -> None:
 class JobGuard:
     """Watches the job's limits and lease from a thread; the first that fires stops the job for good."""
 
-    def __init__(self, spec: ExperimentSpec, environ=os.environ):
-        self.spec = spec
-        self.run_id = environ.get("GPUFLOW_MLFLOW_RUN_ID")
-        self.requested_at = float(environ.get("GPUFLOW_REQUESTED_AT") or time.time())
-        self.hourly_usd = float(environ.get("GPUFLOW_HOURLY_USD") or 0)
-        self.local_cluster = environ.get(LOCAL_CLUSTER_ENV)
+    def __init__(self, spec: ExperimentSpec, job: JobEnv, release: Callable[[], None] = lambda: None):
+        """`release` frees the cluster once the job is gone: the backend's way (the job's entry point chooses it)."""
+        self.spec, self.release = spec, release
+        self.run_id = job.mlflow_run_id
+        self.requested_at = job.requested_at or time.time()
+        self.hourly_usd = job.hourly_usd or 0.0
         self.started = time.time()
         self._stopping = threading.Lock()
         checks = [deadline_check(spec.limits.max_runtime_minutes, self.started),
@@ -65,35 +64,23 @@ class JobGuard:
     def stop(self, reason: str, detail: str) -> None:
         if not self._stopping.acquire(blocking=False):
             return
-        print(f"{STOP_PREFIX}{reason}: {detail}", flush=True)
+        print(stop_line(reason, detail), flush=True)
         try:
             self.close_run(reason, detail)
         finally:
-            self.release_cluster()
+            self.release()  # the cluster must not idle once the job is gone
             os._exit(SELF_STOP_EXIT_CODE)
 
     def close_run(self, reason: str, detail: str) -> None:
         """Ends the MLflow run with the reason; the flow, if it still lives, keeps this status and adds its bill."""
         if not self.run_id:
             return
-        from gpuflow.cluster.lifecycle import STATUS_FOR_STOP
-        from gpuflow.cluster.mlflow_run import close_run
+        from gpuflow.cluster.mlflow_run import close_run  # MLflow loads here only if the guard stops the run
 
         seconds = time.time() - self.requested_at
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
         close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill,
                   {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]})
-
-    def release_cluster(self) -> None:
-        """The cluster must not idle once the job is gone: a local one is stopped now, a cloud one sooner."""
-        if self.local_cluster:
-            from gpuflow.cluster.backends.local import stop_sessions
-
-            stop_sessions([int(self.local_cluster)])
-        elif os.environ.get("SKYPILOT_NODE_RANK") is not None:
-            from gpuflow.cluster.backends.skypilot import shorten_autostop_on_node
-
-            shorten_autostop_on_node()
 
 
 def lease_poll_s(spec: ExperimentSpec) -> float:

@@ -15,19 +15,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.guard import JobGuard, block_owner_signal
 from gpuflow.cluster.preload import import_in_background
-from gpuflow.cluster.spec import ExperimentSpec, absolute_uri, on_sys_path, resolve
-
-# Ray and Ray Train are imported where the job runs them, not here: the flow imports this module
-# for RESULT_PREFIX, and loading Ray Train and torch there would cost seconds for nothing.
-RESULT_PREFIX = "[gpuflow] result "
-
-if TYPE_CHECKING:
-    from ray.train.torch import TorchTrainer
+from gpuflow.cluster.protocol import JobEnv, result_line
+from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.trainer import run_training
+from gpuflow.cluster.usercode import on_sys_path
 
 
 def tune_ray_train() -> None:
@@ -43,115 +38,13 @@ def tune_ray_train() -> None:
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
 
 
-def loop_config(spec: ExperimentSpec) -> dict:
-    """What the per-worker loop receives: the hyper-parameters, the data locations and the precision."""
-    data = data_uris(spec)
-    return {
-        **spec.train.params,
-        "epochs": spec.train.epochs,
-        "batch_size": spec.train.batch_size,
-        "lr": spec.train.lr,
-        "precision": spec.precision,
-        "profile": spec.profile.model_dump() if spec.profile else None,
-        "train_path": data.get("train"),
-        "validation_path": data.get("validation"),
-    }
-
-
-def data_uris(spec: ExperimentSpec) -> dict[str, str]:
-    """The spec's Parquet locations by dataset name ('train', 'validation'), absolute."""
-    if spec.data is None:
-        return {}
-    uris = {"train": spec.data.train, "validation": spec.data.validation}
-    return {name: absolute_uri(uri) for name, uri in uris.items() if uri}
-
-
-# Below this, a dataset is read here at once into Ray's object store: every epoch of a lazy dataset lists and
-# reads the files anew, and even one read through Ray Data's executor starts in seconds (measured: 15 s for the
-# first, 7 s for the next on 2 cores), which dwarfs reading a few megabytes with pyarrow (milliseconds).
-SMALL_DATASET_BYTES = 64 * 1024**2
-
-
-def datasets_of(spec: ExperimentSpec) -> dict:
-    """Ray Datasets read from Parquet as streams: Ray Train splits them across the workers
-    (ray.train.get_dataset_shard(name)), so no worker ever holds the whole table."""
-    import pyarrow.parquet as pq
-    import ray.data
-
-    datasets = {}
-    for name, uri in data_uris(spec).items():
-        small = parquet_bytes(uri) <= SMALL_DATASET_BYTES
-        datasets[name] = ray.data.from_arrow(pq.read_table(uri)) if small else ray.data.read_parquet(uri)
-    return datasets
-
-
-def parquet_bytes(uri: str) -> int:
-    """Size on storage of a Parquet file or folder (any pyarrow filesystem)."""
-    import pyarrow.dataset as ds
-
-    dataset = ds.dataset(uri, format="parquet")
-    return sum(info.size or 0 for info in dataset.filesystem.get_file_info(dataset.files))
-
-
-def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None, callbacks: list = ()) -> TorchTrainer:
-    """The TorchTrainer of one training run (the whole job, or one trial of a sweep) that reports to MLflow run
-    `run_id` (default: the flow's, GPUFLOW_MLFLOW_RUN_ID); `callbacks` go beside gpuflow's own."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    from gpuflow.cluster.ingest import SplitInMemory
-    from gpuflow.cluster.tracking import tracking_callbacks
-
-    compute = spec.compute
-    run_id = run_id or os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
-    num_workers = spec.workers_per_trial
-    gpus_per_worker = 1 if compute.use_gpu else 0
-    return TorchTrainer(
-        resolve(spec.train.loop),
-        train_loop_config=loop_config(spec),
-        datasets=datasets_of(spec),
-        dataset_config=SplitInMemory(),
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=num_workers,
-            use_gpu=compute.use_gpu,
-            resources_per_worker={"CPU": compute.cpus_per_worker, "GPU": gpus_per_worker},
-            # one node's workers per node: multi-node placement is what the user asked for
-            placement_strategy="SPREAD" if num_workers > compute.workers_per_node else "PACK",
-        ),
-        run_config=ray.train.RunConfig(
-            name=run_name,
-            storage_path=spec.checkpoint_uri,
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.storage.num_to_keep),
-            # The flow, not Ray, decides about a lost node: left at their defaults, a missing node makes fit()
-            # retry forever (the worker group's start timeout, 60 s, and preemptions have budgets of their own).
-            failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
-                                                   max_preemption_failures=0),
-            # every report of any loop reaches the run, from Ray Train's controller
-            callbacks=[*tracking_callbacks(run_id, os.environ.get("MLFLOW_TRACKING_URI"),
-                                           f"{spec.checkpoint_uri.rstrip('/')}/{run_name}"), *callbacks],
-            # the loop's own MLflow logging (gpuflow.cluster.loop: the model, a profile) goes to the same run
-            worker_runtime_env={"env_vars": {"GPUFLOW_MLFLOW_RUN_ID": run_id}} if run_id else None,
-        ),
-    )
-
-
-def run_training(spec: ExperimentSpec, run_name: str) -> dict:
-    """One Ray Train run: the summary of its result."""
-    result = build_trainer(spec, run_name).fit()
-    return {
-        "metrics": {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))},
-        "checkpoint": result.checkpoint.path if result.checkpoint else None,
-        "storage": result.path,
-    }
-
-
 def system_metrics_monitor():
     """MLflow's own CPU/memory/disk/network (and GPU, with pynvml) sampling of this node, into the flow's run.
 
     It runs here, in the job on the cluster's head node, so it measures the cluster and not the flow's machine.
     MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (seconds, default 10) sets how often it samples.
     """
-    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    run_id = JobEnv.from_env().mlflow_run_id
     if not run_id:
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
@@ -215,6 +108,20 @@ def wait_for_handoff(args: argparse.Namespace) -> None:
     args.spec, args.address, args.run_name = handoff["spec"], handoff["address"], handoff["run_name"]
 
 
+def release_for(job: JobEnv):
+    """How this job frees its cluster if it stops the run itself: a local cluster's session is stopped at once, a
+    SkyPilot node's autostop is cut to a minute (autodown)."""
+    if job.local_cluster_session:
+        from gpuflow.cluster.backends.local import stop_sessions
+
+        return lambda: stop_sessions([job.local_cluster_session])
+    if os.environ.get("SKYPILOT_NODE_RANK") is not None:
+        from gpuflow.cluster.backends.skypilot import shorten_autostop_on_node
+
+        return shorten_autostop_on_node
+    return lambda: None
+
+
 def main(argv=None) -> int:
     block_owner_signal()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -232,7 +139,8 @@ def main(argv=None) -> int:
     if args.handoff:
         wait_for_handoff(args)
     spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True}).anchored()
-    JobGuard(spec).start()  # limits and the flow's lease, enforced here too: the flow may die
+    job = JobEnv.from_env()
+    JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too: the flow may die
     preload(spec)
     import ray
 
@@ -242,7 +150,7 @@ def main(argv=None) -> int:
         # Ray Train's own actors find "their" cluster by looking for one on the machine; with two Ray clusters on a
         # host (two runs, or a run beside a Slurm node) they fail with "multiple active Ray instances".
         "RAY_ADDRESS": args.address,
-        **{key: os.environ[key] for key in ("MLFLOW_TRACKING_URI", "GPUFLOW_MLFLOW_RUN_ID") if key in os.environ},
+        **JobEnv(tracking_uri=job.tracking_uri, mlflow_run_id=job.mlflow_run_id).to_env(),
         **spec.envs,
         **{name: os.environ[name] for name in spec.secrets if name in os.environ},
     }
@@ -256,7 +164,7 @@ def main(argv=None) -> int:
     try:
         with on_sys_path(workdir):
             if spec.sweep:
-                from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only for a sweep, on the cluster
+                from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only for a sweep
 
                 summary = run_sweep(spec, args.run_name)
             else:
@@ -265,7 +173,7 @@ def main(argv=None) -> int:
         if monitor:
             monitor.finish()
     summary["fit_seconds"] = round(time.time() - started, 2)
-    print(RESULT_PREFIX + json.dumps(summary), flush=True)
+    print(result_line(summary), flush=True)
     return 0
 
 

@@ -11,10 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-RENEWED_TAG = "gpuflow.lease_renewed_at"
-GRACE_TAG = "gpuflow.lease_grace_seconds"
-STOPPED_BY_TAG = "stopped_by"
-STOP_DETAIL_TAG = "gpuflow.stop_detail"
+from gpuflow.cluster.protocol import GRACE_TAG, RENEWED_TAG
 
 
 def renew_interval_s(grace_s: float) -> float:

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpuflow.cluster.cost import Estimate, launched_price
+from gpuflow.cluster.protocol import STATUS_FOR_STOP
 
-# How each stop reason ends the MLflow run: stopped on purpose is KILLED, lost is FAILED.
-STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",
-                   "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED"}
 TEARDOWN_DELAYS_S = (1, 5)
 
 

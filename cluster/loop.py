@@ -18,6 +18,7 @@ import ray.train
 import torch
 
 from gpuflow.cluster.preload import import_in_background
+from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -70,8 +71,9 @@ def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:
     if rank() != 0:
         ray.train.report(metrics)
         return
-    if os.environ.get("GPUFLOW_MLFLOW_RUN_ID"):
-        prepare_model_logging(os.environ["GPUFLOW_MLFLOW_RUN_ID"])
+    run_id = JobEnv.from_env().mlflow_run_id
+    if run_id:
+        prepare_model_logging(run_id)
     with tempfile.TemporaryDirectory() as folder:
         state = {"epoch": epoch, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
         if scaler is not None and scaler.is_enabled():
@@ -117,7 +119,7 @@ def telemetry(config: dict, model=None, flops_per_sample: float | None = None,
 
 def log_profile(folder) -> None:
     """Rank 0's profiler trace and operator table into the flow's MLflow run, under profile/."""
-    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    run_id = JobEnv.from_env().mlflow_run_id
     if not run_id:
         print(f"[gpuflow] profile written to {folder} (no MLflow run to log it to)", flush=True)
         return
@@ -145,7 +147,7 @@ def prepare_model_logging(run_id: str) -> None:
 
 def log_model(model, input_example=None) -> None:
     """Rank 0 logs the trained model to the flow's MLflow run; other ranks do nothing."""
-    run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    run_id = JobEnv.from_env().mlflow_run_id
     if rank() != 0 or not run_id:
         return
     import mlflow.pytorch

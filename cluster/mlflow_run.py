@@ -49,7 +49,7 @@ def close_children(client, run_id: str, status: str) -> list[str]:
 def stop_of_closed_run(client, run_id: str) -> tuple[str, str] | None:
     """(stopped_by, detail) when the job on the cluster stopped the run itself and closed it; None otherwise
     (still RUNNING, or the tracking server unreachable)."""
-    from gpuflow.cluster.lease import STOP_DETAIL_TAG, STOPPED_BY_TAG
+    from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG
 
     try:
         run = client.get_run(run_id)

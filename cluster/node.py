@@ -3,7 +3,7 @@
     run: python -m gpuflow.cluster.node          (the whole `run:` of gpuflow's SkyPilot task)
 
 Topology comes from SkyPilot's SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES; the
-spec and run name from GPUFLOW_SPEC_JSON / GPUFLOW_RUN_NAME, set by the flow.
+spec and run name from the job's environment (cluster/protocol.py: JobEnv), set by the flow.
 """
 
 import json
@@ -14,12 +14,12 @@ import tempfile
 import threading
 from pathlib import Path
 
-from gpuflow.cluster.backends import HEAD_NODE_RESOURCES
+from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES
+from gpuflow.cluster.protocol import SETUP_DONE, JobEnv
 
 # Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
 RAY_PORT = 6390
 HEAD_STARTED = "Ray runtime started."  # what `ray start` prints once its node is up
-SETUP_DONE = "[gpuflow] setup finished"  # rank 0's first line: the flow counts the job's runtime from here
 
 
 def ray(*args: str) -> list[str]:
@@ -63,12 +63,13 @@ def main() -> int:
     # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
     # Not `ray stop`: it stops every Ray of this user on the machine, other jobs' included.
     spec_file = Path(temp_dir) / "spec.json"
-    spec_file.write_text(os.environ["GPUFLOW_SPEC_JSON"])
+    job = JobEnv.from_env()
+    spec_file.write_text(job.spec_json)
     ray_started = Path(temp_dir) / "ray-started"
     # The job starts beside Ray: its imports (seconds) overlap Ray's start. It connects once Ray is up, then waits
     # for the other nodes to join.
     job = subprocess.Popen([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
-                            "--address", address, "--run-name", os.environ["GPUFLOW_RUN_NAME"],
+                            "--address", address, "--run-name", job.run_name,
                             "--nodes", str(num_nodes), "--after", str(ray_started)])
     head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
                                 f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common),

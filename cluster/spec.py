@@ -5,11 +5,9 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,22 +18,14 @@ from pydantic import (
 )
 
 from gpuflow.cluster import checks
+from gpuflow.cluster.checks import cut
+from gpuflow.cluster.config import default_tracking_uri, shared_path, state_dir
 from gpuflow.cluster.entrypoints import entrypoint_check
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
 ACCELERATOR = re.compile(r"^[A-Za-z0-9-]+(:\d+(\.\d+)?)?$")
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "hdfs://", "r2://")
-
-
-def state_dir() -> Path:
-    """Where gpuflow keeps its runtime state (MLflow store, checkpoints, data, clusters): never in git."""
-    return Path(os.environ.get("GPUFLOW_HOME", ".gpuflow")).absolute()
-
-
-def default_tracking_uri() -> str:
-    """The local MLflow store every spec tracks to unless tracking.uri says otherwise."""
-    return f"sqlite:///{state_dir() / 'mlflow.db'}"
 
 
 MAX_PROBLEMS_SHOWN = 8
@@ -51,10 +41,6 @@ class SpecError(ValueError):
         if len(problems) > MAX_PROBLEMS_SHOWN:
             shown.append(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems; fix these first")
         super().__init__("invalid experiment spec:\n" + "\n".join(f"  - {p}" for p in shown))
-
-
-def cut(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 20] + f" ... ({len(text)} chars)"
 
 
 def _no_problem(check):
@@ -492,11 +478,11 @@ def job_secrets(spec: ExperimentSpec) -> list[str]:
 
 
 def is_remote_uri(uri: str) -> bool:
-    """True for a location another machine can reach, and for a GPUFLOW_REACHABLE_PREFIX (tests' shared disk)."""
-    reachable = os.environ.get("GPUFLOW_REACHABLE_PREFIX")
+    """True for a location a cluster's nodes can reach: a server, a bucket, or a path under GPUFLOW_SHARED_PATH."""
+    shared = shared_path()
     return (
         uri.startswith(("http://", "https://", "databricks") + REMOTE_SCHEMES)
-        or (bool(reachable) and uri.removeprefix("file://").removeprefix("sqlite:///").startswith(reachable))
+        or (bool(shared) and uri.removeprefix("file://").removeprefix("sqlite:///").startswith(shared))
     )
 
 
@@ -636,25 +622,3 @@ def readable(uri: str) -> bool:
         return True
     except Exception:
         return False
-
-
-def resolve(entrypoint: str):
-    module_name, function_name = entrypoint.split(":")
-    module = importlib.import_module(module_name)
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise AttributeError(f"module {module_name!r} has no function {function_name!r}")
-    return function
-
-
-class on_sys_path:
-    """Puts the workdir first on sys.path while user code is imported."""
-
-    def __init__(self, folder: str):
-        self.folder = str(Path(folder).absolute())
-
-    def __enter__(self):
-        sys.path.insert(0, self.folder)
-
-    def __exit__(self, *exc):
-        sys.path.remove(self.folder)

@@ -13,9 +13,10 @@ from datetime import datetime, timezone
 from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
+from gpuflow.cluster.protocol import BACKEND_TAG
+
 COST_METRICS = ("cost_usd", "gpu_hours", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown")
 HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
-BACKEND_TAG = "gpuflow.backend"  # every run gpuflow opens has it
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 

@@ -11,7 +11,6 @@ imported with this module, which only the job on the cluster (and its trials) lo
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -24,11 +23,11 @@ from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from gpuflow.cluster.backends import TRIAL_DRIVER_RESOURCE
-from gpuflow.cluster.job import build_trainer
-from gpuflow.cluster.lease import STOPPED_BY_TAG
+from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
+from gpuflow.cluster.protocol import STOPPED_BY_TAG, JobEnv, trial_line
 from gpuflow.cluster.mlflow_run import close_children, close_run
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
+from gpuflow.cluster.trainer import build_trainer
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
 TRIAL_ID_TAG = "gpuflow.trial_id"
@@ -75,7 +74,7 @@ def run_trial(values: dict[str, Any], spec_json: str, run_name: str) -> None:
     """One trial, inside Tune: a TorchTrainer on the trial's spec, reporting to Tune and to the trial's MLflow run."""
     spec = trial_spec(ExperimentSpec.model_validate_json(spec_json, context={"on_cluster": True}), values)
     trial_id = tune.get_context().get_trial_id()
-    parent_run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+    parent_run_id = JobEnv.from_env().mlflow_run_id
     child_run_id = open_child_run(MlflowClient(), parent_run_id, trial_id, values) if parent_run_id else None
     callbacks = [TuneReportCallback()] + ([PlacementGroupTag(child_run_id)] if child_run_id else [])
     build_trainer(spec, f"{run_name}-{trial_id}", run_id=child_run_id, callbacks=callbacks).fit()
@@ -129,7 +128,7 @@ class TrialRuns(tune.Callback):
         self.spec, self.scheduler, self.hourly_usd = spec, scheduler, hourly_usd
         self.share = spec.workers_per_trial / spec.compute.num_workers  # of the cluster, while the trial runs
         self.client = MlflowClient()
-        self.parent_run_id = os.environ.get("GPUFLOW_MLFLOW_RUN_ID")
+        self.parent_run_id = JobEnv.from_env().mlflow_run_id
         self.started_at: dict[str, float] = {}
         self.done = 0
 
@@ -156,8 +155,8 @@ class TrialRuns(tune.Callback):
             close_run(self.client, run.info.run_id, status, tags=tags,
                       metrics={"trial_seconds": seconds, "cost_usd": self.hourly_usd * self.share * seconds / 3600})
         outcome = "stopped early" if stopped_early else "stopped at max_trial_minutes" if timed_out else status.lower()
-        print(f"[gpuflow] trial {trial.trial_id} {outcome} after {seconds:.1f}s "
-              f"({self.done} of {self.spec.sweep.num_trials} done)", flush=True)
+        print(trial_line(trial.trial_id, f"{outcome} after {seconds:.1f}s", self.done, self.spec.sweep.num_trials),
+              flush=True)
 
     def child_run(self, trial_id: str):
         if not self.parent_run_id:
@@ -187,7 +186,7 @@ def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
     """Runs every trial (at most max_concurrent_trials at once); records the best on the parent run; the summary."""
     sweep = spec.sweep
     scheduler = early_stopping_scheduler(spec)
-    trial_runs = TrialRuns(spec, scheduler, float(os.environ.get("GPUFLOW_HOURLY_USD") or 0))
+    trial_runs = TrialRuns(spec, scheduler, JobEnv.from_env().hourly_usd or 0.0)
     if trial_runs.parent_run_id:  # a relaunch after a lost cluster starts the sweep over: the lost trials failed
         close_children(trial_runs.client, trial_runs.parent_run_id, "FAILED")
     trainable = tune.with_parameters(run_trial, spec_json=spec.model_dump_json(), run_name=run_name)

@@ -23,8 +23,9 @@ from typing import Any
 from ray.train.v2._internal.execution.callback import ControllerCallback  # end of run: no public hook yet
 from ray.train.v2.api.callback import UserCallback
 
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, epoch_line
+
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
-CHECKPOINT_TAG = "gpuflow.checkpoint"
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
 FINISH_TIMEOUT_S = 120
@@ -115,8 +116,12 @@ class MlflowTracker:
             self._thread.start()
         self._queue.put(report)
         if self.print_progress:
-            label = f"epoch {step}" if step_key == "epoch" else f"report {report.index}" + (f" (step {step})" if step is not None else "")
-            print(f"[gpuflow] {label}: " + " ".join(f"{k}={v:.4g}" for k, v in values.items()), flush=True)
+            shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
+            if step_key == "epoch":
+                print(epoch_line(step, shown), flush=True)
+            else:
+                print(f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}",
+                      flush=True)
         return report
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:

@@ -318,7 +318,7 @@ def run(spec, verbose: bool = False) -> int:
     api = temporary_api_launched()  # so does Prefect's API, when there is no server
     log_file = None
     if not verbose:
-        from gpuflow.cluster.spec import state_dir
+        from gpuflow.cluster.config import state_dir
         from gpuflow.flows.console import quiet_console
 
         log_file = quiet_console(state_dir() / "logs")

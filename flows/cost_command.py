@@ -11,7 +11,8 @@ import sys
 import time
 
 from gpuflow.cluster.cost import BudgetExceeded, CatalogMissing, PriceUnknown
-from gpuflow.cluster.spec import default_tracking_uri, load_spec
+from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.spec import load_spec
 
 
 def add_parser(commands) -> None:

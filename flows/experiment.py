@@ -15,6 +15,7 @@ from gpuflow.cluster.cost import hourly_cost
 from gpuflow.cluster.lifecycle import Lifecycle
 from gpuflow.cluster.limits import Watchdog
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.protocol import JobEnv
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from gpuflow.tasks.cancel import CANCEL_POLL_S, cancel_check
 from gpuflow.tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
@@ -46,9 +47,9 @@ def this_flow_run() -> dict[str, str | None]:
 def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:
     """The training job: Ray Train's run name (the checkpoints' folder, stable for the flow run) and what the job
     needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die."""
-    env = {"MLFLOW_TRACKING_URI": spec.tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": record.run_id,
-           "GPUFLOW_REQUESTED_AT": f"{life.requested_at:.3f}", "GPUFLOW_HOURLY_USD": f"{life.hourly_usd():.6g}"}
-    return Job(train_run_name(spec.name, record.flow_run_id), env)
+    env = JobEnv(tracking_uri=spec.tracking_uri, mlflow_run_id=record.run_id, requested_at=life.requested_at,
+                 hourly_usd=life.hourly_usd())
+    return Job(train_run_name(spec.name, record.flow_run_id), env.to_env())
 
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)

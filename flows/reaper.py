@@ -19,10 +19,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.cluster.lease import STOPPED_BY_TAG, stale
+from gpuflow.cluster.lease import stale
 from gpuflow.cluster.mlflow_run import close_run
-from gpuflow.cluster.spec import default_tracking_uri
-from gpuflow.tasks.tracking import FLOW_RUN_TAG
+from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.config import default_tracking_uri
 
 DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
 DEAD = "dead (lease stale)"

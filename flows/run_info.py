@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpuflow.cluster.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
+from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 from gpuflow.flows.deploy import PREFECT_YAML, declared, with_overrides
 
 
@@ -32,7 +33,6 @@ def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) 
     return policy.enforce(chosen, spec_file) if policy else chosen
 
 
-SERVE_OVERRIDES_ENV = "GPUFLOW_SERVE_OVERRIDES"  # `gpuflow serve --set ...`, inherited by the runs it starts
 
 
 def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | None:

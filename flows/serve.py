@@ -12,7 +12,7 @@ import os
 from prefect import serve as prefect_serve
 
 from gpuflow.flows.deploy import runner_deployments
-from gpuflow.flows.run_info import SERVE_OVERRIDES_ENV
+from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 
 
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:

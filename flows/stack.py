@@ -25,7 +25,7 @@ from pathlib import Path
 
 from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions
 from gpuflow.cluster.files import write_atomically
-from gpuflow.cluster.spec import state_dir
+from gpuflow.cluster.config import stack_enabled, state_dir
 from gpuflow.flows.outlive import alive
 
 POLL_S = 1.0
@@ -43,7 +43,7 @@ def shape_file() -> Path:
 
 def read_stack() -> dict | None:
     """The running stack's record (its pid, API URL, spare), or None when no stack is up (or GPUFLOW_STACK=off)."""
-    if os.environ.get("GPUFLOW_STACK") == "off":
+    if not stack_enabled():
         return None
     try:
         record = json.loads(stack_file().read_text())

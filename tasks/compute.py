@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections import deque
@@ -13,22 +12,14 @@ from prefect.cache_policies import NO_CACHE
 
 from gpuflow.cluster import limits
 from gpuflow.cluster.backends import ClusterHandle, Job, cluster_name_for, flow_run_id_of, get_backend
-from gpuflow.cluster.guard import STOP_PREFIX
-from gpuflow.cluster.job import RESULT_PREFIX
 from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.limits import Check, Watchdog
-from gpuflow.cluster.node import SETUP_DONE
+from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, JobEnv, parse_line
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.tasks.progress import ProgressBar, metrics_line
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
-# the job's own result line: bare (the local backend's log) or behind SkyPilot's "(task, pid=N) ", not a Ray worker's
-RESULT_LINE = re.compile(r"(?:\([^()]*, pid=\d+\) )?" + re.escape(RESULT_PREFIX))
-EPOCH_LINE = re.compile(r"\[gpuflow\] epoch (\d+):")
-TRIAL_LINE = re.compile(r"\[gpuflow\] trial \S+ .*\((\d+) of (\d+) done\)")  # a sweep's trial ended (cluster/sweep.py)
-STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
-GPUFLOW_MARK = "[gpuflow]"
 JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
@@ -106,29 +97,30 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     def on_line(raw: str) -> None:
         line = visible(raw)
         life.output()
-        if RESULT_PREFIX in line:  # SkyPilot prefixes each job line with "(task, pid=N) "
-            payload = json.loads(line.split(RESULT_PREFIX, 1)[1])
+        event = parse_line(line)
+        if event is None:
+            pass
+        elif event.kind == "result":
+            payload = event.value
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
             result.sweep = payload.get("sweep")
-        if SETUP_DONE in line:  # the job's setup (SkyPilot) ended: training starts
+        elif event.kind == "setup_done":  # the job's setup (SkyPilot) ended: training starts
             life.job_started()
-        stopped = STOP_LINE.search(line)
-        if stopped:  # the job enforced a limit itself (and closed the MLflow run)
-            life.stop(stopped.group(1), stopped.group(2))
-        epoch = EPOCH_LINE.search(line)
-        if epoch:
+        elif event.kind == "stop":  # the job enforced a limit itself (and closed the MLflow run)
+            life.stop(*event.value)
+        elif event.kind == "epoch":
             life.epoch_done()
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             if not spec.sweep:
-                progress.set(100.0 * (int(epoch.group(1)) + 1) / spec.train.epochs)
-        trial = TRIAL_LINE.search(line)
-        if trial:
-            progress.set(100.0 * int(trial.group(1)) / int(trial.group(2)))
+                progress.set(100.0 * (event.value + 1) / spec.train.epochs)
+        elif event.kind == "trial":
+            done, total = event.value
+            progress.set(100.0 * done / total)
         tail.append(line)
         if any(noise in line for noise in NOISE):
             logger.debug(line)
         else:  # the console shows gpuflow's own lines, less the result's JSON; the Prefect run and the log file keep all
-            logger.info(line, extra={JOB_DETAIL: GPUFLOW_MARK not in line or RESULT_PREFIX in line})
+            logger.info(line, extra={JOB_DETAIL: MARK not in line or RESULT_PREFIX in line})
         # The job's result line is its last act: the tail ends there, not once the job's process and Ray have
         # stopped (seconds of an idle, billing cluster). The whole line, not what a terminal shows of it: a worker's
         # line holding the same text carries Ray's prefix, and a prefix before a \r is still a prefix.
@@ -170,7 +162,8 @@ def stopped_by_the_job(env: dict[str, str], life: Lifecycle) -> bool:
 
     from gpuflow.cluster.mlflow_run import stop_of_closed_run
 
-    stop = stop_of_closed_run(MlflowClient(env["MLFLOW_TRACKING_URI"]), env["GPUFLOW_MLFLOW_RUN_ID"])
+    job = JobEnv.from_env(env)
+    stop = stop_of_closed_run(MlflowClient(job.tracking_uri), job.mlflow_run_id)
     if stop:
         life.stop(*stop)
     return stop is not None

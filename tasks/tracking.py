@@ -12,14 +12,14 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.backends import train_run_name
-from gpuflow.cluster.lease import STOPPED_BY_TAG, LeaseKeeper
+from gpuflow.cluster.lease import LeaseKeeper
 from gpuflow.cluster.lifecycle import Outcome
 from gpuflow.cluster.mlflow_run import close_run
-from gpuflow.cluster.spec import ExperimentSpec, state_dir
+from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.config import state_dir
+from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.tasks.cost import record_estimate, settle_budget
 
-FLOW_RUN_TAG = "prefect.flow_run_id"
-CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
 
 
 def client_for(spec: ExperimentSpec) -> MlflowClient:

@@ -2,7 +2,8 @@
 
 from pathlib import Path
 
-from gpuflow.tasks.compute import ANSI, EPOCH_LINE, RESULT_LINE, visible
+from gpuflow.cluster.protocol import EPOCH_LINE, RESULT_LINE
+from gpuflow.tasks.compute import ANSI, visible
 
 
 def test_a_progress_bar_drawn_on_an_epoch_line_is_not_shown():

@@ -77,7 +77,7 @@ def test_every_shipped_spec_validates(path, monkeypatch, capsys, gpuflow_home):
     monkeypatch.chdir(REPO)
     overrides = []
     if load_spec(path).compute.backend != "local":
-        monkeypatch.setenv("GPUFLOW_REACHABLE_PREFIX", str(gpuflow_home))  # stores here count as shared
+        monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))  # stores here count as shared
         overrides = ["--set", f"storage.checkpoints={gpuflow_home}/checkpoints",
                      "--set", f"tracking.uri=sqlite:///{gpuflow_home}/mlflow.db",
                      "--set", "limits.hourly_rate_usd=3"]  # SkyPilot's price catalog is not downloadable here

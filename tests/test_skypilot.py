@@ -183,7 +183,7 @@ def _launch_error(backend):
 @pytest.fixture
 def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     """Runs the real flow with the SkyPilot backend on the SDK double; stores on this machine count as shared."""
-    monkeypatch.setenv("GPUFLOW_REACHABLE_PREFIX", str(gpuflow_home))
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
 
     def run(scenario, **double):
         fake = FakeSky(scenario, **double)

@@ -75,7 +75,7 @@ def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_p
         for item in overrides:
             args += ["--set", item]
         env = slurm_infra.subprocess_env({
-            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_REACHABLE_PREFIX": str(shared_disk),
+            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_SHARED_PATH": str(shared_disk),
             "GPUFLOW_HOME": str(shared_disk / "home"), "PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost"})
         run = Run(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True))

@@ -20,16 +20,19 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from gpuflow.cluster.backends import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
 from gpuflow.cluster.files import write_atomically
-from gpuflow.cluster.guard import LOCAL_CLUSTER_ENV
-from gpuflow.cluster.spec import ExperimentSpec, state_dir
+from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.config import state_dir
+from gpuflow.cluster.spec import ExperimentSpec
 
 LAUNCH_TIMEOUT_S = 120
 NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
 LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
 OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
-WARM_CLUSTER_ENV = "GPUFLOW_WARM_CLUSTER"
+# The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process
+# launches): a hand-over inside one process, so a plain variable.
+PREWARMED: list[str] = []
 SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/stack.py)
 HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
 CHILDREN: dict[str, subprocess.Popen] = {}  # this process's children, ours to reap (the CLI starts some, the flow more)
@@ -103,7 +106,7 @@ class LocalBackend:
             name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
             self.start(spec, name)
         self._start_early_job(spec, name)
-        os.environ[WARM_CLUSTER_ENV] = name
+        PREWARMED[:] = [name]
         return name
 
     def _start_early_job(self, spec: ExperimentSpec, cluster_name: str) -> None:
@@ -113,7 +116,7 @@ class LocalBackend:
                 [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff",
                  str(Path(record["temp_dir"]) / HANDOFF_FILE)],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
-                env={**ray_env(), LOCAL_CLUSTER_ENV: str(record["session"])},
+                env={**ray_env(), **JobEnv(local_cluster_session=record["session"]).to_env()},
             )
         record["jobs"][str(process.pid)] = {"log": "job.log", "run_name": None}
         self._write(cluster_name, record)
@@ -142,7 +145,7 @@ class LocalBackend:
         return None
 
     def _adopt_warm(self, spec: ExperimentSpec, cluster_name: str) -> bool:
-        warm = os.environ.pop(WARM_CLUSTER_ENV, None)
+        warm = PREWARMED.pop() if PREWARMED else None
         record = self.record(warm) if warm else None
         if not record or record.get("shape") != shape_of(spec) or not session_alive(record["session"]):
             return False
@@ -171,7 +174,7 @@ class LocalBackend:
                 [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
                  "--address", handle.address, "--run-name", run_name],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
-                env={**ray_env(), **env, LOCAL_CLUSTER_ENV: str(record["session"])},
+                env={**ray_env(), **env, **JobEnv(local_cluster_session=record["session"]).to_env()},
             )
         record["jobs"][str(process.pid)] = {"log": str(log), "run_name": run_name}
         self._write(handle.name, record)

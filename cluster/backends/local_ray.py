@@ -28,7 +28,7 @@ ray._private.utils.write_ray_address = lambda *args, **kwargs: None
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from gpuflow.cluster.backends import HEAD_NODE_RESOURCES  # noqa: E402
+from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
 from gpuflow.cluster.files import write_atomically  # noqa: E402
 
@@ -117,16 +117,12 @@ def alive(pid: int) -> bool:
 def release_orphan() -> None:
     """Tells this cluster's jobs their owner died, gives them a moment to close their runs, then stops everything."""
     from gpuflow.cluster.backends.local import session_members, stop_sessions
-    from gpuflow.cluster.guard import LOCAL_CLUSTER_ENV, OWNER_DIED
+    import psutil
 
-    marker = f"{LOCAL_CLUSTER_ENV}={os.getpid()}\0".encode()
-    jobs = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "environ").read_bytes():
-                jobs.append(int(entry.name))
-        except OSError:
-            continue
+    from gpuflow.cluster.protocol import OWNER_DIED, JobEnv
+
+    jobs = [process.pid for process in psutil.process_iter(["environ"])
+            if JobEnv.from_env(process.info["environ"] or {}).local_cluster_session == os.getpid()]
     for pid in jobs:
         try:
             os.kill(pid, OWNER_DIED)

@@ -11,7 +11,8 @@ import secrets
 import time
 from typing import Callable
 
-from gpuflow.cluster.backends import ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
 
 RUN = "python -m gpuflow.cluster.node"  # the whole job, see cluster/node.py
@@ -28,7 +29,7 @@ DEFAULT_SETUP = (
 
 def default_setup() -> tuple[str, dict[str, str]]:
     """The setup that installs this machine's gpuflow on a node, and the file mount that carries its wheel."""
-    from gpuflow.cluster.spec import state_dir
+    from gpuflow.cluster.config import state_dir
     from gpuflow.cluster.wheel import build_wheel
 
     wheel = build_wheel(state_dir() / "wheel")
@@ -54,7 +55,7 @@ def resources_for(spec: ExperimentSpec) -> list:
 
 
 def job_envs(spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> dict[str, str]:
-    return {**spec.envs, **env, "GPUFLOW_SPEC_JSON": spec.model_dump_json(), "GPUFLOW_RUN_NAME": run_name}
+    return {**spec.envs, **env, **JobEnv(spec_json=spec.model_dump_json(), run_name=run_name).to_env()}
 
 
 def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[str, str] | None = None,

@@ -1,0 +1,45 @@
+"""The user's settings: what gpuflow reads from the environment of whoever runs it, in one place.
+
+    GPUFLOW_HOME              where runtime state lives: the MLflow store, checkpoints, data, cluster records, logs
+                              (default: .gpuflow in the current folder; never commit it)
+    GPUFLOW_DAILY_BUDGET_USD  the most today's runs (UTC) may cost together; unset: no daily budget
+    GPUFLOW_STACK             "off": `gpuflow run` ignores a warm local stack (`gpuflow up`)
+    GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
+                              mount): stores under it count as reachable from the cluster, like a bucket
+
+Each is read when asked for, not at import: one process may serve runs whose environments differ
+(`gpuflow serve`, a test session).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "GPUFLOW_HOME"
+DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
+STACK_ENV = "GPUFLOW_STACK"
+SHARED_PATH_ENV = "GPUFLOW_SHARED_PATH"
+
+
+def state_dir() -> Path:
+    """Where gpuflow keeps its runtime state (MLflow store, checkpoints, data, clusters): never in git."""
+    return Path(os.environ.get(HOME_ENV, ".gpuflow")).absolute()
+
+
+def default_tracking_uri() -> str:
+    """The local MLflow store every spec tracks to unless tracking.uri says otherwise."""
+    return f"sqlite:///{state_dir() / 'mlflow.db'}"
+
+
+def daily_budget() -> str | None:
+    """The daily budget as written (cluster/cost.py checks that it is a number of dollars), or None."""
+    return os.environ.get(DAILY_BUDGET_ENV) or None
+
+
+def stack_enabled() -> bool:
+    return os.environ.get(STACK_ENV, "").lower() != "off"
+
+
+def shared_path() -> str | None:
+    return os.environ.get(SHARED_PATH_ENV) or None

@@ -1,0 +1,132 @@
+"""The flow⇄job contract: everything that crosses the process boundary between the flow and the job, defined once.
+
+The flow hands the job a `JobEnv` (environment variables: `to_env()` on the flow's side, `from_env()` on the
+cluster's); the job answers on its log, in lines that start with the markers below, which `parse_line` reads back;
+both sides write the MLflow tags named here. This module imports nothing heavy (no Ray, torch, Prefect or MLflow):
+the flow reads the job's lines without loading the job's world.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+# -- what the flow hands the job --------------------------------------------------------------------------------------
+ENV_NAMES = {  # JobEnv field -> environment variable
+    "tracking_uri": "MLFLOW_TRACKING_URI",
+    "mlflow_run_id": "GPUFLOW_MLFLOW_RUN_ID",
+    "requested_at": "GPUFLOW_REQUESTED_AT",
+    "hourly_usd": "GPUFLOW_HOURLY_USD",
+    "local_cluster_session": "GPUFLOW_LOCAL_CLUSTER_SESSION",
+    "spec_json": "GPUFLOW_SPEC_JSON",
+    "run_name": "GPUFLOW_RUN_NAME",
+}
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """What the job needs from the flow: where to log (the flow's MLflow run) and what it needs to enforce the run's
+    limits and lease on its own, should the flow die. Unset fields are left out of the environment."""
+
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None  # every report of the job is logged into this run
+    requested_at: float | None = None  # when the cluster was requested (epoch seconds): the bill counts from here
+    hourly_usd: float | None = None  # what the launched cluster costs
+    local_cluster_session: int | None = None  # the local backend's session of the cluster: the guard may stop it
+    spec_json: str | None = None  # a SkyPilot node: the spec, and Ray Train's run name, for the job it starts
+    run_name: str | None = None
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_NAMES[f.name]: str(value) for f in fields(self) if (value := getattr(self, f.name)) is not None}
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> JobEnv:
+        environ = os.environ if environ is None else environ
+        types = {"requested_at": float, "hourly_usd": float, "local_cluster_session": int}
+        values = {}
+        for name, variable in ENV_NAMES.items():
+            raw = environ.get(variable)
+            if raw:
+                values[name] = types.get(name, str)(raw)
+        return cls(**values)
+
+
+# `gpuflow serve --set ...`: the overrides reach the flow runs that serve starts, as JSON in their environment.
+SERVE_OVERRIDES_ENV = "GPUFLOW_SERVE_OVERRIDES"
+
+# The local backend's supervisor tells the job that the process that owned the cluster is gone.
+OWNER_DIED = signal.SIGUSR1
+
+# -- what the job says on its log ------------------------------------------------------------------------------------
+MARK = "[gpuflow]"  # gpuflow's own lines; the rest is Ray's, MLflow's or the loop's
+SETUP_DONE = f"{MARK} setup finished"  # rank 0's first line on a cloud node: the job's runtime counts from here
+RESULT_PREFIX = f"{MARK} result "  # the job's last line: its summary as JSON
+STOP_PREFIX = f"{MARK} stopped "  # "<prefix><reason>: <detail>": the job stopped the run itself
+
+
+def result_line(summary: dict) -> str:
+    return RESULT_PREFIX + json.dumps(summary)
+
+
+def stop_line(reason: str, detail: str) -> str:
+    return f"{STOP_PREFIX}{reason}: {detail}"
+
+
+def epoch_line(epoch: int, shown: str) -> str:
+    return f"{MARK} epoch {epoch}: {shown}"
+
+
+def trial_line(trial: str, outcome: str, done: int, total: int) -> str:
+    return f"{MARK} trial {trial} {outcome} ({done} of {total} done)"
+
+
+# The job's own result line: bare (the local backend's log) or behind SkyPilot's "(task, pid=N) ", not a Ray worker's.
+RESULT_LINE = re.compile(r"^(?:\([^()]*, pid=\d+\) )?" + re.escape(RESULT_PREFIX) + r"(.*)$")
+STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
+EPOCH_LINE = re.compile(re.escape(MARK) + r" epoch (\d+):")
+TRIAL_LINE = re.compile(re.escape(MARK) + r" trial \S+ .*\((\d+) of (\d+) done\)")
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """What one line of the job's log means to the flow."""
+
+    kind: str  # "result", "stop", "epoch", "trial" or "setup_done"
+    value: Any = None  # the result's summary, (reason, detail), the epoch, (done, total)
+
+
+def parse_line(line: str) -> JobEvent | None:
+    """The event a job's log line carries, or None for any other line."""
+    if MARK not in line:
+        return None
+    if result := RESULT_LINE.search(line):
+        return JobEvent("result", json.loads(result.group(1)))
+    if stopped := STOP_LINE.search(line):
+        return JobEvent("stop", (stopped.group(1), stopped.group(2)))
+    if epoch := EPOCH_LINE.search(line):
+        return JobEvent("epoch", int(epoch.group(1)))
+    if trial := TRIAL_LINE.search(line):
+        return JobEvent("trial", (int(trial.group(1)), int(trial.group(2))))
+    if SETUP_DONE in line:
+        return JobEvent("setup_done")
+    return None
+
+
+# -- the MLflow run both sides write -------------------------------------------------------------------------------
+FLOW_RUN_TAG = "prefect.flow_run_id"
+BACKEND_TAG = "gpuflow.backend"  # every run gpuflow opens has it
+CLUSTER_TAG = "gpuflow.cluster"
+CHECKPOINT_TAG = "gpuflow.checkpoint"  # the last persisted checkpoint
+CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
+RENEWED_TAG = "gpuflow.lease_renewed_at"  # the flow's lease on the run (cluster/lease.py)
+GRACE_TAG = "gpuflow.lease_grace_seconds"
+STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP
+STOP_DETAIL_TAG = "gpuflow.stop_detail"
+
+# How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
+STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",
+                   "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED"}
