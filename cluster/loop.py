@@ -1,6 +1,6 @@
 """Conveniences for a Ray Train per-worker loop: restore, mixed precision, per-epoch checkpoints, the final model.
 
-None is required: gpuflow tracks every `ray.train.report` of any loop (cluster/tracking.py logs
+None is required: gpuflow tracks every `ray.train.report` of any loop (cluster/job/tracking.py logs
 the metrics to the flow's MLflow run). Rank 0 writes the checkpoints; every rank calls `report` so
 that Ray Train's workers stay in step.
 """
@@ -17,7 +17,7 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
-from gpuflow.cluster.preload import import_in_background
+from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 

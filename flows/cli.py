@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from gpuflow.cluster.preload import import_in_background
+from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.spec import SpecError, check_entrypoints, load_spec, validate_spec
 
 
@@ -206,7 +206,7 @@ def describe(spec) -> str:
 
 def plan(spec) -> int:
     """Prints what would be launched and billed; launches nothing."""
-    from gpuflow.cluster.cost import hourly_cost
+    from gpuflow.cluster.cost.pricing import hourly_cost
 
     validate_spec(spec)
     print(f"# {describe(spec)}")

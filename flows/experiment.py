@@ -11,9 +11,9 @@ from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
 from gpuflow.cluster.backends import Job, cluster_name_for, get_backend, train_run_name
-from gpuflow.cluster.cost import hourly_cost
-from gpuflow.cluster.lifecycle import Lifecycle
-from gpuflow.cluster.limits import Watchdog
+from gpuflow.cluster.cost.pricing import hourly_cost
+from gpuflow.cluster.run.lifecycle import Lifecycle
+from gpuflow.cluster.run.limits import Watchdog
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run

@@ -4,7 +4,7 @@
 
 The backstop for what no hook can cover (flow and runner both killed, a cancelled plain script, the Prefect
 server down). A flow run that Prefect still calls RUNNING is dead when its lease on the MLflow run is stale
-(cluster/lease.py): its cluster is downed, its MLflow run closed FAILED (stopped_by=orphaned) and the flow run
+(cluster/run/lease.py): its cluster is downed, its MLflow run closed FAILED (stopped_by=orphaned) and the flow run
 marked Crashed, so the UI tells the truth. It never touches a cluster whose name is not gpuflow-<flow run id>,
 and keeps a cluster whose run is alive until the TTL.
 """
@@ -19,8 +19,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.cluster.lease import stale
-from gpuflow.cluster.mlflow_run import close_run
+from gpuflow.cluster.run.lease import stale
+from gpuflow.cluster.run.mlflow_run import close_run
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
 

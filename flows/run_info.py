@@ -10,7 +10,7 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gpuflow.cluster.form_policy import FormPolicy, policy_from
+from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 from gpuflow.flows.deploy import PREFECT_YAML, declared, with_overrides

@@ -1,6 +1,6 @@
 """Notices a cancel from the Prefect UI for runs that Prefect itself will not interrupt (started by `gpuflow run`).
 
-A watchdog check (cluster/limits.py): the flow's Watchdog polls it and hands the verdict to the run's lifecycle.
+A watchdog check (cluster/run/limits.py): the flow's Watchdog polls it and hands the verdict to the run's lifecycle.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 
-from gpuflow.cluster.limits import Check
+from gpuflow.cluster.run.limits import Check
 
 CANCEL_STATES = (StateType.CANCELLING, StateType.CANCELLED)
 CANCEL_POLL_S = 2.0

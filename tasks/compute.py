@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from gpuflow.cluster import limits
+from gpuflow.cluster.run import limits
 from gpuflow.cluster.backends import ClusterHandle, Job, cluster_name_for, flow_run_id_of, get_backend
-from gpuflow.cluster.lifecycle import Lifecycle, RunStopped
-from gpuflow.cluster.limits import Check, Watchdog
+from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, JobEnv, parse_line
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.tasks.progress import ProgressBar, metrics_line
@@ -160,7 +160,7 @@ def stopped_by_the_job(env: dict[str, str], life: Lifecycle) -> bool:
     even if its stop line never reached us: it closed the MLflow run with the reason. Never relaunch such a run."""
     from mlflow import MlflowClient
 
-    from gpuflow.cluster.mlflow_run import stop_of_closed_run
+    from gpuflow.cluster.run.mlflow_run import stop_of_closed_run
 
     job = JobEnv.from_env(env)
     stop = stop_of_closed_run(MlflowClient(job.tracking_uri), job.mlflow_run_id)

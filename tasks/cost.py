@@ -11,10 +11,10 @@ from typing import Callable
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.cost import Estimate, check_daily_budget, check_run_budget, daily_budget_usd, hourly_cost
+from gpuflow.cluster.cost.pricing import Estimate, check_daily_budget, check_run_budget, daily_budget_usd, hourly_cost
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.cluster.budget import committed_since_usd, release_reservations_of, reserve_within_budget
-from gpuflow.cluster.spend import HOURLY_METRIC, start_of_today_utc
+from gpuflow.cluster.cost.budget import committed_since_usd, release_reservations_of, reserve_within_budget
+from gpuflow.cluster.cost.spend import HOURLY_METRIC, start_of_today_utc
 
 GPU_UTILIZATION = re.compile(r"^system/gpu_(\d+)_utilization_percentage$")
 IDLE_POLL_S = 30.0  # MLflow is read at most this often: the window is minutes long

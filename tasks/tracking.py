@@ -12,9 +12,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.backends import train_run_name
-from gpuflow.cluster.lease import LeaseKeeper
-from gpuflow.cluster.lifecycle import Outcome
-from gpuflow.cluster.mlflow_run import close_run
+from gpuflow.cluster.run.lease import LeaseKeeper
+from gpuflow.cluster.run.lifecycle import Outcome
+from gpuflow.cluster.run.mlflow_run import close_run
 from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.spec import ExperimentSpec

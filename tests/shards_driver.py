@@ -11,7 +11,7 @@ import ray.data
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from gpuflow.cluster.ingest import SplitInMemory
+from gpuflow.cluster.job.ingest import SplitInMemory
 from tests.conftest import REPO
 from tests.loops.plain import record_shards
 

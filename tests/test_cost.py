@@ -9,11 +9,11 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from gpuflow.cluster.cost import BudgetExceeded, CatalogMissing, Estimate, PriceUnknown, check_run_budget, hourly_cost
+from gpuflow.cluster.cost.pricing import BudgetExceeded, CatalogMissing, Estimate, PriceUnknown, check_run_budget, hourly_cost
 from gpuflow.cluster.spec import parse_spec
-from gpuflow.cluster.spend import parse_since, run_costs, start_of_today_utc
-from gpuflow.cluster.lifecycle import Lifecycle
-from gpuflow.cluster.limits import Watchdog, cost_check
+from gpuflow.cluster.cost.spend import parse_since, run_costs, start_of_today_utc
+from gpuflow.cluster.run.lifecycle import Lifecycle
+from gpuflow.cluster.run.limits import Watchdog, cost_check
 from gpuflow.tasks.cost import check_budget, idle_gpu_check, idle_verdict
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO
 
@@ -273,7 +273,7 @@ def test_runs_without_cost_are_priced_from_their_hourly_rate(digits_spec, gpuflo
 
 def test_clusters_without_a_catalog_cost_nothing_unless_priced():
     """Slurm, Kubernetes and SSH pools are machines the user has: no catalog, no download, price 0."""
-    from gpuflow.cluster.cost import hourly_cost
+    from gpuflow.cluster.cost.pricing import hourly_cost
     from gpuflow.cluster.spec import parse_spec
 
     spec = {**A_LOOP, "compute": {"backend": "skypilot", "infra": "slurm/skyci"}, "tracking": {"uri": "http://127.0.0.1:5000"},

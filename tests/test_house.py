@@ -28,7 +28,11 @@ def modules() -> dict[str, Path]:
 def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
     """The gpuflow modules `path` imports, at the top or inside a function (a lazy import still makes a circle)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for block in ast.walk(tree):  # imports for type checkers only never run
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test):
+            block.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

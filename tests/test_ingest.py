@@ -1,4 +1,4 @@
-"""How the workers share the data (cluster/ingest.py): a table in memory is split into equal, disjoint parts, the
+"""How the workers share the data (cluster/job/ingest.py): a table in memory is split into equal, disjoint parts, the
 same every epoch; a dataset read lazily still streams, split as Ray Data does. Real Ray Train, real local cluster.
 (What the in-memory split saves, Ray Data's coordinator actors, is measured by benchmarks/overhead.py.)"""
 

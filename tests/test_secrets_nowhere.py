@@ -10,7 +10,7 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from gpuflow.cluster.budget import active_reservations
+from gpuflow.cluster.cost.budget import active_reservations
 from gpuflow.flows.experiment import run_experiment
 from tests.conftest import A_LOOP, processes_of
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of

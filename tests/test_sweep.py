@@ -111,7 +111,7 @@ def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, 
 
 def test_closing_a_parent_run_closes_its_running_trials_with_the_same_status(gpuflow_home):
     """What every exit path relies on (the flow's finally, the cancel/crash hooks, the job's guard, the reaper)."""
-    from gpuflow.cluster.mlflow_run import close_run
+    from gpuflow.cluster.run.mlflow_run import close_run
 
     client = MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db")
     experiment = client.create_experiment("closing")

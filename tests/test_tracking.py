@@ -1,4 +1,4 @@
-"""Every ray.train.report of a plain Ray Train loop reaches the MLflow run (cluster/tracking.py), with the right
+"""Every ray.train.report of a plain Ray Train loop reaches the MLflow run (cluster/job/tracking.py), with the right
 steps, the checkpoints' locations, the last checkpoint when no model was logged, and no step twice on a resume."""
 
 import pytest
@@ -9,7 +9,7 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.cluster.spec import parse_spec
-from gpuflow.cluster.tracking import numbers_of, step_of
+from gpuflow.cluster.job.tracking import numbers_of, step_of
 from tests.conftest import REPO, processes_of
 
 NAME = "gpuflow-7ac0ffee0000000000000000000000a1"
@@ -81,7 +81,7 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     (checkpoint_manager_snapshot.json, in Ray 2.60's format), so the resumed attempt logs them before its own."""
     import ray
 
-    from gpuflow.cluster.tracking import SNAPSHOT_FILE, MlflowTracker
+    from gpuflow.cluster.job.tracking import SNAPSHOT_FILE, MlflowTracker
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run_id = client.create_run(client.create_experiment("resume")).info.run_id

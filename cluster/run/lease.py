@@ -67,7 +67,7 @@ class LeaseWatch:
         return now - self.unchanged_since >= self.grace_s
 
     def check(self):
-        """As a watchdog check (cluster/limits.py)."""
+        """As a watchdog check (cluster/run/limits.py)."""
         if self.expired():
             return "orphaned", (f"stopped: the flow stopped renewing its lease for {self.grace_s:g} s "
                                 "(flow process killed, frozen or cut off); limits.orphan_grace_minutes")

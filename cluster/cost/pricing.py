@@ -87,7 +87,7 @@ def hourly_cost(spec: ExperimentSpec) -> Estimate:
     clouds = [cloud] if cloud else catalog_clouds()
     # For one accelerator SkyPilot's optimizer picks the cheapest cloud; a list of accelerators it tries in the
     # listed order, not cheapest first. So the budget is checked against the dearest option, and the run is
-    # metered at the price of what launched (cluster/lifecycle.py).
+    # metered at the price of what launched (cluster/run/lifecycle.py).
     per_option = []
     for accelerator in accelerator_options(compute.accelerators):
         priced = [option for option in (catalog_price(spec, c, region, accelerator) for c in clouds) if option]

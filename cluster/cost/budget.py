@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.cost import BudgetExceeded, Estimate, check_daily_budget
+from gpuflow.cluster.cost.pricing import BudgetExceeded, Estimate, check_daily_budget
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.cluster.spend import run_costs, start_of_today_utc
+from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
 
 RESERVATIONS_EXPERIMENT = "gpuflow-budget-reservations"
 RESERVED_METRIC = "reserved_usd"

@@ -14,7 +14,11 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from gpuflow.cluster.config import shared_path
 
 MAX_SPEC_FILE_BYTES = 256 * 1024  # a spec is a page of YAML; anything bigger is a mistake or an attack
 MAX_SPEC_NODES = 5_000  # values in the spec, aliases counted as often as they are used
@@ -218,3 +222,49 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
     except http.client.HTTPException:
         return (f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, "
                 f"or the scheme")
+
+
+REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "hdfs://", "r2://")
+
+
+def is_remote_uri(uri: str) -> bool:
+    """True for a location a cluster's nodes can reach: a server, a bucket, or a path under GPUFLOW_SHARED_PATH."""
+    shared = shared_path()
+    return (
+        uri.startswith(("http://", "https://", "databricks") + REMOTE_SCHEMES)
+        or (bool(shared) and uri.removeprefix("file://").removeprefix("sqlite:///").startswith(shared))
+    )
+
+
+def absolute_uri(uri: str) -> str:
+    return uri if "://" in uri else str(Path(uri).expanduser().absolute())
+
+
+# -- the field types of the spec's models ------------------------------------------------------------------------
+def no_problem(check):
+    """A pydantic AfterValidator from a check that returns a problem (str) or None."""
+    def validate(value):
+        problem = value is not None and check(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+    return AfterValidator(validate)
+
+
+# Numbers are strict (`epochs: true` is not 1, "10" is not 10), finite, and bounded to what a run can mean.
+def Count(ge: int, le: int):  # noqa: N802  (a type)
+    return Annotated[int, Field(strict=True, ge=ge, le=le)]
+
+
+def Amount(le: float, gt: float | None = 0, ge: float | None = None):  # noqa: N802
+    return Annotated[float, Field(strict=True, allow_inf_nan=False, gt=None if ge is not None else gt, ge=ge, le=le)]
+
+
+Text = Annotated[str, Field(max_length=4096), no_problem(control_character_problem)]
+Entrypoint = Annotated[str, Field(max_length=200)]
+StorageUri = Annotated[Text, no_problem(storage_uri_problem)]
+EnvName = Annotated[str, Field(max_length=128), no_problem(env_name_problem)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)

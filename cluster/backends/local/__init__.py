@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
-from gpuflow.cluster.files import write_atomically
+from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.spec import ExperimentSpec
@@ -72,7 +72,7 @@ class LocalBackend:
         temp_dir = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
         with open(folder / "ray.log", "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "gpuflow.cluster.backends.local_ray", "--nodes", str(shape["num_nodes"]),
+                [sys.executable, "-m", "gpuflow.cluster.backends.local.supervisor", "--nodes", str(shape["num_nodes"]),
                  "--cpus-per-node", str(shape["cpus"]), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
                  "--owner-pid", str(owner_pid)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
@@ -154,7 +154,7 @@ class LocalBackend:
 
     # -- run the job ------------------------------------------------------------------------------
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
-        """Starts cluster/job.py against the cluster as a process of its own, as on a remote head node; or hands the
+        """Starts cluster/job/__main__.py against the cluster as a process of its own, as on a remote head node; or hands the
         run to the job process already waiting there (`prewarm`)."""
         folder = self.root / handle.name
         spec_file = folder / f"{run_name}.spec.json"

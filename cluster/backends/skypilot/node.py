@@ -1,6 +1,6 @@
 """Runs on every node of a SkyPilot cluster: joins one Ray cluster, and on rank 0 runs the job.
 
-    run: python -m gpuflow.cluster.node          (the whole `run:` of gpuflow's SkyPilot task)
+    run: python -m gpuflow.cluster.backends.skypilot.node          (the whole `run:` of gpuflow's SkyPilot task)
 
 Topology comes from SkyPilot's SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES; the
 spec and run name from the job's environment (cluster/protocol.py: JobEnv), set by the flow.

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gpuflow.cluster.cost import Estimate, launched_price
+from gpuflow.cluster.cost.pricing import Estimate, launched_price
 from gpuflow.cluster.protocol import STATUS_FOR_STOP
 
 TEARDOWN_DELAYS_S = (1, 5)

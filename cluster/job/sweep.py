@@ -2,9 +2,9 @@
 
     sweep: {parameters: {train.lr: {grid: [0.001, 0.01]}}, metric: val_accuracy, mode: max}   # in the spec
 
-cluster/job.py calls `run_sweep` when the spec has a sweep. Each trial is a Tune function that builds and fits a
+cluster/job/__main__.py calls `run_sweep` when the spec has a sweep. Each trial is a Tune function that builds and fits a
 TorchTrainer (a trainer handed to the Tuner is deprecated); its reports reach Tune (TuneReportCallback, for ASHA)
-and its own MLflow run, a child of the flow's (cluster/tracking.py). The driver side (`TrialRuns`) ends each child
+and its own MLflow run, a child of the flow's (cluster/job/tracking.py). The driver side (`TrialRuns`) ends each child
 run with the trial's outcome and frees what a stopped trial leaves behind. No orchestrator here; Ray Tune is
 imported with this module, which only the job on the cluster (and its trials) loads.
 """
@@ -25,9 +25,9 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
 from gpuflow.cluster.protocol import STOPPED_BY_TAG, JobEnv, trial_line
-from gpuflow.cluster.mlflow_run import close_children, close_run
+from gpuflow.cluster.run.mlflow_run import close_children, close_run
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
-from gpuflow.cluster.trainer import build_trainer
+from gpuflow.cluster.job.trainer import build_trainer
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
 TRIAL_ID_TAG = "gpuflow.trial_id"

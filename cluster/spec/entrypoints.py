@@ -1,6 +1,6 @@
 """Checks a spec's entrypoints (train.loop, data.generate) in a fresh interpreter, as the job will import them.
 
-    python -m gpuflow.cluster.entrypoints WORKDIR train.loop=experiments.digits:train_loop
+    python -m gpuflow.cluster.spec.entrypoints WORKDIR train.loop=experiments.digits:train_loop
 
 Importing a loop imports torch and Ray Train: seconds of CPU that the process checking a spec (`gpuflow run`,
 a flow run in `gpuflow serve`) needs for nothing else. In a process of its own, the import runs beside the other
@@ -21,8 +21,8 @@ import sys
 import threading
 from pathlib import Path
 
-from gpuflow.cluster.checks import cut, signature_problem
-from gpuflow.cluster.files import write_atomically
+from gpuflow.cluster.spec.fields import cut, signature_problem
+from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.usercode import resolve
 
 # How gpuflow calls each entrypoint: (positional arguments, what they are).
@@ -60,7 +60,7 @@ class EntrypointCheck:
             self.found, self.files, self.process = [], passed, None
             return
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpuflow.cluster.entrypoints", workdir,
+            [sys.executable, "-m", "gpuflow.cluster.spec.entrypoints", workdir,
              *(f"{field}={entrypoint}" for field, entrypoint in entrypoints.items())],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

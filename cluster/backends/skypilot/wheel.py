@@ -1,6 +1,6 @@
 """Packs the gpuflow that runs here into a wheel, so that a cloud node installs this very version, no index needed.
 
-    python -m gpuflow.cluster.wheel /tmp/wheels      # prints the wheel's path
+    python -m gpuflow.cluster.backends.skypilot.wheel /tmp/wheels      # prints the wheel's path
 
 It zips the imported packages' own files (editable install or not) with the installed distribution's
 metadata: no build backend, no network, the same bytes for the same sources.
@@ -19,7 +19,7 @@ from pathlib import Path
 DISTRIBUTION = "gpuflow"
 PACKAGES = ("gpuflow.flows", "gpuflow.tasks", "gpuflow.cluster")  # the packages of pyproject.toml, subpackages included
 FIXED_TIME = (2020, 1, 1, 0, 0, 0)  # zip entries' timestamps: the same sources give the same wheel
-WHEEL_INFO = "Wheel-Version: 1.0\nGenerator: gpuflow.cluster.wheel\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+WHEEL_INFO = "Wheel-Version: 1.0\nGenerator: gpuflow.cluster.backends.skypilot.wheel\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
 
 
 def version() -> str:

@@ -1,7 +1,7 @@
 """The job's own guard on the cluster: the run's limits and the flow's lease, enforced with no flow at all.
 
 The flow enforces `limits.max_runtime_minutes` and `limits.max_cost_usd` while it lives; this guard enforces
-them again inside the job, and stops the job when the flow stops renewing its lease (cluster/lease.py) for
+them again inside the job, and stops the job when the flow stops renewing its lease (cluster/run/lease.py) for
 `limits.orphan_grace_minutes`, or at once when the local cluster's owner process dies (SIGUSR1 from the
 local backend's supervisor). Stopping: say why on the log, end the MLflow run with the reason (the
 checkpoints of every report are already in storage), release the cluster, exit.
@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Callable
 
-from gpuflow.cluster.lease import LeaseWatch
-from gpuflow.cluster.limits import Watchdog, cost_check, deadline_check
+from gpuflow.cluster.run.lease import LeaseWatch
+from gpuflow.cluster.run.limits import Watchdog, cost_check, deadline_check
 from gpuflow.cluster.protocol import OWNER_DIED, STATUS_FOR_STOP, STOP_DETAIL_TAG, STOPPED_BY_TAG, JobEnv, stop_line
 from gpuflow.cluster.spec import ExperimentSpec
 
@@ -75,7 +75,7 @@ class JobGuard:
         """Ends the MLflow run with the reason; the flow, if it still lives, keeps this status and adds its bill."""
         if not self.run_id:
             return
-        from gpuflow.cluster.mlflow_run import close_run  # MLflow loads here only if the guard stops the run
+        from gpuflow.cluster.run.mlflow_run import close_run  # MLflow loads here only if the guard stops the run
 
         seconds = time.time() - self.requested_at
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}

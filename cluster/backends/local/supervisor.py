@@ -1,6 +1,6 @@
 """Starts a real multi-node Ray cluster on 127.0.0.1 and holds it until SIGTERM or its owner's death (the supervisor).
 
-    python -m gpuflow.cluster.backends.local_ray --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x --address-file a.txt --owner-pid 123
+    python -m gpuflow.cluster.backends.local.supervisor --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x --address-file a.txt --owner-pid 123
 
 The owner is the process that launched the cluster (the flow). When it dies (kill -9, OOM, a runner that
 SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor tells the jobs on it
@@ -30,7 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
-from gpuflow.cluster.files import write_atomically  # noqa: E402
+from gpuflow.cluster.util.files import write_atomically  # noqa: E402
 
 
 def main() -> int:

@@ -3,7 +3,7 @@
     python -m gpuflow.cluster.job --spec spec.json --address 127.0.0.1:6390 --run-name digits-mlp-1a2b3c4d
 
 It imports no orchestrator. Every `ray.train.report` of the loop goes to the MLflow run named by
-GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI (cluster/tracking.py); checkpoints go to the spec's
+GPUFLOW_MLFLOW_RUN_ID on MLFLOW_TRACKING_URI (cluster/job/tracking.py); checkpoints go to the spec's
 storage URI; data.train / data.validation reach the loop as Ray Data shards.
 """
 
@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from gpuflow.cluster.data import ensure_data
-from gpuflow.cluster.guard import JobGuard, block_owner_signal
-from gpuflow.cluster.preload import import_in_background
+from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
+from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.protocol import JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.cluster.trainer import run_training
+from gpuflow.cluster.job.trainer import run_training
 from gpuflow.cluster.usercode import on_sys_path
 
 
@@ -61,7 +61,7 @@ TRAINING_IMPORTS = ("ray.train.torch", "mlflow.system_metrics.system_metrics_mon
 
 def preload(spec: ExperimentSpec) -> None:
     """What training needs (and Ray Tune for a sweep), imported while Ray connects."""
-    import_in_background(*TRAINING_IMPORTS, *(["gpuflow.cluster.sweep"] if spec.sweep else []))
+    import_in_background(*TRAINING_IMPORTS, *(["gpuflow.cluster.job.sweep"] if spec.sweep else []))
 
 
 JOIN_TIMEOUT_S = 300
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     try:
         with on_sys_path(workdir):
             if spec.sweep:
-                from gpuflow.cluster.sweep import run_sweep  # Ray Tune: loaded only for a sweep
+                from gpuflow.cluster.job.sweep import run_sweep  # Ray Tune: loaded only for a sweep
 
                 summary = run_sweep(spec, args.run_name)
             else:

@@ -1,6 +1,6 @@
 """The library half of the job: a Ray Train TorchTrainer built from the spec, with its data, config and tracking.
 
-Used by the job's entry point (cluster/job.py) and by each trial of a sweep (cluster/sweep.py). Ray, Ray Train and
+Used by the job's entry point (cluster/job/__main__.py) and by each trial of a sweep (cluster/job/sweep.py). Ray, Ray Train and
 torch are imported where a trainer is built: importing this module loads none of them.
 """
 
@@ -72,8 +72,8 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from gpuflow.cluster.ingest import SplitInMemory
-    from gpuflow.cluster.tracking import tracking_callbacks
+    from gpuflow.cluster.job.ingest import SplitInMemory
+    from gpuflow.cluster.job.tracking import tracking_callbacks
 
     compute = spec.compute
     job = JobEnv.from_env()

@@ -15,7 +15,7 @@ from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
 
-RUN = "python -m gpuflow.cluster.node"  # the whole job, see cluster/node.py
+RUN = "python -m gpuflow.cluster.backends.skypilot.node"  # the whole job, see cluster/backends/skypilot/node.py
 # gpuflow need not be on any package index: the client's own version travels as a wheel in a file mount.
 WHEEL_MOUNT = "~/.gpuflow/wheel"
 # The wheel first (its dependencies come from the index), then the workdir if it is a project of its own
@@ -30,7 +30,7 @@ DEFAULT_SETUP = (
 def default_setup() -> tuple[str, dict[str, str]]:
     """The setup that installs this machine's gpuflow on a node, and the file mount that carries its wheel."""
     from gpuflow.cluster.config import state_dir
-    from gpuflow.cluster.wheel import build_wheel
+    from gpuflow.cluster.backends.skypilot.wheel import build_wheel
 
     wheel = build_wheel(state_dir() / "wheel")
     return DEFAULT_SETUP.format(wheel=wheel.name), {WHEEL_MOUNT: str(wheel.parent)}

@@ -1,0 +1,112 @@
+"""Loading a spec: YAML (or a dict) and `--set field=value` overrides to an ExperimentSpec, and pydantic's errors
+worded as 'field: problem; fix' in a refusal that always fits a screen."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from gpuflow.cluster.spec import fields as checks
+from gpuflow.cluster.spec.fields import cut
+from gpuflow.cluster.spec.model import ExperimentSpec
+
+MAX_PROBLEMS_SHOWN = 8
+MAX_PROBLEM_CHARS = 400  # with MAX_PROBLEMS_SHOWN: a refusal always prints under 4 KB
+
+
+class SpecError(ValueError):
+    """A spec that cannot run: each line names the field, the bad value and the fix; never more than a screenful."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = [cut(problem, MAX_PROBLEM_CHARS) for problem in problems[:MAX_PROBLEMS_SHOWN]]
+        if len(problems) > MAX_PROBLEMS_SHOWN:
+            shown.append(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems; fix these first")
+        super().__init__("invalid experiment spec:\n" + "\n".join(f"  - {p}" for p in shown))
+
+
+def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
+    """Reads a YAML spec and applies `key.sub=value` overrides (values parsed as YAML)."""
+    path = Path(path)
+    try:
+        if path.stat().st_size > checks.MAX_SPEC_FILE_BYTES:
+            raise SpecError([f"spec file: {str(path)!r} is {path.stat().st_size} bytes, more than a spec can be "
+                             f"({checks.MAX_SPEC_FILE_BYTES}); give the experiment's YAML spec"])
+        raw = yaml.safe_load(path.read_text()) or {}
+    except (FileNotFoundError, NotADirectoryError):
+        raise SpecError([f"spec file: {str(path)!r} does not exist; pass the path of a YAML spec"]) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise SpecError([f"spec file: {str(path)!r} is not valid YAML: {cut(str(exc), 300)}"]) from None
+    except RecursionError:
+        raise SpecError([f"spec file: {str(path)!r} is nested too deeply to be a spec; flatten it"]) from None
+    if not isinstance(raw, dict):
+        raise SpecError([f"spec file: {str(path)!r} must hold a mapping of fields, got {type(raw).__name__}"])
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError([f"--set {item!r}: write it as field.path=value, e.g. train.lr=0.01"])
+        try:
+            apply_override(raw, key.strip(), yaml.safe_load(value))
+        except yaml.YAMLError as exc:
+            raise SpecError([f"--set {checks.shorten(item)}: the value is not valid YAML: {cut(str(exc), 200)}"]) from None
+    return parse_spec(raw)
+
+
+def apply_override(raw: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SpecError([f"--set {dotted}: {part!r} is not a section"])
+    node[leaf] = value
+
+
+def parse_spec(raw: dict | ExperimentSpec) -> ExperimentSpec:
+    if isinstance(raw, ExperimentSpec):
+        return raw
+    too_big = checks.size_problem(raw)
+    if too_big:
+        raise SpecError([too_big])
+    try:
+        return ExperimentSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError([describe(error) for error in exc.errors()]) from None
+
+
+REQUIRED_EXAMPLES = {
+    "train": "train: {loop: 'train:train_loop'} (`gpuflow init` writes a starter spec and loop)",
+    "train.loop": "loop: 'train:train_loop' (a function in train.py of the workdir, taking the config)",
+    "data.train": "train: data/train.parquet (or remove data: if the loop reads its own)",
+}
+
+
+def describe(error: dict) -> str:
+    """One pydantic error as 'field: problem (got value)' with the fix where pydantic does not give one."""
+    # Pydantic adds the union member (e.g. 'constrained-str') to the location: the user knows no such field.
+    parts = [str(part) for part in error["loc"] if not re.match(r"^(constrained-|function-|lax-|strict-)|^(str|int|float|list\[.*\]|dict\[.*\])$", str(part))]
+    field = cut(".".join(parts), 120) or "spec"
+    message = cut(error["msg"].removeprefix("Value error, "), 600)
+    got = checks.shorten(error.get("input"))
+    if error["type"] == "missing":
+        example = REQUIRED_EXAMPLES.get(field, "")
+        return f"{field}: required, and missing; add it to the spec{', e.g. ' + example if example else ''}"
+    if error["type"] == "extra_forbidden":
+        return f"{field}: unknown field (got {got}); remove it or check its spelling"
+    if error["type"] == "literal_error":
+        return f"{field}: {got} is not allowed; {message.lower()}"
+    if error["type"] in ("value_error", "assertion_error"):
+        return f"{field}: {message}"
+    if error["type"] in ("bool_type", "int_type", "float_type") and isinstance(error.get("input"), bool):
+        return f"{field}: {message}, not a boolean (got {got}); write a number"
+    if error["type"] == "finite_number":
+        return f"{field}: {message} (got {got}); give a finite number"
+    if error["type"] == "too_short":
+        return f"{field}: {message} (got {got}); give at least {error.get('ctx', {}).get('min_length', 1)}"
+    if error["type"] in ("less_than_equal", "less_than"):
+        return f"{field}: {message} (got {got}); that is beyond what a run can mean, lower it"
+    return f"{field}: {message} (got {got})"

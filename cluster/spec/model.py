@@ -1,0 +1,283 @@
+"""The experiment spec's pydantic models and their field checks: what a run is. No I/O here (spec/probes.py does
+the checks that need the machine), so the Prefect UI's form and the job on the cluster load it the same way."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
+
+from gpuflow.cluster.config import default_tracking_uri, state_dir
+from gpuflow.cluster.spec import fields as checks
+from gpuflow.cluster.spec.fields import (Amount, Count, Entrypoint, EnvName, StorageUri, Strict, Text, no_problem,
+                                         absolute_uri, is_remote_uri)
+from gpuflow.cluster.spec.sweep import SweepSpec, sweep_problems
+
+ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
+ACCELERATOR = re.compile(r"^[A-Za-z0-9-]+(:\d+(\.\d+)?)?$")
+
+
+class TrainSpec(Strict):
+    loop: Entrypoint = Field(
+        description="Ray Train per-worker loop as 'module:function' taking one argument (the config dict), "
+        "importable from the workdir, e.g. 'train:train_loop'.",
+    )
+    epochs: Count(1, 100_000) = Field(10, description="Passes over the training data.")
+    batch_size: Count(1, 10_000_000) = Field(64, description="Examples per worker per step.")
+    lr: Amount(le=10) = Field(1e-3, description="Learning rate.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Other hyper-parameters, passed to the loop as-is.")
+
+    @field_validator("params")
+    @classmethod
+    def _finite_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ValueError(f"params.{checks.shorten(key)} is {item!r}; give a finite number")
+        return value
+
+    @field_validator("loop")
+    @classmethod
+    def _entrypoint(cls, value: str) -> str:
+        if not ENTRYPOINT.match(value):
+            raise ValueError(f"{value!r} is not 'module:function'; write e.g. 'experiments.digits:train_loop'")
+        return value
+
+
+class DataSpec(Strict):
+    train: StorageUri = Field(
+        description="Training data: Parquet file, folder or URI; reaches the loop as the Ray Data shard "
+        "ray.train.get_dataset_shard('train'), streamed and split across workers.",
+    )
+    validation: StorageUri | None = Field(
+        None,
+        description="Held-out Parquet data the training never sees: ray.train.get_dataset_shard('validation').",
+    )
+    generate: Entrypoint | None = Field(
+        None,
+        description="Optional 'module:function(train_uri, validation_uri)' that writes the data when it is missing.",
+    )
+
+    @field_validator("generate")
+    @classmethod
+    def _entrypoint(cls, value: str | None) -> str | None:
+        if value is not None and not ENTRYPOINT.match(value):
+            raise ValueError(f"{value!r} is not 'module:function'; write e.g. 'experiments.digits:write_parquet'")
+        return value
+
+
+class ComputeSpec(Strict):
+    backend: Literal["local", "skypilot"] = Field("local", description="'local': a Ray cluster on this machine; 'skypilot': a cloud cluster.")
+    num_nodes: Count(1, 512) = Field(1, description="Machines in the cluster.")
+    workers_per_node: Count(1, 64) = Field(2, description="Ray Train workers on each node.")
+    num_workers: Count(1, 512 * 64) | None = Field(None, description="Total workers; if set, must equal num_nodes × workers_per_node, or sets workers_per_node.")
+    cpus_per_worker: Amount(le=1024) = Field(1, description="CPUs reserved for each worker.")
+    accelerators: Annotated[str, Field(max_length=64)] | Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=32)] | None = Field(None, description="GPUs per node in SkyPilot form, e.g. 'H100:8' or ['H100:1', 'A100:1'].")
+    use_gpu: StrictBool | None = Field(None, description="Train on GPUs; defaults to true when accelerators are set.")
+    use_spot: StrictBool = Field(False, description="Use spot instances (cheaper, may be preempted).")
+    infra: Annotated[str, Field(max_length=200)] | None = Field(None, description="SkyPilot infra, e.g. 'aws', 'aws/us-east-1', 'slurm/mycluster'.")
+    cloud: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud name, e.g. 'aws', 'gcp' (or use infra).")
+    region: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud region, e.g. 'us-east-1'.")
+    disk_size_gb: Count(10, 65_536) | None = Field(None, description="Boot disk per node in GB.")
+    memory_gb_per_node: Amount(le=65_536) | None = Field(None, description="Memory per node in GB; the cloud's default when unset.")
+    max_hourly_cost_usd: Amount(le=100_000) | None = Field(None, description="Only consider instances up to this price per hour (per node).")
+    max_recoveries: Count(0, 100) = Field(
+        3,
+        description="Times a lost cluster (spot preemption, a node gone) is relaunched and training resumed from "
+        "the last checkpoint, in the same MLflow run; past it the run ends FAILED with stopped_by=preempted.",
+    )
+    worker_restarts: Count(0, 100) = Field(
+        0,
+        description="Times Ray Train restarts a crashed worker group from the last checkpoint on a cluster that is "
+        "still whole (a bug in the loop fails the same way again: keep 0 unless failures are transient).",
+    )
+
+    @field_validator("accelerators")
+    @classmethod
+    def _accelerators(cls, value):
+        for item in [value] if isinstance(value, str) else value or []:
+            if not ACCELERATOR.match(item):
+                raise ValueError(f"{item!r} is not an accelerator; write e.g. 'H100:8' or 'A10G:1'")
+        return value
+
+    @model_validator(mode="after")
+    def _topology(self):
+        if self.num_workers is not None and self.num_workers != self.num_nodes * self.workers_per_node:
+            if self.num_workers % self.num_nodes:
+                raise ValueError(
+                    f"num_workers={self.num_workers} does not split evenly over num_nodes={self.num_nodes}; "
+                    "use a multiple of num_nodes"
+                )
+            object.__setattr__(self, "workers_per_node", self.num_workers // self.num_nodes)
+        object.__setattr__(self, "num_workers", self.num_nodes * self.workers_per_node)
+        if self.use_gpu is None:
+            object.__setattr__(self, "use_gpu", bool(self.accelerators))
+        if self.backend == "local" and (self.accelerators or self.use_gpu or self.use_spot):
+            raise ValueError(
+                "the local backend trains on this machine's CPU; remove accelerators/use_gpu/use_spot "
+                "or set compute.backend: skypilot"
+            )
+        if self.use_gpu and not self.accelerators:
+            raise ValueError("use_gpu is true but no accelerators are requested; set compute.accelerators, e.g. 'H100:1'")
+        return self
+
+
+class TrackingSpec(Strict):
+    experiment: Annotated[Text, Field(max_length=256)] | None = Field(None, description="MLflow experiment; defaults to the spec's name.")
+    uri: Annotated[Text, no_problem(checks.tracking_uri_problem)] | None = Field(None, description="MLflow tracking URI; defaults to a local store under .gpuflow/.")
+    register_model: StrictBool = Field(True, description="Register the trained model under the spec's name.")
+
+
+class StorageSpec(Strict):
+    checkpoints: StorageUri | None = Field(None, description="Checkpoint folder or URI (s3://, gs://, ...); defaults to .gpuflow/checkpoints.")
+    num_to_keep: Count(1, 100_000) | None = Field(None, description="Keep only the newest N checkpoints; all when unset.")
+
+
+class LimitsSpec(Strict):
+    max_runtime_minutes: Amount(le=43_200) = Field(60, description="Stop the job and tear down after this long (at most 30 days).")
+    max_cost_usd: Amount(le=10_000_000) | None = Field(None, description="Refuse or stop the run above this cost.")
+    idle_minutes_to_autostop: Count(1, 10_080) = Field(10, description="A cloud cluster deletes itself after this many idle minutes.")
+    hourly_rate_usd: Amount(le=100_000, ge=0) | None = Field(None, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
+    min_gpu_utilization: Amount(le=100) | None = Field(None, description="Stop when GPU use stays below this percent.")
+    idle_gpu_minutes: Amount(le=10_080) = Field(10, description="How long GPU use may stay under min_gpu_utilization.")
+    orphan_grace_minutes: Amount(le=60) = Field(
+        2,
+        description="The job stops itself (checkpoints kept, MLflow run FAILED, stopped_by=orphaned) when the flow "
+        "has not renewed its lease for this long: the flow process was killed, frozen or cut off.",
+    )
+
+
+class ProfileSpec(Strict):
+    steps: Count(1, 1000) = Field(20, description="Training steps rank 0 records with torch.profiler (CPU and CUDA).")
+    after: Count(0, 1_000_000) = Field(5, description="Steps to skip first, so that the trace shows warm steps, not start-up.")
+
+
+class ExperimentSpec(Strict):
+    """One experiment: what to train, on what data, on which compute, tracked where, within which limits."""
+
+    name: str = Field("digits-mlp", description="Lowercase name: MLflow experiment, registered model and run names.")
+    train: TrainSpec = Field(description="What to train: the loop and its hyper-parameters.")
+    data: DataSpec | None = Field(None, description="Parquet data streamed to the loop; none for a loop that reads its own.")
+    compute: ComputeSpec = Field(default_factory=ComputeSpec)
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32, or bf16/fp16 mixed precision (autocast).")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    profile: ProfileSpec | None = Field(
+        None,
+        description="Record a torch.profiler trace of some training steps on rank 0, logged to MLflow as "
+        "profile/trace.json (opens in Perfetto) and profile/top_operators.txt; for loops that use "
+        "gpuflow.cluster.loop.telemetry. Unset: no profiling.",
+    )
+    workdir: Text = Field(".", description="Project folder with the training code; synced to cloud clusters.")
+    setup: Annotated[str, Field(max_length=20_000)] | None = Field(
+        None,
+        description="Shell setup on each cloud node, run in the synced workdir before the job. Unset: "
+        "'python -m pip install -e .' (the workdir is a project that depends on gpuflow). When set it REPLACES "
+        "that default, so it must install gpuflow and the loop's packages itself (or do nothing, on an image "
+        "that has them), e.g. 'uv pip install -r requirements.txt -e .'.",
+    )
+    sweep: SweepSpec | None = Field(
+        None, description="Run a hyper-parameter sweep (many trials, one cluster, one parent MLflow run) instead of "
+        "one training run. Unset: one run.")
+    envs: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=200)] = Field(
+        default_factory=dict, description="Environment variables for the job (logged with the spec: no credentials; use secrets).")
+    secrets: Annotated[list[EnvName], Field(max_length=100)] = Field(
+        default_factory=list, description="Names of environment variables passed to the job but never printed or logged.")
+
+    @field_validator("envs")
+    @classmethod
+    def _no_credentials_in_envs(cls, value: dict[str, str]) -> dict[str, str]:
+        problems = checks.envs_problems(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME.match(value):
+            raise ValueError(f"{value!r}: use 1-40 lowercase letters, digits and '-', starting with a letter, e.g. 'digits-mlp'")
+        return value
+
+    @model_validator(mode="after")
+    def _remote_needs_remote_stores(self, info: ValidationInfo):
+        # On the cluster (cluster/job/__main__.py) the flow has checked this already, and "remote" is here.
+        on_cluster = bool(info.context and info.context.get("on_cluster"))
+        if self.compute.backend == "skypilot" and not on_cluster:
+            if not is_remote_uri(self.tracking.uri or ""):
+                raise ValueError(
+                    "tracking.uri must be a server a cloud cluster can reach (http(s)://..., or databricks); "
+                    f"got {self.tracking.uri!r}. Start `mlflow server` somewhere reachable and set tracking.uri"
+                )
+            if self.data and not self.data.generate and not is_remote_uri(self.data.train):
+                raise ValueError(
+                    f"data.train {self.data.train!r} is on this machine, which a cloud cluster cannot read; "
+                    "upload it to a bucket (s3://, gs://) or set data.generate to make it on the cluster"
+                )
+            if not is_remote_uri(self.storage.checkpoints or ""):
+                raise ValueError(
+                    "storage.checkpoints must be a bucket a cloud cluster can write (s3://, gs://, ...); "
+                    f"got {self.storage.checkpoints!r}. Set storage.checkpoints, e.g. s3://my-bucket/gpuflow"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _sweep_fits_the_spec(self):
+        problems = sweep_problems(self) if self.sweep is not None else []
+        if problems:  # one error per problem, each at its own field
+            raise ValidationError.from_exception_data("ExperimentSpec", [
+                {"type": "value_error", "loc": tuple(field.split(".", 2)), "input": None, "ctx": {"error": problem}}
+                for field, problem in problems])
+        return self
+
+    @property
+    def workers_per_trial(self) -> int:
+        """Ray Train workers of one trial: the spec's, or its share of the cluster; the whole cluster with no sweep."""
+        if self.sweep is None:
+            return self.compute.num_workers
+        return self.sweep.workers_per_trial or max(1, self.compute.num_workers // self.sweep.max_concurrent_trials)
+
+    # Resolved locations: relative paths are relative to the working directory, state under .gpuflow/.
+    @property
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or default_tracking_uri()
+
+    @property
+    def experiment_name(self) -> str:
+        return self.tracking.experiment or self.name
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return absolute_uri(self.storage.checkpoints or str(state_dir() / "checkpoints"))
+
+    def anchored(self) -> "ExperimentSpec":
+        """This spec with every location absolute: the workdir against the current folder, relative data paths
+        against the workdir (on a cloud node, the synced workdir). Each process of a run then reads the same
+        files, wherever it runs: Ray Tune runs each trial in a folder of its own."""
+        workdir = Path(self.workdir).expanduser().absolute()
+
+        def located(uri: str | None) -> str | None:
+            return uri if uri is None or "://" in uri else str(workdir / Path(uri).expanduser())
+
+        data = self.data and self.data.model_copy(update={
+            "train": located(self.data.train), "validation": located(self.data.validation)})
+        return self.model_copy(update={
+            "workdir": str(workdir), "data": data,
+            "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
+            "storage": self.storage.model_copy(update={"checkpoints": self.checkpoint_uri})})
+
+
+# A team's MLflow server asks for these (its basic-auth app); the cluster logs to the same server.
+TRACKING_CREDENTIALS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def job_secrets(spec: ExperimentSpec) -> list[str]:
+    """The names passed to the job as secrets: spec.secrets, plus the MLflow server's credentials set here."""
+    if not spec.tracking_uri.startswith(("http://", "https://")):
+        return list(spec.secrets)
+    return [*spec.secrets, *(name for name in TRACKING_CREDENTIALS if name in os.environ and name not in spec.secrets)]

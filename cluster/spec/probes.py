@@ -1,0 +1,63 @@
+"""The checks a spec's model cannot make alone, because they need this machine: the loop imports and takes its
+config, the data reads as Parquet, the checkpoint storage takes a write, the tracking server answers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpuflow.cluster.spec import fields as checks
+from gpuflow.cluster.spec.entrypoints import entrypoint_check
+from gpuflow.cluster.spec.fields import absolute_uri
+from gpuflow.cluster.spec.loading import SpecError
+from gpuflow.cluster.spec.model import ExperimentSpec
+
+def check_spec(spec: ExperimentSpec) -> list[str]:
+    """What the model alone cannot check: the loop imports and takes the right arguments, the data is readable,
+    the checkpoint storage is writable, the tracking server answers."""
+    importing = check_entrypoints(spec)  # seconds of imports, in a process of its own: the other checks meanwhile
+    generate = spec.data.generate if spec.data else None
+    problems = []
+    if not Path(spec.workdir).is_dir():
+        problems.append(f"workdir: {spec.workdir!r} is not a folder")
+    located = spec.anchored().data
+    for field in ("train", "validation"):
+        uri = getattr(spec.data, field) if spec.data else None
+        if uri and not generate and not readable(getattr(located, field)):
+            problems.append(
+                f"data.{field}: {uri!r} cannot be read as Parquet; give an existing Parquet file or folder, "
+                "or set data.generate to a function that writes it"
+            )
+    for field, secret in enumerate(spec.secrets):
+        if secret not in os.environ:
+            problems.append(f"secrets[{field}]: {secret!r} is not set in this environment; export it before running")
+    unwritable = checks.storage_write_problem(spec.checkpoint_uri)
+    if unwritable:
+        problems.append(f"storage.checkpoints: {unwritable}; give a folder or bucket this machine can write")
+    down = checks.tracking_server_problem(spec.tracking_uri)
+    if down:
+        problems.append(f"tracking.uri: {down}")
+    return importing.problems() + problems
+
+
+def check_entrypoints(spec: ExperimentSpec):
+    """Starts (or finds) the check that the spec's loop and data generator import and take the right arguments."""
+    entrypoints = {"train.loop": spec.train.loop, "data.generate": spec.data.generate if spec.data else None}
+    return entrypoint_check(spec.workdir, {field: value for field, value in entrypoints.items() if value})
+
+
+def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:
+    problems = check_spec(spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def readable(uri: str) -> bool:
+    import pyarrow.dataset as ds
+
+    try:
+        ds.dataset(absolute_uri(uri), format="parquet").schema
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,1 @@
+"""Small helpers with no gpuflow imports: atomic writes, imports in the background."""
