@@ -19,9 +19,10 @@ import ray.train  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 from ray.train.v2.api.callback import UserCallback  # noqa: E402
 
-from gpuflow.cluster.ingest import SplitInMemory  # noqa: E402
-from gpuflow.cluster.job import datasets_of, loop_config  # noqa: E402
-from gpuflow.cluster.spec import load_spec, resolve  # noqa: E402
+from gpuflow.cluster.job.ingest import SplitInMemory  # noqa: E402
+from gpuflow.cluster.job.trainer import datasets_of, loop_config  # noqa: E402
+from gpuflow.cluster.spec import load_spec  # noqa: E402
+from gpuflow.cluster.usercode import resolve  # noqa: E402
 
 
 class PrintEpochs(UserCallback):

@@ -153,6 +153,7 @@ def main() -> None:
             # on this machine
             ray.init(address=handle.address, logging_level="ERROR", log_to_driver=False,
                      runtime_env={"env_vars": {"RAY_ADDRESS": handle.address}})
+            recorded = []  # rows for benchmarks/README.md, written once the cluster is down
             print(f"{'size':>7} {'reader':>7} {'peak private/worker':>20} {'growth/worker':>14} "
                   f"{'peak RSS/worker':>16} {'rows/s/worker':>14}")
             for size in args.sizes_gb:
@@ -168,6 +169,10 @@ def main() -> None:
                     speed = min(w["rows"] / w["seconds"] for w in workers)
                     print(f"{size:>5.2f}GB {mode:>7} {peak:>17.0f} MB {growth:>11.0f} MB {rss:>13.0f} MB "
                           f"{speed:>14,.0f}", flush=True)
+                    recorded.append({"Parquet GB": f"{size:g}", "reader": mode,
+                                     "peak private MB per worker": f"{peak:,.0f}",
+                                     "growth MB per worker": f"{growth:,.0f}", "peak RSS MB per worker": f"{rss:,.0f}",
+                                     "rows/s per worker": f"{speed:,.0f}"})
                 ratio = max(w["peak_mb"] for w in results["table"]) / max(w["peak_mb"] for w in results["stream"])
                 print(f"{'':>7} table/stream peak private memory: {ratio:.2f}x", flush=True)
                 for part in path.iterdir():
@@ -177,6 +182,10 @@ def main() -> None:
             # is then killed by Ray, taking the error it was about to print with it
             ray.shutdown()
             backend.down(CLUSTER)
+    from benchmarks.record import record
+
+    for figures in recorded:
+        record("data_memory", figures)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,20 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"device": accelerator_name(device), "compile": args.compile,
                                                "shape": shape, "steps": steps, "rows": rows}, indent=2))
+    if not args.tiny:  # --tiny is the tests' run: it writes nothing in the repository
+        from benchmarks.record import record
+
+        for row in rows:
+            wait = row["telemetry"].get("perf/data_wait_pct")
+            record("gpu_throughput", {
+                "precision": row["precision"], "compile": "yes" if args.compile else "no",
+                "batch": f"{shape['batch_size']} × {shape['block_size']}", "steps": steps, "repeats": repeats,
+                "bare samples/s": f"{row['bare_samples_per_s']:.1f}",
+                "gpuflow samples/s": f"{row['gpuflow_samples_per_s']:.1f}",
+                "gpuflow / bare %": f"{100 * row['gpuflow_vs_bare']:.1f}",
+                "MFU %": f"{row['gpuflow_mfu_pct']:.1f}" if row["gpuflow_mfu_pct"] is not None else None,
+                "data wait %": f"{wait:.1f}" if wait is not None else None,
+                "torch": f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__})
     return 0
 
 

@@ -70,7 +70,7 @@ def role(process: psutil.Process) -> str:
     for needle, name in (("gpuflow.flows.cli", "gpuflow run (flow)"), ("bare_ray_train", "bare script (driver)"),
                          ("gpuflow.flows.stack", "warm stack"),
                          ("prefect", "prefect temporary API"), ("gpuflow.cluster.job", "gpuflow job (driver)"),
-                         ("gpuflow.cluster.entrypoints", "loop import check"),
+                         ("gpuflow.cluster.spec.entrypoints", "loop import check"),
                          ("local_ray", "cluster supervisor"), ("outlive", "gpuflow watchers"),
                          ("gcs_server", "ray daemons"), ("raylet", "ray daemons"), ("dashboard", "ray daemons"),
                          ("log_monitor", "ray daemons"), ("monitor.py", "ray daemons"), ("runtime_env", "ray daemons")):
@@ -197,17 +197,28 @@ def main() -> None:
     for key in medians[sides[0]]:
         print(f"{key:24s}" + "".join(f"{medians[name][key]:10.2f}" for name in sides))
     print_cpu_breakdown(results)
+    figures = {"repeats": args.repeats}  # for benchmarks/README.md; the gpuflow side is the cold run
+    for name in sides:
+        figures[f"{'cold' if name == 'gpuflow' else name} s"] = f"{medians[name]['wall']:.1f}"
     if "bare" in sides:
         for name in [side for side in sides if side != "bare"]:
             overhead = medians[name]["wall"] - medians["bare"]["wall"]
             print(f"\n{name}: fixed overhead {overhead:.2f} s (target ≤ 5 s), "
                   f"ratio {medians[name]['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.15), "
                   f"last step → last Ray process gone {medians[name]['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)")
-            print_rounds(results["bare"], results[name])
+            extra_cpu = print_rounds(results["bare"], results[name])
+            label = "cold" if name == "gpuflow" else name
+            figures.update({f"{label} overhead s": f"{overhead:.1f}",
+                            f"{label} ratio": f"{medians[name]['wall'] / medians['bare']['wall']:.3f}",
+                            f"{label} extra CPU-s": f"{extra_cpu:.1f}"})
     shutil.rmtree(home, ignore_errors=True)
+    sys.path.insert(0, str(REPO))
+    from benchmarks.record import record
+
+    record("overhead", figures)
 
 
-def print_rounds(bare: list[dict], side: list[dict]) -> None:
+def print_rounds(bare: list[dict], side: list[dict]) -> float:
     """Each round's difference (the two ran back to back, so a slower hour weighs on both), and what the extra
     CPU-seconds come to in wall time at the cores the bare run kept busy: on a machine with few cores, every
     CPU-second a gpuflow process spends is a share of wall time, even when it runs beside training."""
@@ -219,6 +230,7 @@ def print_rounds(bare: list[dict], side: list[dict]) -> None:
           f"({' / '.join(f'{w:.1f}' for w in walls)} s); median {statistics.median(behind):+.2f} s")
     print(f"  extra CPU: {extra_cpu:+.1f} CPU-seconds a run (median of rounds); at the {busy:.2f} cores bare keeps "
           f"busy, that is {extra_cpu / busy:+.1f} s of wall time")
+    return extra_cpu
 
 
 def print_cpu_breakdown(results: dict) -> None:

@@ -51,7 +51,7 @@ PHASES = ("launch", "provisioned", "setup_done", "first_step", "last_step", "dow
 SPANS = {"provision": ("launch", "provisioned"), "setup": ("provisioned", "setup_done"),
          "setup→first step": ("setup_done", "first_step"), "training": ("first_step", "last_step"),
          "last step→down": ("last_step", "down")}
-# Ray Train settings of gpuflow's job (cluster/job.py tune_ray_train): the bare run trains the same way
+# Ray Train settings of gpuflow's job (cluster/job/__main__.py tune_ray_train): the bare run trains the same way
 RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
                  "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
 
@@ -95,9 +95,10 @@ def bare_node(shared: Path, epochs: int) -> int:
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from gpuflow.cluster.ingest import SplitInMemory
-    from gpuflow.cluster.job import loop_config
-    from gpuflow.cluster.spec import load_spec, resolve
+    from gpuflow.cluster.job.ingest import SplitInMemory
+    from gpuflow.cluster.job.trainer import loop_config
+    from gpuflow.cluster.spec import load_spec
+    from gpuflow.cluster.usercode import resolve
 
     class PrintEpochs(ray.train.UserCallback):
         def after_report(self, run_context, metrics, checkpoint):
@@ -243,7 +244,7 @@ def benchmark(args) -> None:
         mlflow_url = stack.enter_context(mlflow_server(mlflow_home))
         stack.enter_context(prefect_test_harness(server_startup_timeout=120))
         env = infra.subprocess_env({  # as tests/test_slurm.py's gpuflow_on_slurm has it
-            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_REACHABLE_PREFIX": str(shared),
+            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_SHARED_PATH": str(shared),
             "GPUFLOW_HOME": str(shared / "home"), "PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost"})
         # the data, once, before any run: neither run pays for making it
         subprocess.run([sys.executable, "-c", "import sys; from experiments.digits import write_parquet; "
@@ -293,6 +294,12 @@ def report(results: dict, repeats: int) -> None:
     wall = medians["gpuflow"]["wall"] - medians["bare"]["wall"]
     print(f"\ngpuflow overhead: {wall:.1f} s of wall time")
     print(f"ratio gpuflow / bare: {medians['gpuflow']['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.10)")
+    from benchmarks.record import record
+
+    record("skypilot_overhead", {
+        "repeats": repeats, "bare s": f"{medians['bare']['wall']:.1f}", "gpuflow s": f"{medians['gpuflow']['wall']:.1f}",
+        "overhead s": f"{wall:.1f}", "ratio": f"{medians['gpuflow']['wall'] / medians['bare']['wall']:.3f}",
+        **{f"{key} +s": f"{spans_of['gpuflow'][key] - spans_of['bare'][key]:+.1f}" for key in SPANS}})
 
 
 def main() -> None:

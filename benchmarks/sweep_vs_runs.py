@@ -66,6 +66,12 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{args.trials} separate runs: {sum(runs_s):.1f}s in all")
     print(f"sweep ÷ separate runs: {sweep_s / sum(runs_s):.2f} (below 1: the sweep is faster)")
+    sys.path.insert(0, str(REPO))
+    from benchmarks.record import record
+
+    record("sweep_vs_runs", {"trials": args.trials, "epochs": args.epochs, "concurrency": args.concurrency,
+                             "sweep s": f"{sweep_s:.1f}", "separate runs s": f"{sum(runs_s):.1f}",
+                             "sweep ÷ runs": f"{sweep_s / sum(runs_s):.2f}"})
     return 0
 
 

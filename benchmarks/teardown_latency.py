@@ -82,6 +82,13 @@ def main() -> None:
         print(f"[bench] median {key}: {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})")
     print(f"[bench] goal: last step → teardown request ≤ 5 s: "
           f"{'met' if statistics.median(r['last_step_to_teardown_s'] for r in runs) <= 5 else 'NOT met'}")
+    from benchmarks.record import record
+
+    columns = {"last_step_to_teardown_s": "last step → teardown request s",
+               "last_line_to_teardown_s": "last line → teardown request s", "teardown_s": "teardown s",
+               "idle_seconds_before_teardown": "idle_seconds_before_teardown"}  # medians; cost_usd is 0 here
+    record("teardown_latency", {"repeats": args.repeats, "epochs": args.epochs, **{
+        column: f"{statistics.median(run[key] for run in runs):.2f}" for key, column in columns.items()}})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Baseline, measured here in the same run: one digits-MLP epoch in plain torch (the time between two
 reports of experiments/digits.py). Then, for the same number of reports, the time Ray Train's
-controller spends in `after_report` (cluster/tracking.py: it queues, a thread logs in batches) and,
+controller spends in `after_report` (cluster/job/tracking.py: it queues, a thread logs in batches) and,
 for comparison, a synchronous `log_batch` per report (what a loop that logs itself pays). Prints both
 as a percentage of the step time, and checks that every value reached MLflow.
 """
@@ -54,7 +54,7 @@ def main() -> None:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
-    from gpuflow.cluster.tracking import MlflowTracker
+    from gpuflow.cluster.job.tracking import MlflowTracker
 
     with tempfile.TemporaryDirectory(prefix="gf-bench-tracking-") as scratch:
         uri = args.tracking_uri or f"sqlite:///{scratch}/mlflow.db"
@@ -93,6 +93,14 @@ def main() -> None:
           f"queue drained {drain_s:.2f} s after the last report; {logged} values in MLflow")
     print(f"synchronous log_batch per report: {statistics.mean(sync_s) * 1000:.1f} ms "
           f"= {100 * statistics.mean(sync_s) / step_s:.1f} % of step time ({uri.split(':')[0]})")
+    from benchmarks.record import record
+
+    record("tracking_overhead", {
+        "reports": args.reports, "values per report": args.metrics, "step ms": f"{step_s * 1000:.1f}",
+        "callback µs per report": f"{per_report * 1e6:.0f}", "callback % of step": f"{100 * per_report / step_s:.4f}",
+        "log_batch ms per report": f"{statistics.mean(sync_s) * 1000:.1f}",
+        "log_batch % of step": f"{100 * statistics.mean(sync_s) / step_s:.1f}", "store": uri.split(":")[0],
+        "queue drained s": f"{drain_s:.2f}"})
 
 
 if __name__ == "__main__":
