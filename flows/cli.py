@@ -346,8 +346,8 @@ def run(spec, verbose: bool = False) -> int:
             from gpuflow.cluster.backends.local import LocalBackend
 
             LocalBackend().down(warm_cluster)
-    from gpuflow.tasks.progress import metrics_line
-    from gpuflow.tasks.tracking import open_command, run_url
+    from gpuflow.cluster.run.record import open_command, run_url
+    from gpuflow.tasks.compute import metrics_line
 
     if lost_api or (not state.is_completed() and not prefect_api_answers()):
         exit_without_prefect(spec, lost_api or f"{state.name}: {state.message or ''}", log_file)

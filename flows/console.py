@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from gpuflow.tasks.compute import JOB_DETAIL
+from gpuflow.cluster.run.monitor import JOB_DETAIL
 
 
 class HideJobDetail(logging.Filter):

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
 def priced_within_budget(spec, path: str):
     """The spec's price if its budgets allow the run; otherwise says why on stderr and returns None."""
-    from gpuflow.tasks.cost import check_budget
+    from gpuflow.cluster.cost.budget import check_budget
 
     try:
         return check_budget(spec)

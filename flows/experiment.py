@@ -10,19 +10,21 @@ import time
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from gpuflow.cluster.backends import Job, cluster_name_for, get_backend, train_run_name
+from gpuflow.cluster.backends import ClusterHandle, Job, cluster_name_for, flow_run_id_of, get_backend, train_run_name
+from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
-from gpuflow.cluster.run.lifecycle import Lifecycle
-from gpuflow.cluster.run.limits import Watchdog
-from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+from gpuflow.cluster.run.limits import Check, Watchdog
+from gpuflow.cluster.run.monitor import (LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check,
+                                         lost_after)
+from gpuflow.cluster.run.record import RunRecord, close_runs_of_flow_run
+from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
-from gpuflow.tasks.cancel import CANCEL_POLL_S, cancel_check
-from gpuflow.tasks.compute import cost_check, deadline_check, provision, teardown, train_resuming
-from gpuflow.tasks.cost import idle_gpu_check
+from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
-from gpuflow.tasks.progress import metrics_line
-from gpuflow.tasks.tracking import RunRecord, close_runs_of_flow_run, open_mlflow_run, publish_summary, register_model
+from gpuflow.tasks.tracking import open_mlflow_run, publish_summary, register_model
 
 
 def run_name() -> str:
@@ -52,6 +54,32 @@ def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:
     return Job(train_run_name(spec.name, record.flow_run_id), env.to_env())
 
 
+def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
+                   stop_checks: list[Check] = ()) -> TrainResult:
+    """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
+    and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
+
+    A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
+    backend = get_backend(spec.compute.backend)
+    for recovery in range(spec.compute.max_recoveries + 1):
+        try:
+            return train(spec, handle, job, life, stop_checks)
+        except JobFailed as failure:
+            lost = None if life.stopped else lost_after(backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
+            if not lost:
+                raise
+            life.lost_cluster(lost)
+            if recovery == spec.compute.max_recoveries:
+                detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
+                life.stop("preempted", detail)
+                raise RunStopped("preempted", detail) from None
+            get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
+                                     f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
+            life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1))  # downs the lost one
+            handle = provision(spec, life.cluster_name, job)
+    raise AssertionError("unreachable")
+
+
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
 def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     """Validate → stage data + open the MLflow run + provision (side by side) → train → teardown → register.
@@ -66,7 +94,7 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     flow_run = this_flow_run()
     cluster_name = cluster_name_for(flow_run["id"])
-    record = RunRecord(spec, flow_run["id"])
+    record = RunRecord(spec, flow_run["id"], logger.warning)
     backend = get_backend(spec.compute.backend)
     life = Lifecycle(cluster_name, backend.down, hourly_cost(spec), record.close, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
@@ -89,7 +117,7 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
         stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run_id)]
         # a lost cluster is relaunched, and training resumes
-        result = train_resuming(spec, handle, job_for(spec, record, life), life, stop_checks)
+        result = train_with_recovery(spec, handle, job_for(spec, record, life), life, stop_checks)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: it goes down while the model is registered, which needs only MLflow.

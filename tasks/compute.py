@@ -1,63 +1,23 @@
-"""The cluster side of a flow run: provision, train (streaming the job's logs), teardown."""
+"""The cluster side of a flow run, one task each: provision, train (following the job's log), teardown."""
 
 from __future__ import annotations
 
-import re
+import contextvars
+import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from gpuflow.cluster.run import limits
-from gpuflow.cluster.backends import ClusterHandle, Job, cluster_name_for, flow_run_id_of, get_backend
+from gpuflow.cluster.backends import ClusterHandle, Job, get_backend
+from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, parse_line
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
-from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, JobEnv, parse_line
+from gpuflow.cluster.run.monitor import (ANSI, FAILURE_TAIL_LINES, JOB_DETAIL, NOISE, JobFailed, JobReported,
+                                         TrainResult, loss_check, stopped_by_the_job, visible)
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.tasks.progress import ProgressBar, metrics_line
-
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
-FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
-JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
-# Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
-NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
-
-
-def visible(raw: str) -> str:
-    """What a terminal would show of a job's log line: progress bars redraw with \\r and cursor moves, and another
-    process's line (an epoch's) can land after one on the same line."""
-    shown = [part for part in ANSI.sub("", raw).split("\r") if part.strip()]
-    return shown[-1].rstrip() if shown else ""
-
-
-class JobFailed(RuntimeError):
-    """The training job exited non-zero; the message holds the end of its log (the traceback)."""
-
-    def __init__(self, message: str, exit_code: int | None = None):
-        self.exit_code = exit_code  # None: its log stream broke
-        super().__init__(message)
-
-    @property
-    def killed(self) -> bool:
-        """Ended by a signal or a broken stream, not by its own error: what a lost node looks like at first."""
-        return self.exit_code is None or self.exit_code < 0 or self.exit_code >= 128
-
-
-class JobReported(Exception):
-    """The job printed its result, its last act: the flow stops tailing instead of waiting for it to exit."""
-
-
-@dataclass
-class TrainResult:
-    metrics: dict = field(default_factory=dict)
-    checkpoint: str | None = None
-    storage: str | None = None
-    first_epoch_seconds: float | None = None
-    train_seconds: float = 0.0
-    sweep: dict | None = None  # a sweep's best trial (its MLflow run, values) and trial counts
-
 
 def worth_retrying(task, task_run, state) -> bool:
     """A broken setup fails the same way again and a cancelled launch was meant: retry only the rest."""
@@ -133,7 +93,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     # Where asking is cheap (local), a lost node is noticed at once and its job ended, instead of Ray's own timeouts.
     loss_checks = [loss_check(backend, handle.name)] if backend.loss_poll_s else []
     with Watchdog(stop_checks, life.stop), \
-            Watchdog(loss_checks, lambda reason, why: backend.down(handle.name), interval_s=backend.loss_poll_s or 1):
+            Watchdog(loss_checks, life.end_lost_job, interval_s=backend.loss_poll_s or 1):
         try:
             exit_code = backend.tail_logs(handle, job_id, on_line)
         except JobReported:
@@ -155,68 +115,6 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     return result
 
 
-def stopped_by_the_job(env: dict[str, str], life: Lifecycle) -> bool:
-    """Whether the job stopped the run itself (a limit, or its lease gone stale while this process was frozen),
-    even if its stop line never reached us: it closed the MLflow run with the reason. Never relaunch such a run."""
-    from mlflow import MlflowClient
-
-    from gpuflow.cluster.run.mlflow_run import stop_of_closed_run
-
-    job = JobEnv.from_env(env)
-    stop = stop_of_closed_run(MlflowClient(job.tracking_uri), job.mlflow_run_id)
-    if stop:
-        life.stop(*stop)
-    return stop is not None
-
-
-def loss_check(backend, cluster_name: str) -> Check:
-    def check():
-        why = backend.lost(cluster_name)
-        return ("lost", why) if why else None
-
-    return check
-
-
-LOSS_SETTLE_S = 90  # a job killed with its node: the cloud (or Slurm) may take this long to report the node gone
-
-
-def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
-    """Why the cluster is lost, asking again for up to `settle_s` (a job killed by a signal usually means a node
-    went, but the cloud's view of it lags); None if it stays whole."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        why = backend.lost(cluster_name)
-        if why or time.monotonic() >= deadline:
-            return why
-        time.sleep(min(10.0, settle_s / 6))
-
-
-def train_resuming(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
-                   stop_checks: list[Check] = ()) -> TrainResult:
-    """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
-    and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
-
-    A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
-    backend = get_backend(spec.compute.backend)
-    for recovery in range(spec.compute.max_recoveries + 1):
-        try:
-            return train(spec, handle, job, life, stop_checks)
-        except JobFailed as failure:
-            lost = None if life.stopped else lost_after(backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
-            if not lost:
-                raise
-            life.lost_cluster(lost)
-            if recovery == spec.compute.max_recoveries:
-                detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
-                life.stop("preempted", detail)
-                raise RunStopped("preempted", detail) from None
-            get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
-                                     f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
-            life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1))  # downs the lost one
-            handle = provision(spec, life.cluster_name, job)
-    raise AssertionError("unreachable")
-
-
 @task(name="teardown", cache_policy=NO_CACHE)
 def teardown(life: Lifecycle) -> float:
     """Downs the cluster (retried inside; idempotent, so the cancel/crash hooks and the reaper may call down too).
@@ -224,10 +122,51 @@ def teardown(life: Lifecycle) -> float:
     return life.teardown()
 
 
-def deadline_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
-    """limits.max_runtime_minutes bounds the job from its start on the cluster: a setup before it is not its runtime."""
-    return limits.deadline_check(spec.limits.max_runtime_minutes, lambda: life.job_started_at)
+# -- the train task's progress bar in the Prefect UI ------------------------------------------------------------
+# Each update is a call to Prefect's API. Made from the thread that reads the job's log, a Prefect server that is down
+# or restarting would stall that thread for its client's retries (over a minute), and an update that fails at last
+# would end the training it only reports on. So the bar is drawn by a thread of its own, with the latest value only,
+# and a bar that cannot be drawn is skipped: training goes on without it.
+TELEMETRY_PREFIX = "perf/"  # the step timer's figures (cluster/telemetry.py): in each epoch's line and the summary
 
 
-def cost_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
-    return limits.cost_check(spec.limits.max_cost_usd, life.hourly_usd, life.requested_at)
+def metrics_line(metrics: dict, telemetry: bool = True) -> str:
+    """Metrics as a person reads them, `val_accuracy=0.975 epoch=9`; without the telemetry figures on request."""
+    return " ".join(f"{key}={value:.4g}" if isinstance(value, (int, float)) else f"{key}={value}"
+                    for key, value in metrics.items() if telemetry or not key.startswith(TELEMETRY_PREFIX))
+
+
+class ProgressBar:
+    def __init__(self, description: str, logger):
+        self.logger = logger
+        self._percent: float | None = None
+        self._changed = threading.Event()
+        self._closed = False
+        context = contextvars.copy_context()  # the task run's: the bar belongs to it
+        self._thread = threading.Thread(target=context.run, args=(self._draw, description), daemon=True,
+                                        name="gpuflow-progress")
+        self._thread.start()
+
+    def set(self, percent: float) -> None:
+        self._percent = percent
+        self._changed.set()
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stops drawing once the last value set is drawn, waiting for that at most `wait_s`."""
+        self._closed = True
+        self._changed.set()
+        self._thread.join(timeout=wait_s)
+
+    def _draw(self, description: str) -> None:
+        try:
+            artifact_id, drawn = create_progress_artifact(0.0, description=description), 0.0
+            while True:
+                self._changed.wait()
+                self._changed.clear()
+                if self._percent is not None and self._percent != drawn:
+                    drawn = self._percent
+                    update_progress_artifact(artifact_id, drawn)
+                if self._closed:
+                    return
+        except Exception as exc:  # Prefect's API is gone or refuses: the run goes on, its bar does not
+            self.logger.warning(f"progress bar in Prefect stopped: {type(exc).__name__}: {exc}")

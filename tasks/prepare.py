@@ -4,7 +4,7 @@ from prefect import get_run_logger, runtime, task
 
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.spec import ExperimentSpec, validate_spec
-from gpuflow.tasks.cost import check_budget
+from gpuflow.cluster.cost.budget import check_budget
 
 
 @task(name="validate")

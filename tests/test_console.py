@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from gpuflow.cluster.protocol import EPOCH_LINE, RESULT_LINE
-from gpuflow.tasks.compute import ANSI, visible
+from gpuflow.cluster.run.monitor import ANSI, visible
 
 
 def test_a_progress_bar_drawn_on_an_epoch_line_is_not_shown():

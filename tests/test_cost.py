@@ -14,7 +14,8 @@ from gpuflow.cluster.spec import parse_spec
 from gpuflow.cluster.cost.spend import parse_since, run_costs, start_of_today_utc
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.limits import Watchdog, cost_check
-from gpuflow.tasks.cost import check_budget, idle_gpu_check, idle_verdict
+from gpuflow.cluster.cost.budget import check_budget
+from gpuflow.cluster.cost.idle_gpu import idle_gpu_check, idle_verdict
 from tests.conftest import A_LOOP, DIGITS_DATA, REPO
 
 CATALOG = REPO / "tests" / "data" / "skypilot-catalog"

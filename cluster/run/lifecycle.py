@@ -94,6 +94,15 @@ class Lifecycle:
         self.recoveries += 1
         self.log(f"cluster {self.cluster_name} lost: {why}")
 
+    def end_lost_job(self, reason: str, why: str) -> None:
+        """A node of the cluster is gone: what is left of it is downed now, so that its job ends at once instead of
+        after Ray's own timeouts. Whether the run relaunches is the flow's call once the job has ended."""
+        self.log(f"cluster {self.cluster_name}: {why}; ending its job")
+        try:
+            self.down(self.cluster_name)
+        except Exception:  # the relaunch, or the teardown at the end, downs it again
+            pass
+
     def relaunching(self, cluster_name: str) -> None:
         """The lost cluster is downed; from now on the run's cluster is the relaunched one."""
         self.down(self.cluster_name)

@@ -1,7 +1,5 @@
-"""The flow's side of cost control: budget checks before launch, the idle-GPU stop check, the run's bill in MLflow.
-
-    gpuflow run experiments/digits.yaml --set limits.hourly_rate_usd=3 --set limits.max_cost_usd=1
-"""
+"""The idle-GPU stop check: GPU use, from the MLflow system metrics the job logs, under limits.min_gpu_utilization
+for limits.idle_gpu_minutes stops the run (`stopped_by=idle_gpu`)."""
 
 from __future__ import annotations
 
@@ -11,50 +9,11 @@ from typing import Callable
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.cost.pricing import Estimate, check_daily_budget, check_run_budget, daily_budget_usd, hourly_cost
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.cluster.cost.budget import committed_since_usd, release_reservations_of, reserve_within_budget
-from gpuflow.cluster.cost.spend import HOURLY_METRIC, start_of_today_utc
 
 GPU_UTILIZATION = re.compile(r"^system/gpu_(\d+)_utilization_percentage$")
 IDLE_POLL_S = 30.0  # MLflow is read at most this often: the window is minutes long
 
-
-def check_budget(spec: ExperimentSpec, flow_run_id: str | None = None) -> Estimate:
-    """Prices the cluster and refuses the run if it could break limits.max_cost_usd or the daily budget.
-
-    With a flow run id the run's most is reserved first (write, then read), so that runs started together
-    cannot all pass a budget that fits one; the flow calls settle_budget(spec, flow_run_id) at its end.
-    Without one (`gpuflow validate`), it only reads."""
-    estimate = hourly_cost(spec)
-    check_run_budget(spec, estimate)
-    budget = daily_budget_usd()
-    if budget is not None:
-        if flow_run_id:
-            reserve_within_budget(spec, estimate, budget, str(flow_run_id))
-        else:
-            committed, _ = committed_since_usd(spec.tracking_uri, start_of_today_utc())
-            check_daily_budget(spec, estimate, committed, budget)
-    return estimate
-
-
-def settle_budget(spec: ExperimentSpec, flow_run_id: str) -> None:
-    """At the run's end: its budget reservation gives way to the real cost logged in its MLflow run (cost_usd)."""
-    if daily_budget_usd() is not None:
-        release_reservations_of(spec.tracking_uri, str(flow_run_id))
-
-
-def record_estimate(spec: ExperimentSpec, run_id: str, estimate: Estimate) -> None:
-    """Logs the price when the run opens, so a run still going (or killed with its flow) can be priced later."""
-    client = MlflowClient(tracking_uri=spec.tracking_uri)
-    client.log_metric(run_id, HOURLY_METRIC, estimate.hourly_usd)
-    client.set_tag(run_id, "spot", str(estimate.use_spot).lower())
-    client.set_tag(run_id, "gpuflow.price_source", estimate.source)
-    if estimate.instance_type:
-        client.set_tag(run_id, "gpuflow.instance_type", estimate.instance_type)
-
-
-# -- idle GPU -------------------------------------------------------------------------------------
 
 def gpu_utilization(client: MlflowClient, run_id: str) -> list[tuple[float, float]]:
     """(time s, mean utilisation % over the node's GPUs) from MLflow system metrics, oldest first."""

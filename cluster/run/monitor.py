@@ -1,0 +1,101 @@
+"""Following the job from the flow: what a line of its log looks like on a terminal, how a failed job is told from
+a lost cluster, and the stop checks the flow's watchdog polls. The meaning of each line is the contract's
+(cluster/protocol.py); the train task (tasks/compute.py) acts on it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.run import limits
+from gpuflow.cluster.run.lifecycle import Lifecycle
+from gpuflow.cluster.run.limits import Check
+from gpuflow.cluster.spec import ExperimentSpec
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
+FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
+JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
+# Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
+NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
+
+
+def visible(raw: str) -> str:
+    """What a terminal would show of a job's log line: progress bars redraw with \\r and cursor moves, and another
+    process's line (an epoch's) can land after one on the same line."""
+    shown = [part for part in ANSI.sub("", raw).split("\r") if part.strip()]
+    return shown[-1].rstrip() if shown else ""
+
+
+class JobFailed(RuntimeError):
+    """The training job exited non-zero; the message holds the end of its log (the traceback)."""
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        self.exit_code = exit_code  # None: its log stream broke
+        super().__init__(message)
+
+    @property
+    def killed(self) -> bool:
+        """Ended by a signal or a broken stream, not by its own error: what a lost node looks like at first."""
+        return self.exit_code is None or self.exit_code < 0 or self.exit_code >= 128
+
+
+class JobReported(Exception):
+    """The job printed its result, its last act: the flow stops tailing instead of waiting for it to exit."""
+
+
+@dataclass
+class TrainResult:
+    metrics: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    storage: str | None = None
+    first_epoch_seconds: float | None = None
+    train_seconds: float = 0.0
+    sweep: dict | None = None  # a sweep's best trial (its MLflow run, values) and trial counts
+
+
+def stopped_by_the_job(env: dict[str, str], life: Lifecycle) -> bool:
+    """Whether the job stopped the run itself (a limit, or its lease gone stale while this process was frozen),
+    even if its stop line never reached us: it closed the MLflow run with the reason. Never relaunch such a run."""
+    from mlflow import MlflowClient
+
+    from gpuflow.cluster.run.mlflow_run import stop_of_closed_run
+
+    job = JobEnv.from_env(env)
+    stop = stop_of_closed_run(MlflowClient(job.tracking_uri), job.mlflow_run_id)
+    if stop:
+        life.stop(*stop)
+    return stop is not None
+
+
+def loss_check(backend, cluster_name: str) -> Check:
+    def check():
+        why = backend.lost(cluster_name)
+        return ("lost", why) if why else None
+
+    return check
+
+
+LOSS_SETTLE_S = 90  # a job killed with its node: the cloud (or Slurm) may take this long to report the node gone
+
+
+def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
+    """Why the cluster is lost, asking again for up to `settle_s` (a job killed by a signal usually means a node
+    went, but the cloud's view of it lags); None if it stays whole."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        why = backend.lost(cluster_name)
+        if why or time.monotonic() >= deadline:
+            return why
+        time.sleep(min(10.0, settle_s / 6))
+
+
+def deadline_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
+    """limits.max_runtime_minutes bounds the job from its start on the cluster: a setup before it is not its runtime."""
+    return limits.deadline_check(spec.limits.max_runtime_minutes, lambda: life.job_started_at)
+
+
+def cost_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
+    return limits.cost_check(spec.limits.max_cost_usd, life.hourly_usd, life.requested_at)

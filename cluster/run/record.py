@@ -1,0 +1,117 @@
+"""The flow's MLflow run from open to close: where it lives (the experiment, its params), its lease renewed while the
+flow lives, closed with the run's outcome and bill; and finding a flow run's MLflow runs from another process."""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+from mlflow import MlflowClient
+
+from gpuflow.cluster.backends import train_run_name
+from gpuflow.cluster.config import state_dir
+from gpuflow.cluster.cost.budget import record_estimate, settle_budget
+from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.run.lease import LeaseKeeper
+from gpuflow.cluster.run.lifecycle import Outcome
+from gpuflow.cluster.run.mlflow_run import close_run
+from gpuflow.cluster.spec import ExperimentSpec
+
+
+def client_for(spec: ExperimentSpec) -> MlflowClient:
+    return MlflowClient(tracking_uri=spec.tracking_uri)
+
+
+def experiment_id(client: MlflowClient, spec: ExperimentSpec) -> str:
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    if experiment:
+        return experiment.experiment_id
+    # A local store keeps artifacts beside it under .gpuflow/, not in the working directory.
+    location = None if spec.tracking.uri else (state_dir() / "mlartifacts").as_uri()
+    try:
+        return client.create_experiment(spec.experiment_name, artifact_location=location)
+    except Exception:  # created concurrently by another run
+        return client.get_experiment_by_name(spec.experiment_name).experiment_id
+
+
+def flat_params(spec: ExperimentSpec) -> dict[str, str]:
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, item)
+        else:
+            flat[prefix] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+    walk("", spec.model_dump(exclude={"secrets", "envs"}))
+    return {key: value[:6000] for key, value in flat.items()}
+
+
+def param(key, value):
+    from mlflow.entities import Param
+
+    return Param(key, value)
+
+
+class RunRecord:
+    """The flow's MLflow run from open to close: its lease renewed meanwhile, closed with the run's outcome and bill."""
+
+    def __init__(self, spec: ExperimentSpec, flow_run_id: str, warn: Callable[[str], None] = print):
+        self.spec, self.flow_run_id, self.warn = spec, flow_run_id, warn
+        self.run_id: str | None = None
+        self.phases: dict[str, float] = {}
+        self._lease: LeaseKeeper | None = None
+
+    def opened(self, run_id: str, price) -> str:
+        self.run_id = run_id
+        record_estimate(self.spec, run_id, price)
+        checkpoints = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
+        client_for(self.spec).set_tag(run_id, CHECKPOINTS_TAG, checkpoints)
+        self._lease = LeaseKeeper(client_for(self.spec), run_id, self.spec.limits.orphan_grace_minutes * 60)
+        self._lease.start()
+        return run_id
+
+    def close(self, outcome: Outcome, bill: dict[str, float]) -> None:
+        """Ends the run; the lease stops only after, so the job never sees a live run without one."""
+        if self.run_id:
+            metrics = {**{f"gpuflow.{key}": value for key, value in self.phases.items()}, **bill}
+            tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
+            if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags):
+                self.warn(f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
+                                         "left RUNNING; the reaper closes it")
+        else:
+            close_runs_of_flow_run(self.spec, self.flow_run_id, outcome.status)
+        settle_budget(self.spec, self.flow_run_id)  # the daily-budget reservation gives way to the cost just logged
+        if self._lease:
+            self._lease.finish()
+
+
+def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) -> list[str]:
+    """For hooks in another process: finds the flow run's MLflow runs still RUNNING and ends them."""
+    client = client_for(spec)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    if not experiment:
+        return []
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}' and attributes.status = 'RUNNING'",
+    )
+    for run in runs:
+        client.set_tag(run.info.run_id, "gpuflow.closed_by", "hook")
+        client.set_terminated(run.info.run_id, status)
+    return [run.info.run_id for run in runs]
+
+
+def run_url(spec: ExperimentSpec, run_id: str) -> str:
+    client = client_for(spec)
+    experiment = client.get_run(run_id).info.experiment_id
+    base = spec.tracking_uri if spec.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def open_command(spec: ExperimentSpec) -> str | None:
+    """The command that serves a local store's UI; None when tracking already goes to a server."""
+    if spec.tracking_uri.startswith("http"):
+        return None
+    return f"mlflow ui --backend-store-uri {spec.tracking_uri} --port 5000"
