@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-import time
 
-from gpuflow.cluster.util.preload import import_in_background
-from gpuflow.cluster.spec import SpecError, check_entrypoints, load_spec, validate_spec
+from gpuflow.cluster.spec import SpecError, load_spec, validate_spec
+from gpuflow.flows.run_command import run
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -230,153 +228,6 @@ def plan(spec) -> int:
     for rank, resources in enumerate(resources_for(spec), 1):
         print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")
     print(task_yaml(spec), end="")
-    return 0
-
-
-def interrupt_on_sigterm() -> None:
-    """SIGTERM (a scheduler, `kill`) ends the run like Ctrl-C: teardown runs before the process exits."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
-
-
-def temporary_api_launched():
-    """Prefect's temporary API (flows/temporary_api.py), launched now when no Prefect server is configured: its
-    seconds of start-up overlap this process's imports and checks. The warm stack's API instead, when one is up
-    (`gpuflow up`); None when a server is configured."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-    from gpuflow.flows import stack, temporary_api
-
-    record = stack.read_stack()
-    if record and temporary_api.answers(record["api_url"], timeout_s=2):
-        temporary_api.use(record["api_url"])
-        return None
-    return temporary_api.launch()
-
-
-def prewarm_cluster(spec) -> str | None:
-    """A local Ray cluster takes seconds to start: the warm stack's spare is claimed, or one starts as soon as the spec
-    is valid, while Prefect's API starts and the flow run begins. Returns its name (the flow's provision step adopts
-    it), if any."""
-    if spec.compute.backend != "local":
-        return None
-    from gpuflow.cluster.backends.local import LocalBackend, shape_of
-    from gpuflow.flows import stack
-
-    if stack.read_stack():
-        stack.want_shape(shape_of(spec))  # the stack's next spare: one like this run's
-    return LocalBackend().prewarm(spec)
-
-
-def flow_imports(spec) -> list[str]:
-    """What the flow run imports once it starts, beyond the flow's own modules: MLflow's database store for a
-    sqlite:// tracking URI (~2 s here) and SkyPilot for the skypilot backend (~1 s)."""
-    modules = []
-    if (spec.tracking_uri or "").startswith("sqlite:"):
-        modules.append("mlflow.store.tracking.sqlalchemy_store")
-    if spec.compute.backend == "skypilot":
-        modules.append("sky")
-    return modules
-
-
-def prefect_api_answers() -> bool:
-    from prefect.settings import PREFECT_API_URL
-
-    from gpuflow.flows.temporary_api import answers
-
-    return answers(PREFECT_API_URL.value(), timeout_s=5) if PREFECT_API_URL.value() else True
-
-
-def exit_without_prefect(spec, outcome: str, log_file) -> None:
-    """Ends this process when Prefect's API went away mid-run (its server stopped, the warm stack killed).
-
-    The flow's teardown has run here by then (the cluster is down, the MLflow run closed), but Prefect's log and event
-    workers would still drain at exit, each retrying the API for minutes: the run's outcome is printed, then the
-    process exits without them. The watcher of a temporary API stops its server, as after any exit."""
-    from prefect.settings import PREFECT_API_URL
-
-    print(f"\ngpuflow: {spec.name} lost Prefect's API ({PREFECT_API_URL.value()} stopped answering): {outcome}\n"
-          f"  its cluster was torn down and its MLflow run closed here: experiment {spec.experiment_name!r} in "
-          f"{spec.tracking_uri} says how training ended; Prefect's record of the run stops where its API went",
-          file=sys.stderr)
-    if log_file:
-        print(f"  full log     {log_file}", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def run(spec, verbose: bool = False) -> int:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    interrupt_on_sigterm()
-    started = time.time()
-    check_entrypoints(spec)  # the loop's import takes seconds: it starts first, in a process of its own
-    api = temporary_api_launched()  # so does Prefect's API, when there is no server
-    log_file = None
-    if not verbose:
-        from gpuflow.cluster.config import state_dir
-        from gpuflow.flows.console import quiet_console
-
-        log_file = quiet_console(state_dir() / "logs")
-    warm_cluster, lost_api = None, None
-    try:
-        from gpuflow.flows.experiment import run_experiment  # its imports take a second or two: meanwhile, the check
-
-        import_in_background(*flow_imports(spec))  # this process now waits on the check, and on Prefect's API
-        validate_spec(spec)  # before anything starts
-        warm_cluster = prewarm_cluster(spec)
-        if api:
-            api.ready()
-        try:
-            state = run_experiment(spec, return_state=True)
-        except Exception as exc:
-            if prefect_api_answers():
-                raise
-            state, lost_api = None, f"{type(exc).__name__}: {exc}"
-    except KeyboardInterrupt:
-        print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
-              file=sys.stderr)
-        return 130
-    finally:
-        if warm_cluster:  # not adopted if the flow never reached provisioning: ours to remove
-            from gpuflow.cluster.backends.local import LocalBackend
-
-            LocalBackend().down(warm_cluster)
-    from gpuflow.cluster.run.record import open_command, run_url
-    from gpuflow.tasks.compute import metrics_line
-
-    if lost_api or (not state.is_completed() and not prefect_api_answers()):
-        exit_without_prefect(spec, lost_api or f"{state.name}: {state.message or ''}", log_file)
-    if not state.is_completed():
-        print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)
-        if log_file:
-            print(f"  full log     {log_file}", file=sys.stderr)
-        return 1
-    summary = state.result()
-    phases = summary["phases"]
-    print(f"\ngpuflow: {spec.name} finished in {time.time() - started:.1f}s")
-    print(f"  MLflow run   {summary['run_id']} (experiment {summary['experiment']!r}, {summary['tracking_uri']})")
-    if open_command(spec):
-        print(f"  open it      {open_command(spec)}")
-    print(f"               then {run_url(spec, summary['run_id'])}")
-    print("  metrics      " + metrics_line(summary["metrics"]))
-    sweep = summary.get("sweep")
-    if sweep:
-        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "
-              f"failed; best: " + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
-              + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
-    print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
-    print(f"  checkpoint   {summary['checkpoint']}")
-    if log_file:
-        print(f"  full log     {log_file} (or gpuflow run -v)")
-    cost = summary.get("cost") or {}
-    if cost.get("recoveries"):
-        print(f"  recovered    {cost['recoveries']:g} time(s) from a lost cluster: {cost['lost_compute_seconds']:.0f}s "
-              f"of training redone, {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
     return 0
 
 

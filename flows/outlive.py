@@ -11,15 +11,9 @@ import os
 import signal
 import time
 
+from gpuflow.cluster.util.processes import alive
+
 POLL_S = 0.5
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 def main() -> int:

@@ -23,7 +23,8 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend, session_alive, stop_sessions
+from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend
+from gpuflow.cluster.util.processes import session_alive, stop_sessions
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.config import stack_enabled, state_dir
 from gpuflow.flows.outlive import alive

@@ -112,3 +112,16 @@ def test_gpuflow_settings_are_read_in_the_settings_or_the_contract_module_only()
 def test_the_settings_check_finds_a_read():
     assert GPUFLOW_READ.findall('x = os.environ.get("GPUFLOW_HOME", ".")\ny = os.environ["GPUFLOW_STACK"]') == [
         "GPUFLOW_HOME", "GPUFLOW_STACK"]
+
+
+def test_no_module_over_300_lines():
+    long = {str(path.relative_to(REPO)): n for path in modules().values()
+            if (n := len(path.read_text().splitlines())) > 300}
+    assert long == {}
+
+
+def test_tasks_holds_only_tasks():
+    """Each module of tasks/ is Prefect tasks: steps of the flow, each with its retries; helpers live elsewhere."""
+    without = [path.name for path in PACKAGES["gpuflow.tasks"].glob("*.py")
+               if path.name != "__init__.py" and "@task(" not in path.read_text()]
+    assert without == []

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend, stop_sessions
+from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend
+from gpuflow.cluster.util.processes import stop_sessions
 from tests.conftest import processes_of
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 

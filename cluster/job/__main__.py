@@ -112,7 +112,7 @@ def release_for(job: JobEnv):
     """How this job frees its cluster if it stops the run itself: a local cluster's session is stopped at once, a
     SkyPilot node's autostop is cut to a minute (autodown)."""
     if job.local_cluster_session:
-        from gpuflow.cluster.backends.local import stop_sessions
+        from gpuflow.cluster.util.processes import stop_sessions
 
         return lambda: stop_sessions([job.local_cluster_session])
     if os.environ.get("SKYPILOT_NODE_RANK") is not None:

@@ -22,6 +22,7 @@ from typing import Callable
 
 from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
 from gpuflow.cluster.util.files import write_atomically
+from gpuflow.cluster.util.processes import alive, session_alive, session_members, stop_sessions
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.spec import ExperimentSpec
@@ -189,7 +190,7 @@ class LocalBackend:
         position = 0
         buffered = b""
         while True:
-            finished = process.poll() is not None if process else not pid_alive(int(job_id))
+            finished = process.poll() is not None if process else not alive(int(job_id))
             if log.is_file():
                 with open(log, "rb") as f:
                     f.seek(position)
@@ -275,55 +276,6 @@ def ray_env() -> dict[str, str]:
     return env
 
 
-def stop_sessions(sessions: list[int]) -> None:
-    """SIGKILLs every process of each session and waits until they are gone.
-
-    Sessions, not process groups: Ray puts each worker in a process group of its own, but all
-    stay in the session we started. Nothing in a throwaway local cluster needs a graceful stop:
-    checkpoints and metrics are persisted before teardown, and Ray's own shutdown takes seconds.
-    A caller inside one of the sessions (the supervisor) is spared, to go on killing what is forked meanwhile (Ray
-    starts its agents seconds after the raylet): it exits once the rest is gone."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        members = [pid for session in sessions for pid in session_members(session) if pid != os.getpid()]
-        if not members:
-            return
-        for pid in members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.02)
-
-
-def session_members(session: int) -> list[int]:
-    """Live (not zombie) processes of a session: the supervisor or job we started and all they started."""
-    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit() and in_session(entry, session)]
-
-
-def in_session(proc_entry: Path, session: int) -> bool:
-    """Whether /proc/<pid> is a live (not zombie) process of the session."""
-    try:
-        fields = (proc_entry / "stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return int(fields[3]) == session and fields[0] != "Z"
-
-
-def session_alive(session: int) -> bool:
-    """Its leader (the process we started) is asked first: one file, where the loss and start-up polls would read
-    every process's, every second or 50 ms. A session whose leader died is alive while any member is."""
-    return in_session(Path(f"/proc/{session}"), session) or bool(session_members(session))
-
-
 def running(pid: str) -> bool:
     """A job process of ours has not exited (a child of ours that exited is a zombie until reaped: not running)."""
-    return CHILDREN[pid].poll() is None if pid in CHILDREN else pid_alive(int(pid))
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+    return CHILDREN[pid].poll() is None if pid in CHILDREN else alive(int(pid))

@@ -31,6 +31,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
 from gpuflow.cluster.util.files import write_atomically  # noqa: E402
+from gpuflow.cluster.util.processes import alive, session_members, stop_sessions  # noqa: E402
 
 
 def main() -> int:
@@ -106,17 +107,8 @@ def lost_nodes(cluster) -> str | None:
 JOB_CLOSE_S = 20.0  # time for a job to end its MLflow run before it is killed with the cluster
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state != "Z"
-
-
 def release_orphan() -> None:
     """Tells this cluster's jobs their owner died, gives them a moment to close their runs, then stops everything."""
-    from gpuflow.cluster.backends.local import session_members, stop_sessions
     import psutil
 
     from gpuflow.cluster.protocol import OWNER_DIED, JobEnv
