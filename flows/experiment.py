@@ -10,7 +10,8 @@ import time
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from gpuflow.cluster.backends import ClusterHandle, Job, cluster_name_for, flow_run_id_of, get_backend, train_run_name
+from gpuflow.cluster.backends import (ClusterHandle, Job, cluster_name_for, cluster_names_for, flow_run_id_of,
+                                     get_backend, train_run_name)
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import JobEnv
@@ -36,8 +37,8 @@ def release(flow, flow_run, state) -> None:
     """Cancel and crash hooks: may run in another process, so they find the cluster and MLflow run by flow-run id."""
     spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
     backend = get_backend(spec.compute.backend)
-    for recovery in range(spec.compute.max_recoveries + 1):  # the cluster, and any relaunch of it
-        backend.down(cluster_name_for(flow_run.id, recovery))
+    for cluster_name in cluster_names_for(flow_run.id, spec.compute.max_recoveries):
+        backend.down(cluster_name)
     close_runs_of_flow_run(spec, str(flow_run.id), "KILLED" if state.is_cancelled() else "FAILED")
 
 
@@ -54,8 +55,28 @@ def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:
     return Job(train_run_name(spec.name, record.flow_run_id), env.to_env())
 
 
+def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecord, life: Lifecycle,
+                          backend) -> tuple[str, ClusterHandle]:
+    """Stages the data, opens the MLflow run and provisions the cluster, side by side: they have no order between
+    them, but where the job starts with the cluster (SkyPilot: setup and training are one job), its data and MLflow
+    run must exist before the launch. Returns the MLflow run id and the cluster."""
+    data = stage_data.submit(spec)
+    mlflow_run = open_mlflow_run.submit(spec, life.cluster_name, flow_run)
+    if backend.starts_job_at_launch:
+        data.result()
+        record.opened(mlflow_run.result(), life.price)
+    cluster = provision.submit(spec, life.cluster_name, job_for(spec, record, life) if record.run_id else None)
+    life.launching(cluster)
+    run_id = record.run_id or record.opened(mlflow_run.result(), life.price)
+    data.result()
+    handle = cluster.result()
+    life.launched(handle.info.get("hourly_cost_usd"))
+    record.phases["provision_seconds"] = life.launched_at - life.requested_at
+    return run_id, handle
+
+
 def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
-                   stop_checks: list[Check] = ()) -> TrainResult:
+                        stop_checks: list[Check] = ()) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
     and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
 
@@ -99,31 +120,16 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     life = Lifecycle(cluster_name, backend.down, hourly_cost(spec), record.close, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
     with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
-        # Data, tracking and the cluster have no order between them: start them together. Where the job starts with
-        # the cluster (SkyPilot: setup and training are one job), its data and MLflow run come first.
-        data = stage_data.submit(spec)
-        mlflow_run = open_mlflow_run.submit(spec, cluster_name, flow_run)
-        if backend.starts_job_at_launch:
-            data.result()
-            record.opened(mlflow_run.result(), life.price)
-        cluster = provision.submit(spec, cluster_name, job_for(spec, record, life) if record.run_id else None)
-        life.launching(cluster)
-        run_id = record.run_id or record.opened(mlflow_run.result(), life.price)
-        data.result()
-        handle = cluster.result()
-        life.launched(handle.info.get("hourly_cost_usd"))
-        record.phases["provision_seconds"] = life.launched_at - life.requested_at
-
+        run_id, handle = prepare_and_provision(spec, flow_run, record, life, backend)
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
         stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run_id)]
-        # a lost cluster is relaunched, and training resumes
         result = train_with_recovery(spec, handle, job_for(spec, record, life), life, stop_checks)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: it goes down while the model is registered, which needs only MLflow.
         model_run_id = (result.sweep or {}).get("best_run_id") or run_id  # a sweep's model is its best trial's
         registering = register_model.submit(spec, model_run_id) if spec.tracking.register_model else None
-        record.phases["teardown_seconds"] = teardown(life)
+        record.phases["teardown_seconds"] = teardown(life)  # down now, before the registration ends
         if registering:
             registering.result()
         record.phases["wall_seconds"] = time.time() - life.requested_at

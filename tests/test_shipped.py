@@ -86,7 +86,9 @@ def test_every_shipped_spec_validates(path, monkeypatch, capsys, gpuflow_home):
 
 # -- the whole matrix: each shipped spec runs, tiny -------------------------------------------------------------------
 TINY = {  # one epoch, small enough for a CPU; everything else as shipped
-    "digits-sweep.yaml": ["train.epochs=1", "sweep.early_stopping=null"],
+    # two trials, both at once (one round): the shipped sweep's fields, fewer of its values
+    "digits-sweep.yaml": ["train.epochs=1", "sweep.early_stopping=null",
+                          "sweep.parameters={train.lr: {grid: [0.002]}, train.params.hidden: {grid: [32, 128]}}"],
     "chargpt-cpu.yaml": ["train.epochs=1", "train.params.steps_per_epoch=20"],
     # the cloud specs on this machine's local backend: their loop, params, precision and profile as shipped
     "digits-gpu.yaml": ["train.epochs=1", "compute.backend=local", "compute.accelerators=null", "tracking.uri=null",

@@ -76,6 +76,11 @@ def cluster_name_for(flow_run_id: str, relaunch: int = 0) -> str:
     return f"{name}-r{relaunch}" if relaunch else name
 
 
+def cluster_names_for(flow_run_id: str, max_recoveries: int) -> list[str]:
+    """Every name a flow run's cluster may have had: the first launch's and each relaunch's."""
+    return [cluster_name_for(flow_run_id, relaunch) for relaunch in range(max_recoveries + 1)]
+
+
 def train_run_name(spec_name: str, flow_run_id: str) -> str:
     """Ray Train's run name, the checkpoints' folder under storage: stable for the flow run, so that a relaunch
     (a retry, a recovery) finds and resumes from its checkpoints."""
