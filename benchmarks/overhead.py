@@ -16,6 +16,7 @@ import collections
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -166,6 +167,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sides", default="bare,gpuflow,warm", help="which of bare, gpuflow, warm, in this order")
     args = parser.parse_args()
+    # Stopped early (a `timeout`, a kill), it still stops the warm stack it started: SIGTERM runs the finally below.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sides = args.sides.split(",")
     home = Path(tempfile.mkdtemp(prefix="gpuflow-bench-"))
     env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

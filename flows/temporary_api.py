@@ -15,13 +15,13 @@ Prefect's lifespan fails on the way out.
 from __future__ import annotations
 
 import atexit
-import http.client
 import os
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
+
+from gpuflow.cluster.util.http import probe
 
 
 def start() -> str:
@@ -94,11 +94,7 @@ def answers(api_url: str, timeout_s: float = 5) -> bool:
     """True when a Prefect API answers there. Something else may: the port of an API that has stopped (the warm
     stack's, a configured one) can be taken since by another server, such as one of Ray's gRPC servers, whose reply
     is not HTTP/1."""
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout_s) as response:
-            return response.status == 200
-    except (OSError, http.client.HTTPException):  # URLError is an OSError
-        return False
+    return probe(f"{api_url}/health", timeout_s)[0] == 200
 
 
 def watch(server: subprocess.Popen) -> None:

@@ -17,6 +17,7 @@ import queue
 import re
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,7 +246,7 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
     try:
         import pyarrow.fs as pafs
 
-        filesystem, path = pafs.FileSystem.from_uri(snapshot_uri if "://" in snapshot_uri else f"file://{snapshot_uri}")
+        filesystem, path = pafs.FileSystem.from_uri(snapshot_uri if "://" in snapshot_uri else Path(snapshot_uri).as_uri())
         with filesystem.open_input_stream(path) as stream:
             snapshot = json.loads(stream.read())
     except Exception:  # none yet (a first attempt), or unreadable: nothing to add

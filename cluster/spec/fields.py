@@ -6,12 +6,9 @@ probes of the checkpoint storage and the tracking server. No Prefect; spec.py's 
 
 from __future__ import annotations
 
-import http.client
 import inspect
 import os
 import re
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Annotated, Any, Callable
@@ -19,6 +16,7 @@ from typing import Annotated, Any, Callable
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from gpuflow.cluster.config import shared_path
+from gpuflow.cluster.util.http import NOT_HTTP, probe
 
 MAX_SPEC_FILE_BYTES = 256 * 1024  # a spec is a page of YAML; anything bigger is a mistake or an attack
 MAX_SPEC_NODES = 5_000  # values in the spec, aliases counted as often as they are used
@@ -209,19 +207,14 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
     """An http(s) tracking URI must answer; any HTTP answer counts (a 401 means it is up, behind auth)."""
     if scheme_of(uri) not in ("http", "https"):
         return None
-    health = uri.rstrip("/") + "/health"
-    try:
-        with urllib.request.urlopen(health, timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError:
+    status, why = probe(uri.rstrip("/") + "/health", timeout_s)
+    if status is not None:
         return None
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(str(reason), 200)} within "
-                f"{timeout_s:g}s); start it, or fix the host and port")
-    except http.client.HTTPException:
+    if why == NOT_HTTP:
         return (f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, "
                 f"or the scheme")
+    return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)} within "
+            f"{timeout_s:g}s); start it, or fix the host and port")
 
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "hdfs://", "r2://")
