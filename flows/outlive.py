@@ -12,6 +12,7 @@ import signal
 import time
 
 from gpuflow.cluster.util.processes import alive
+from gpuflow.cluster.util.waiting import wait_until
 
 POLL_S = 0.5
 
@@ -25,9 +26,7 @@ def main() -> int:
         time.sleep(POLL_S)
     if alive(args.kill):
         os.kill(args.kill, signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while alive(args.kill) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: not alive(args.kill), 5)
         if alive(args.kill):
             os.kill(args.kill, signal.SIGKILL)
     return 0

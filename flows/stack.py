@@ -25,6 +25,7 @@ from pathlib import Path
 
 from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend
 from gpuflow.cluster.util.processes import session_alive, stop_sessions
+from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.config import stack_enabled, state_dir
 from gpuflow.flows.outlive import alive
@@ -97,9 +98,7 @@ def down() -> bool:
     if record is None:
         return False
     os.kill(record["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while session_alive(record["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_until(lambda: not session_alive(record["pid"]), 15)
     stop_sessions([record["pid"]])  # whatever did not stop in time
     stack_file().unlink(missing_ok=True)
     return True

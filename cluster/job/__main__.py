@@ -19,6 +19,7 @@ from pathlib import Path
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
 from gpuflow.cluster.util.preload import import_in_background
+from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.protocol import JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.job.trainer import run_training
@@ -86,11 +87,8 @@ def wait_for_nodes(count: int) -> int:
 
 
 def wait_for_file(path: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
-        time.sleep(0.05)
+    if not wait_until(lambda: os.path.exists(path), timeout_s, interval_s=0.05):
+        raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
 
 
 def wait_for_handoff(args: argparse.Namespace) -> None:

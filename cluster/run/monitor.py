@@ -6,7 +6,6 @@ a lost cluster, and the stop checks the flow's watchdog polls. The meaning of ea
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 
 from gpuflow.cluster.protocol import JobEnv
@@ -14,6 +13,7 @@ from gpuflow.cluster.run import limits
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.limits import Check
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.util.waiting import wait_until
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
 FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
@@ -84,12 +84,7 @@ LOSS_SETTLE_S = 90  # a job killed with its node: the cloud (or Slurm) may take 
 def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
     """Why the cluster is lost, asking again for up to `settle_s` (a job killed by a signal usually means a node
     went, but the cloud's view of it lags); None if it stays whole."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        why = backend.lost(cluster_name)
-        if why or time.monotonic() >= deadline:
-            return why
-        time.sleep(min(10.0, settle_s / 6))
+    return wait_until(lambda: backend.lost(cluster_name), settle_s, interval_s=min(10.0, settle_s / 6))
 
 
 def deadline_check(spec: ExperimentSpec, life: Lifecycle) -> Check:

@@ -32,6 +32,7 @@ from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
 from gpuflow.cluster.util.files import write_atomically  # noqa: E402
 from gpuflow.cluster.util.processes import alive, session_members, stop_sessions  # noqa: E402
+from gpuflow.cluster.util.waiting import wait_until  # noqa: E402
 
 
 def main() -> int:
@@ -120,9 +121,7 @@ def release_orphan() -> None:
             os.kill(pid, OWNER_DIED)
         except ProcessLookupError:
             pass
-    deadline = time.monotonic() + JOB_CLOSE_S
-    while time.monotonic() < deadline and any(alive(pid) for pid in jobs):
-        time.sleep(0.1)
+    wait_until(lambda: not any(alive(pid) for pid in jobs), JOB_CLOSE_S)
     # each job runs in a session of its own (the job's pid): stop those that did not exit, then our own, then exit
     stop_sessions([pid for pid in jobs if session_members(pid)] + [os.getsid(0)])
     os._exit(0)
