@@ -133,7 +133,7 @@ def log_profile(folder) -> None:
 
 def prepare_model_logging(run_id: str) -> None:
     """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds on
-    two cores): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: SQLAlchemy and
+    a small machine): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: SQLAlchemy and
     MLflow's table models imported, the schema checked). Not the pt2 save itself: torch.export patches torch
     process-wide while it traces, and a trace beside the training loop broke its next step."""
 
@@ -153,7 +153,7 @@ def log_model(model, input_example=None) -> None:
     import mlflow.pytorch
 
     model = unwrap(model).cpu()
-    # Stating the requirement skips MLflow's inference of them, which re-imports the loop (~7 s).
+    # Stating the requirement skips MLflow's inference of them, which re-imports the loop (seconds).
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
 
     def log():

@@ -56,7 +56,7 @@ def prewarm_cluster(spec) -> str | None:
 
 def flow_imports(spec) -> list[str]:
     """What the flow run imports once it starts, beyond the flow's own modules: MLflow's database store for a
-    sqlite:// tracking URI (~2 s here) and SkyPilot for the skypilot backend (~1 s)."""
+    sqlite:// tracking URI and SkyPilot for the skypilot backend: seconds each, started early."""
     modules = []
     if (spec.tracking_uri or "").startswith("sqlite:"):
         modules.append("mlflow.store.tracking.sqlalchemy_store")

@@ -1,7 +1,7 @@
 """Prefect's temporary API server for a `gpuflow run` without PREFECT_API_URL, started without loading Prefect's server.
 
 Prefect starts the same server itself on a flow run's first API call, but to do so it imports its server package
-(FastAPI, the ORM, every route) into the calling process: ~3 s of CPU that `gpuflow run` needs for nothing, since
+(FastAPI, the ORM, every route) into the calling process: seconds of CPU that `gpuflow run` needs for nothing, since
 the server runs in a process of its own. This starts that process as Prefect 3.8 does (uvicorn of
 `prefect.server.api.server:create_app`, its UI off, ephemeral), then points this process's Prefect settings at it
 (PREFECT_API_URL), so that no part of Prefect starts another one. The server stops when this process exits, and

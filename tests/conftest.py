@@ -157,13 +157,15 @@ def slurm_infra():
             print(harness.stop())
 
 
-# The suite runs in three pytest-xdist workers (`-n 3 --dist loadgroup`, pyproject's addopts), one per lane, each in
-# file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute:
-# - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm);
+# The whole matrix runs in three pytest-xdist workers (`-n 3 --dist loadgroup`, pyproject's addopts), one per lane,
+# each in file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute,
+# and the longest lane is the suite's wall time:
+# - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm), then
+#   the shipped specs' tiny runs;
 # - "faults": the team stack and its load test, the watchdog's limits, the warm stack's idle stop, the fault and
 #   recovery tests; most of them wait for a signal, a limit or a cleanup (their loops train an epoch a second);
 # - "main": everything else.
-LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py"),
+LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_shipped.py"),
          "faults": ("tests/test_team_stack.py", "tests/test_watchdog.py", "tests/test_stack.py", "tests/test_faults.py",
                     "tests/test_recovery.py")}
 

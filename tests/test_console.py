@@ -73,7 +73,7 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
     from tests.conftest import REPO
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    done = subprocess.run([sys.executable, "-c", REGISTER_TWICE, str(tmp_path)], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-c", REGISTER_TWICE, str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown[-3000:]

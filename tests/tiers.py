@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -161,16 +160,18 @@ def pytest_runtest_makereport(item, call):
 
 
 # -- what a session leaves -------------------------------------------------------------------------------------------
+SKIPPED_IN_REPO = {".git", ".venv", "test-artifacts", ".pytest_cache", "__pycache__", "build"}
+
+
 def repo_files() -> set[str]:
-    """Untracked and ignored files in the repository, but for what a test session may leave there by design."""
-    done = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=REPO,
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        return set()
-    allowed = (".venv/", "test-artifacts/", ".pytest_cache/", "build/")
-    paths = (line[3:] for line in done.stdout.splitlines())
-    return {path for path in paths if not path.startswith(allowed) and "__pycache__/" not in path
-            and ".egg-info/" not in path}
+    """Every file in the repository, but for what a test session may leave there by design (the venv,
+    test-artifacts/, caches). A new one at the end of a session was written by a test."""
+    found = set()
+    for folder, subfolders, files in os.walk(REPO):
+        subfolders[:] = [name for name in subfolders if name not in SKIPPED_IN_REPO and not name.endswith(".egg-info")]
+        for name in files:
+            found.add(os.path.relpath(os.path.join(folder, name), REPO))
+    return found
 
 
 def left_running() -> list[psutil.Process]:

@@ -1,9 +1,8 @@
 """How Ray Train hands the spec's datasets to its workers: a small table, already in memory, is split there.
 
 Ray Data's default (`streaming_split`) starts a coordinator actor per dataset that streams blocks to the
-workers: right for data larger than memory, but for a few megabytes read at once (job.datasets_of) its start
-costs more than the whole read (measured on 2 cores: ~3.5 CPU-seconds and several seconds of wall time per
-dataset). A loop sees no difference: `ray.train.get_dataset_shard(name)` is its share either way, the same
+workers: right for data larger than memory, but for a few megabytes read at once (trainer.datasets_of) its start
+costs more than the whole read (seconds of CPU per dataset, on a small machine). A loop sees no difference: `ray.train.get_dataset_shard(name)` is its share either way, the same
 share every epoch.
 """
 

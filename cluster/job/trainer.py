@@ -40,8 +40,8 @@ def data_uris(spec: ExperimentSpec) -> dict[str, str]:
 
 
 # Below this, a dataset is read here at once into Ray's object store: every epoch of a lazy dataset lists and
-# reads the files anew, and even one read through Ray Data's executor starts in seconds (measured: 15 s for the
-# first, 7 s for the next on 2 cores), which dwarfs reading a few megabytes with pyarrow (milliseconds).
+# reads the files anew, and even one read through Ray Data's executor takes seconds to start, which dwarfs reading a
+# few megabytes with pyarrow (milliseconds).
 SMALL_DATASET_BYTES = 64 * 1024**2
 
 

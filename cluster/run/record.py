@@ -4,12 +4,12 @@ flow lives, closed with the run's outcome and bill; and finding a flow run's MLf
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Callable
 
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends import train_run_name
-from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.cost.budget import record_estimate, settle_budget
 from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import LeaseKeeper
@@ -26,12 +26,18 @@ def experiment_id(client: MlflowClient, spec: ExperimentSpec) -> str:
     experiment = client.get_experiment_by_name(spec.experiment_name)
     if experiment:
         return experiment.experiment_id
-    # A local store keeps artifacts beside it under .gpuflow/, not in the working directory.
-    location = None if spec.tracking.uri else (state_dir() / "mlartifacts").as_uri()
     try:
-        return client.create_experiment(spec.experiment_name, artifact_location=location)
+        return client.create_experiment(spec.experiment_name, artifact_location=artifact_location(spec.tracking_uri))
     except Exception:  # created concurrently by another run
         return client.get_experiment_by_name(spec.experiment_name).experiment_id
+
+
+def artifact_location(tracking_uri: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a local store (sqlite:///dir/mlflow.db: dir/mlartifacts),
+    not in whichever folder a run happened to start in (MLflow's default, ./mlruns); a server decides for itself."""
+    if tracking_uri.startswith("sqlite:///"):
+        return (Path(tracking_uri.removeprefix("sqlite:///")).absolute().parent / "mlartifacts").as_uri()
+    return None
 
 
 def flat_params(spec: ExperimentSpec) -> dict[str, str]:
