@@ -1,7 +1,13 @@
 """The SkyPilot backend: a GPU cluster on any cloud SkyPilot supports, launched with autodown as a backstop.
 
-The spec → sky.Task mapping is plain functions (`build_task`, `resources_for`), unit-tested offline.
-Every SDK call goes through `self.sky` (the `sky` module), the one boundary a test double may replace.
+One SkyPilot job does the whole run, started by the launch itself: each node runs `setup` in the synced workdir (by
+default this very gpuflow, from a wheel in a file mount, then the workdir's own install), then
+`python -m gpuflow.cluster.backends.skypilot.node`: one Ray cluster over the nodes, the Ray Train job on rank 0. So
+the flow stages the data and opens the MLflow run before it launches. Whether a cluster is still whole is a forced
+status refresh: SkyPilot's cache keeps calling a preempted cluster UP. A cancel mid-launch cancels the launch
+request on SkyPilot's API server first, or the launch would bring the cluster back; a failed setup, which SkyPilot
+leaves UP on purpose, is downed like any other. The spec → sky.Task mapping is plain functions (`build_task`,
+`resources_for`); every SDK call goes through `self.sky`, the one boundary a test double may replace.
 """
 
 from __future__ import annotations
