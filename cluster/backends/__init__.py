@@ -1,4 +1,4 @@
-"""Where Ray clusters come from: the interface (base.py), this machine (local.py) and SkyPilot (skypilot.py).
+"""Where Ray clusters come from: the interface (base.py), this machine (local/) and SkyPilot (skypilot/).
 
     get_backend("local") -> LocalBackend; get_backend("skypilot") -> SkyPilotBackend
 """

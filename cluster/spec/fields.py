@@ -1,5 +1,5 @@
-"""Checks a spec needs beyond its model: bounded YAML, credential-looking names, entrypoint signatures, and
-probes of the checkpoint storage and the tracking server. No Prefect; spec.py's check_spec calls them.
+"""The spec's field checks and field types: bounded YAML, credential-looking names, entrypoint signatures, URIs a
+cluster can reach, and the probes of the checkpoint storage and the tracking server that probes.py runs.
 
     gpuflow validate my.yaml          # runs every check here before anything starts
 """

@@ -1,1 +1,2 @@
-"""Small helpers with no gpuflow imports: atomic writes, imports in the background."""
+"""Small helpers with no gpuflow imports: atomic writes, background imports, processes and sessions, one HTTP probe,
+one poll loop."""
