@@ -18,8 +18,10 @@ class HideJobDetail(logging.Filter):
 
 def quiet_console(log_folder: Path) -> Path:
     """Hides the job's detail lines from Prefect's console handler; writes every line to a log file, returned."""
+    from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    ensure_logging_setup()  # Prefect's console handler exists from here on: the filter goes on it, not on nothing
     root = logging.getLogger()
     consoles = [handler for handler in root.handlers if isinstance(handler, PrefectConsoleHandler)]
     for handler in consoles:

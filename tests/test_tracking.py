@@ -26,7 +26,8 @@ def run_job(backend, handle, spec, run_name, env) -> str:
 def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
     tracking_uri = f"sqlite:///{gpuflow_home}/mlflow.db"
     client = MlflowClient(tracking_uri)
-    run_id = client.create_run(client.create_experiment("plain")).info.run_id
+    artifacts = (gpuflow_home / "artifacts").as_uri()  # not ./mlruns: the controller's folder is the repository
+    run_id = client.create_run(client.create_experiment("plain", artifact_location=artifacts)).info.run_id
     env = {"MLFLOW_TRACKING_URI": tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
 
     def spec(loop, **params):
@@ -84,7 +85,7 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     from gpuflow.cluster.job.tracking import SNAPSHOT_FILE, MlflowTracker
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    run_id = client.create_run(client.create_experiment("resume")).info.run_id
+    run_id = client.create_run(client.create_experiment("resume", artifact_location=(tmp_path / "artifacts").as_uri())).info.run_id
     for epoch in range(3):  # what the lost attempt got into MLflow: epochs 0-2 of the 5 it checkpointed
         client.log_metric(run_id, "val_accuracy", 0.5 + epoch / 10, step=epoch)
     results = [{"version": 0, "checkpoint_dir_name": f"checkpoint_{epoch}",
