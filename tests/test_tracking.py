@@ -85,7 +85,8 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     from gpuflow.cluster.job.tracking import SNAPSHOT_FILE, MlflowTracker
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    run_id = client.create_run(client.create_experiment("resume", artifact_location=(tmp_path / "artifacts").as_uri())).info.run_id
+    experiment = client.create_experiment("resume", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
     for epoch in range(3):  # what the lost attempt got into MLflow: epochs 0-2 of the 5 it checkpointed
         client.log_metric(run_id, "val_accuracy", 0.5 + epoch / 10, step=epoch)
     results = [{"version": 0, "checkpoint_dir_name": f"checkpoint_{epoch}",
