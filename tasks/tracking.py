@@ -9,7 +9,7 @@ from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.cluster.protocol import FLOW_RUN_TAG
+from gpuflow.cluster.protocol import BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG
 from gpuflow.cluster.run.record import client_for, experiment_id, flat_params, open_command, param, run_url
 from gpuflow.cluster.spec import ExperimentSpec
 
@@ -23,8 +23,8 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         "prefect.flow_run_name": flow_run["name"],
         "prefect.flow_run_url": flow_run.get("url") or "",
         "prefect.deployment": flow_run.get("deployment") or "",
-        "gpuflow.backend": spec.compute.backend,
-        "gpuflow.cluster": cluster_name,
+        BACKEND_TAG: spec.compute.backend,
+        CLUSTER_TAG: cluster_name,
         "mlflow.runName": flow_run["name"],
     }
     run = client.create_run(experiment_id(client, spec), run_name=flow_run["name"], tags=tags)

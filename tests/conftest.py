@@ -8,7 +8,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import psutil
 import pytest
 
 
@@ -74,27 +73,19 @@ def prefect_server():
 
 def alive(pids) -> list[int]:
     """The pids that are still running (zombies count as gone: they hold no resources)."""
-    running = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                running.append(pid)
-        except psutil.Error:
-            continue
-    return running
+    from gpuflow.cluster.util.processes import alive as running
+
+    return [pid for pid in pids if running(pid)]
 
 
 def processes_of(home: Path) -> list[int]:
     """Live processes started for one gpuflow home: Ray's daemons and workers and the job inherit GPUFLOW_HOME."""
-    found = []
-    for process in psutil.process_iter(["pid", "environ", "status", "cmdline"]):
-        info = process.info
-        if info["pid"] == os.getpid() or info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        if (info["environ"] or {}).get("GPUFLOW_HOME") == str(home):
-            print(info["pid"], " ".join(info["cmdline"] or [])[:300])  # say what is left, for the failure message
-            found.append(info["pid"])
-    return found
+    from tests.tiers import carrying, describe
+
+    found = carrying("GPUFLOW_HOME", str(home), {os.getpid()})
+    for process in found:
+        print(describe(process))  # say what is left, for the failure message
+    return [process.pid for process in found]
 
 
 # -- real servers for the deployment, tracking-server and browser tests (tests/servers.py) ------------------

@@ -174,18 +174,22 @@ def repo_files() -> set[str]:
     return found
 
 
-def left_running() -> list[psutil.Process]:
-    """Processes of this session still alive: they carry the session's tag (pytest-xdist's workers are gone by now)."""
-    tag, me = os.environ.get(SESSION_ENV), psutil.Process()
-    mine = {me.pid} | {p.pid for p in me.parents()}
+def carrying(name: str, value: str, besides: set[int] = frozenset()) -> list[psutil.Process]:
+    """Live (not zombie) processes whose environment has name=value, which everything a test starts inherits."""
     found = []
     for process in psutil.process_iter(["pid", "environ", "status"]):
         info = process.info
-        if info["pid"] in mine or info["status"] == psutil.STATUS_ZOMBIE:
+        if info["pid"] in besides or info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if (info["environ"] or {}).get(SESSION_ENV) == tag:
+        if (info["environ"] or {}).get(name) == value:
             found.append(process)
     return found
+
+
+def left_running() -> list[psutil.Process]:
+    """Processes of this session still alive: they carry the session's tag (pytest-xdist's workers are gone by now)."""
+    me = psutil.Process()
+    return carrying(SESSION_ENV, os.environ.get(SESSION_ENV), {me.pid} | {p.pid for p in me.parents()})
 
 
 def describe(process: psutil.Process) -> str:

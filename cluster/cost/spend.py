@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
-from gpuflow.cluster.protocol import BACKEND_TAG
+from gpuflow.cluster.protocol import BACKEND_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 
 COST_METRICS = ("cost_usd", "gpu_hours", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown")
 HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
@@ -64,8 +64,8 @@ def row_of(run, experiments: dict[str, str]) -> RunCost:
         cost = metrics["cost_usd"]
     return RunCost(info.run_id, experiments.get(info.experiment_id, info.experiment_id), info.run_name or "",
                    info.status, info.start_time / 1000, cost, metrics.get("gpu_hours", 0.0),
-                   metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get("stopped_by", ""), estimated,
-                   tags.get("prefect.flow_run_id", ""))
+                   metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get(STOPPED_BY_TAG, ""), estimated,
+                   tags.get(FLOW_RUN_TAG, ""))
 
 
 def spent_since_usd(tracking_uri: str, since: float) -> float:

@@ -24,7 +24,8 @@ from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
-from gpuflow.cluster.protocol import STOPPED_BY_TAG, JobEnv, trial_line
+from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG, JobEnv,
+                                      trial_line)
 from gpuflow.cluster.run.mlflow_run import close_children, close_run
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
 from gpuflow.cluster.job.trainer import build_trainer
@@ -34,8 +35,7 @@ TRIAL_ID_TAG = "gpuflow.trial_id"
 PLACEMENT_GROUP_TAG = "gpuflow.placement_group"
 STOPPED_EARLY_TAG = "stopped_early"
 # The tags a child run copies from its parent: the flow run's hooks and the reaper find runs by them.
-INHERITED_TAGS = ("prefect.flow_run_id", "prefect.flow_run_name", "prefect.flow_run_url", "gpuflow.cluster",
-                  "gpuflow.backend")
+INHERITED_TAGS = (FLOW_RUN_TAG, "prefect.flow_run_name", "prefect.flow_run_url", CLUSTER_TAG, BACKEND_TAG)
 
 
 def search_space(spec: ExperimentSpec) -> dict[str, Any]:
