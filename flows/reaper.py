@@ -23,6 +23,7 @@ from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.flows.known_servers import known_tracking_uris
 
 DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
 DEAD = "dead (lease stale)"
@@ -205,9 +206,10 @@ def available_backends(names: list[str]) -> list[Backend]:
 def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                   tracking_uris: list[str] | None = None, dry_run: bool = False) -> list[dict]:
     """Downs orphaned gpuflow clusters (flow run final, dead, missing, or older than ttl_hours), closes their MLflow
-    runs and marks dead flow runs Crashed."""
+    runs and marks dead flow runs Crashed. tracking_uris: by default every server the deployments and recent runs use."""
     logger = get_run_logger()
-    uris = tracking_uris or [default_tracking_uri()]
+    uris = tracking_uris or tracking_uris_or_local(logger)
+    logger.info(f"reading the MLflow runs of {', '.join(uris)}")
     chosen = available_backends(backends or ["local", "skypilot"])
     try:
         verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, lease_stale=lease_reader(uris))
@@ -232,6 +234,15 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
         logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
     create_markdown_artifact(report(verdicts, closed, crashed), key="reaper", description="clusters the reaper downed and why")
     return [asdict(verdict) for verdict in verdicts]
+
+
+def tracking_uris_or_local(logger) -> list[str]:
+    """Every tracking server the deployments and recent runs name, and this machine's store."""
+    try:
+        return known_tracking_uris(default_tracking_uri())
+    except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
+        logger.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
+        return [default_tracking_uri()]
 
 
 def report(verdicts: list[Verdict], closed: list[str], crashed: list[str] = ()) -> str:

@@ -14,10 +14,12 @@ from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 from gpuflow.flows.deploy import PREFECT_YAML, declared, with_overrides
+from gpuflow.flows.known_servers import tracking_tag
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
-    """The spec a run uses: the YAML file when one is given, else the form's (or Python's) spec.
+    """The spec a run uses: the YAML file when one is given (serve's overrides fill what it leaves out), else the
+    form's (or Python's) spec.
 
     A run of a deployment with a form_policy (prefect.yaml) may change only what the policy allows: anything
     else is refused here, before anything exists."""
@@ -26,6 +28,8 @@ def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) 
         return policy.enforce(policy.baseline, spec_file)  # refused without reading a file of the worker
     if spec_file:
         chosen = load_spec(spec_file)
+        unset = [item for item in served_overrides() if not given_in(chosen, item.partition("=")[0].strip())]
+        chosen = load_spec(spec_file, unset) if unset else chosen  # `gpuflow serve --set` fills what the file leaves
     elif spec is None:
         raise SpecError(["spec: give an experiment spec, or spec_file with the path of a YAML spec"])
     else:
@@ -48,8 +52,23 @@ def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | N
     entry = next((item for item in declared(prefect_yaml) if item.get("name") == deployment), None)
     if entry is None or "form_policy" not in entry:
         return None
-    overrides = json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")
-    return policy_from(deployment, entry, with_overrides(entry.get("parameters") or {}, overrides, force=True)["spec"])
+    return policy_from(deployment, entry,
+                       with_overrides(entry.get("parameters") or {}, served_overrides(), force=True)["spec"])
+
+
+def given_in(spec, dotted: str) -> bool:
+    """Whether the spec's source gave this field (a default is not given)."""
+    node = spec
+    for key in dotted.split("."):
+        if key not in getattr(node, "model_fields_set", ()):
+            return False
+        node = getattr(node, key)
+    return True
+
+
+def served_overrides() -> list[str]:
+    """The `--set` of the `gpuflow serve` that started this run (none outside one)."""
+    return json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")
 
 
 def run_name_for(parameters: dict) -> str:
@@ -62,7 +81,8 @@ def run_name_for(parameters: dict) -> str:
 
 
 def run_tags(spec: ExperimentSpec) -> list[str]:
-    return [f"experiment:{spec.name}", f"backend:{spec.compute.backend}"]
+    """experiment:, backend: and tracking: (read by the reaper, so that it closes the runs of every server)."""
+    return [f"experiment:{spec.name}", f"backend:{spec.compute.backend}", tracking_tag(spec.tracking_uri)]
 
 
 def tag_flow_run(flow_run_id, existing_tags, spec: ExperimentSpec) -> list[str]:

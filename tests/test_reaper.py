@@ -109,3 +109,21 @@ def test_stale_mlflow_runs_closed_by_state(prefect_server, digits_spec, gpuflow_
     assert close_stale_mlflow_runs(digits_spec.tracking_uri) == [missing]
     assert client.get_run(missing).info.status == "KILLED"
     assert client.get_run(untagged).info.status == "RUNNING"  # not a gpuflow flow's run: left alone
+
+
+def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpuflow_home):
+    from gpuflow.cluster.config import default_tracking_uri
+    from gpuflow.flows.known_servers import known_tracking_uris, tracking_tag
+
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(finished_experiment)
+        client.create_deployment(flow_id, "served-with-a-server",
+                                 parameters={"spec": {"name": "x", "tracking": {"uri": "http://mlflow.team:5000/"}}})
+        for tag in (tracking_tag("https://other.team"), tracking_tag("sqlite:////elsewhere/mlflow.db")):
+            run = client.create_flow_run(finished_experiment, tags=["experiment:x", tag])
+            client.set_flow_run_state(run.id, Running(), force=True)
+
+    found = known_tracking_uris(default_tracking_uri())
+    assert found[0] == default_tracking_uri()
+    assert {"http://mlflow.team:5000", "https://other.team"} <= set(found)
+    assert not any("elsewhere" in uri for uri in found)  # another machine's local store is not opened here

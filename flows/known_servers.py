@@ -1,0 +1,44 @@
+"""The MLflow tracking servers the runs use, as the Prefect server knows them: no parameter to keep in step.
+
+    used by the reaper, which must close the runs of every server, not only this machine's store
+
+Two sources: each deployment's spec (with `gpuflow serve --set` / `gpuflow deploy` overrides, as registered) and
+the `tracking:<uri>` tag every experiment run puts on its flow run once its spec is read (a form run, a spec_file,
+`gpuflow run --set tracking.uri=...`). Only servers are taken from them: a local store named by another machine's
+run is that machine's, and opening its path here would create an empty one.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+TRACKING_TAG_PREFIX = "tracking:"
+SERVER_SCHEMES = ("http://", "https://", "databricks")
+RECENT_RUNS = 200  # flow runs read for their tag, the newest first (the API gives at most 200)
+
+
+def tracking_tag(uri: str) -> str:
+    return TRACKING_TAG_PREFIX + uri
+
+
+def known_tracking_uris(local_uri: str, within_hours: float = 48.0) -> list[str]:
+    """`local_uri` first, then every tracking server of a deployment or of a flow run started within the hours."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    since = datetime.now(timezone.utc) - timedelta(hours=within_hours)
+    with get_client(sync_client=True) as client:
+        found = [deployment_uri(deployment.parameters) for deployment in client.read_deployments()]
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)),
+                                     sort=FlowRunSort.START_TIME_DESC, limit=RECENT_RUNS)
+        found += [tag.removeprefix(TRACKING_TAG_PREFIX) for run in runs for tag in run.tags
+                  if tag.startswith(TRACKING_TAG_PREFIX)]
+    servers = [uri.rstrip("/") for uri in found if uri and uri.startswith(SERVER_SCHEMES)]
+    return list(dict.fromkeys([local_uri, *servers]))
+
+
+def deployment_uri(parameters: dict) -> str | None:
+    spec = parameters.get("spec") if isinstance(parameters, dict) else None
+    tracking = spec.get("tracking") if isinstance(spec, dict) else None
+    return tracking.get("uri") if isinstance(tracking, dict) else None
