@@ -2,17 +2,24 @@
 
     gpuflow serve                                  # run-experiment, nightly-digits and reap-clusters
     gpuflow serve --only run-experiment --set tracking.uri=http://127.0.0.1:5000 --limit 1
+
+Several machines may serve the same deployments (each polls the server for their runs). Stopping one pauses only
+the deployments no other serve still polls: a schedule keeps firing while anyone serves it, and one that nobody
+serves is paused rather than left to pile up late runs that would all start at once when a serve comes back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from prefect import serve as prefect_serve
 
 from gpuflow.flows.deploy import runner_deployments
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
+
+SETTLE_S = 3.0  # for this serve's own last poll to reach the server's record
 
 
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:
@@ -21,7 +28,34 @@ def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1
     # The runs this process starts inherit it: a form_policy compares a run with the spec as served here.
     os.environ[SERVE_OVERRIDES_ENV] = json.dumps(list(overrides))
     # limit=1 by default: two experiments at once would fight over the same machine's CPUs.
-    prefect_serve(*deployments, limit=limit)
+    try:
+        prefect_serve(*deployments, limit=limit, pause_on_shutdown=False)
+    finally:
+        pause_unless_served_elsewhere([f"{d.flow_name}/{d.name}" for d in deployments])
+
+
+def pause_unless_served_elsewhere(names: list[str]) -> list[str]:
+    """Pauses the deployments whose last poll does not move within two poll intervals; returns their names."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_RUNNER_POLL_FREQUENCY
+
+    wait_s = 2 * PREFECT_RUNNER_POLL_FREQUENCY.value() + SETTLE_S
+    print(f"gpuflow serve: stopped; pausing the schedules no other serve polls (checking for {wait_s:.0f} s)",
+          flush=True)
+    with get_client(sync_client=True) as client:
+        time.sleep(SETTLE_S)
+        before = {name: client.read_deployment_by_name(name).last_polled for name in names}
+        time.sleep(wait_s - SETTLE_S)
+        paused = []
+        for name in names:
+            deployment = client.read_deployment_by_name(name)
+            if deployment.last_polled == before[name]:
+                client.pause_deployment(deployment.id)
+                paused.append(name)
+    served = sorted(set(names) - set(paused))
+    print(f"gpuflow serve: paused {', '.join(paused) or 'none'}"
+          + (f"; still served elsewhere: {', '.join(served)}" if served else ""), flush=True)
+    return paused
 
 
 if __name__ == "__main__":

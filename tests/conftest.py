@@ -6,6 +6,7 @@ The tiers (`pytest`, `pytest --full`) and the end-of-session checks are in tests
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -113,15 +114,31 @@ def served(prefect_api, mlflow_url, tmp_path_factory):
     from tests.servers import ServedDeployments, gpuflow_serve
 
     home = tmp_path_factory.mktemp("served-home")
-    overrides = [f"tracking.uri={mlflow_url}", f"workdir={REPO}",
-                 f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
-    with gpuflow_serve(prefect_api, home, overrides, ("run-experiment", "nightly-digits")):
+    with gpuflow_serve(prefect_api, home, served_overrides(mlflow_url, home), ("run-experiment", "nightly-digits")):
         yield ServedDeployments(prefect_api, mlflow_url, home)
 
 
+def served_overrides(mlflow_url: str, home: Path) -> list[str]:
+    return [f"tracking.uri={mlflow_url}", f"workdir={REPO}",
+            f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
+
+
 @pytest.fixture(scope="session")
-def scheduled_run(served):
-    """The flow run that a schedule one minute away makes of nightly-digits (2 epochs), once it has ended."""
+def second_serve_stopped(served, tmp_path_factory) -> str:
+    """Another machine's `gpuflow serve` of nightly-digits (the same overrides), started and then stopped: its log."""
+    from tests.servers import gpuflow_serve
+
+    home = tmp_path_factory.mktemp("second-serve")
+    with gpuflow_serve(served.api_url, home, served_overrides(served.mlflow_url, served.home), ("nightly-digits",),
+                       only=True):
+        time.sleep(3)  # it polls the server at least once
+    return (home / "serve.log").read_text()
+
+
+@pytest.fixture(scope="session")
+def scheduled_run(served, second_serve_stopped):
+    """The flow run that a schedule one minute away makes of nightly-digits (2 epochs), once it has ended: after
+    a second serve of it has stopped, so the run shows that its schedule still fires."""
     from tests.servers import run_on_a_schedule_a_minute_away
 
     return run_on_a_schedule_a_minute_away(served, "nightly-digits", overrides={"epochs": 2})

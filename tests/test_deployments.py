@@ -44,7 +44,9 @@ def test_served_deployments_carry_the_form_schema_and_overrides():
 
 
 @pytest.mark.full
-def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run):
+def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run, second_serve_stopped):
+    # the second serve, stopped before the schedule was added, left the deployment to the first
+    assert "still served elsewhere: run-experiment/nightly-digits" in second_serve_stopped, second_serve_stopped[-2000:]
     assert scheduled_run.auto_scheduled
     assert scheduled_run.state.is_completed(), scheduled_run.state.message
     assert scheduled_run.name.startswith("digits-mlp-20")
@@ -54,6 +56,24 @@ def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run):
         artifacts = client.read_artifacts()
     summary = [a for a in artifacts if a.flow_run_id == scheduled_run.id and a.type == "markdown"]
     assert summary and served.mlflow_url in summary[0].data and "val_accuracy" in summary[0].data
+
+
+def test_a_stopped_serve_pauses_what_nobody_else_serves(prefect_server):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_RUNNER_POLL_FREQUENCY, temporary_settings
+
+    from gpuflow.flows.serve import pause_unless_served_elsewhere
+
+    @flow(name="nightly-alone")
+    def nightly_alone():
+        pass
+
+    with get_client(sync_client=True) as client:
+        client.create_deployment(client.create_flow(nightly_alone), "alone")
+        with temporary_settings({PREFECT_RUNNER_POLL_FREQUENCY: 1}):
+            assert pause_unless_served_elsewhere(["nightly-alone/alone"]) == ["nightly-alone/alone"]
+        assert client.read_deployment_by_name("nightly-alone/alone").paused
 
 
 @pytest.mark.full
