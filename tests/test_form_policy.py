@@ -121,3 +121,17 @@ def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served, 
         [e.experiment_id for e in MlflowClient(served.mlflow_url).search_experiments()],
         f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
     assert runs == []  # no MLflow run was opened, so no cluster either (both come after spec_from)
+
+
+def test_a_spec_file_under_serve_takes_what_it_leaves_out_from_serves_overrides(monkeypatch):
+    """`gpuflow serve --set tracking.uri=...` then a run with spec_file=experiments/digits.yaml: the file names no
+    tracking server, so it tracks where the serve does; what the file gives (its epochs) stays the file's."""
+    import json
+
+    from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
+    from gpuflow.flows.run_info import spec_from
+
+    monkeypatch.setenv(SERVE_OVERRIDES_ENV, json.dumps(["tracking.uri=http://mlflow.team:5000", "train.epochs=3"]))
+    spec = spec_from(None, str(REPO / "experiments" / "digits.yaml"))
+    assert spec.tracking.uri == "http://mlflow.team:5000"
+    assert spec.train.epochs == load_spec(REPO / "experiments" / "digits.yaml").train.epochs != 3

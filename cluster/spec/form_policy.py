@@ -37,10 +37,13 @@ class FormPolicy:
         if spec_file and not self.allows("spec_file"):
             found.append(f"spec_file: deployment {self.deployment!r} takes its spec from the form only; "
                          "leave spec_file empty (its form_policy in prefect.yaml does not allow spec_file)")
-        for path in differences(self.baseline.model_dump(mode="json"), spec.model_dump(mode="json")):
+        baseline = self.baseline.model_dump(mode="json")
+        for path in differences(baseline, spec.model_dump(mode="json")):
             if path not in DERIVED and not self.allows(path):
-                found.append(f"{path}: deployment {self.deployment!r} fixes this field; run it with the deployment's "
-                             f"value, or add {path} to its form_policy.allow in prefect.yaml (allowed: "
+                where = "in the spec file" if spec_file else "in the form"
+                found.append(f"{path}: deployment {self.deployment!r} fixes this field to "
+                             f"{shorten(value_at(baseline, path), 120)}; give that value {where}, "
+                             f"or add {path} to its form_policy.allow in prefect.yaml (allowed: "
                              f"{', '.join(self.allow) or 'nothing'})")
         generate = spec.data.generate if spec.data else None  # a loop that reads its own data has none
         for path, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
@@ -81,6 +84,12 @@ def differences(before: Any, after: Any, prefix: str = "") -> list[str]:
             paths += differences(before.get(key, MISSING), after.get(key, MISSING), path)
         return paths
     return [] if before == after else [prefix or "spec"]
+
+
+def value_at(values: Any, path: str) -> Any:
+    for key in path.split("."):
+        values = values.get(key) if isinstance(values, dict) else None
+    return values
 
 
 def not_a_project_function(entrypoint: str, workdir: str) -> str | None:
