@@ -3,6 +3,7 @@
     gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
     gpuflow validate my.yaml
     gpuflow cost --since 7d
+    gpuflow share my.yaml --user bob   # on a tracking server with users: bob may run it and register versions
     gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
     gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
     gpuflow up                    # a warm local stack that the next runs start on at once; gpuflow down stops it
@@ -32,9 +33,10 @@ def command_line() -> argparse.ArgumentParser:
                                  help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
-    from gpuflow.flows import cost_command
+    from gpuflow.flows import cost_command, share_command
 
     cost_command.add_parser(commands)
+    share_command.add_parser(commands)
     # -- deployments (flows/deploy.py, flows/serve.py): prefect.yaml's deployments, served here or registered
     serve = commands.add_parser("serve", help="serve prefect.yaml's deployments from this machine (no work pool)")
     serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -73,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             from gpuflow.flows import cost_command
 
             return cost_command.run(args)
+        if args.command == "share":
+            from gpuflow.flows import share_command
+
+            return share_command.run(args)
         spec = load_spec(args.spec, args.overrides)
         if args.command == "validate":
             return validate(spec, args.spec)

@@ -51,6 +51,8 @@ def datasets_of(spec: ExperimentSpec) -> dict:
     import pyarrow.parquet as pq
     import ray.data
 
+    # Outside a terminal each bar update is a log line (~120 a digits run in a served run's log); epochs show progress.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     datasets = {}
     for name, uri in data_uris(spec).items():
         small = parquet_bytes(uri) <= SMALL_DATASET_BYTES

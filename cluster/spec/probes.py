@@ -11,6 +11,7 @@ from gpuflow.cluster.spec.entrypoints import entrypoint_check
 from gpuflow.cluster.spec.fields import absolute_uri
 from gpuflow.cluster.spec.loading import SpecError
 from gpuflow.cluster.spec.model import ExperimentSpec
+from gpuflow.cluster.spec.tracking_access import tracking_access_problems
 
 def check_spec(spec: ExperimentSpec) -> list[str]:
     """What the model alone cannot check: the loop imports and takes the right arguments, the data is readable,
@@ -37,6 +38,8 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     down = checks.tracking_server_problem(spec.tracking_uri)
     if down:
         problems.append(f"tracking.uri: {down}")
+    else:
+        problems += tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
     return importing.problems() + problems
 
 
