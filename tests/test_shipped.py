@@ -23,8 +23,9 @@ STARTER_SPEC = "experiment.yaml"  # what `gpuflow init` writes
 
 
 def readme_command_lines() -> list[str]:
-    """Each `gpuflow ...` command in the README's code blocks (a `&&` chain's parts, comments and prompts removed)."""
-    text = (REPO / "README.md").read_text()
+    """Each `gpuflow ...` command in the code blocks of the README and of docs/ (a `&&` chain's parts, comments and
+    prompts removed)."""
+    text = "\n".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     commands = []
     for language, block in re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S):
         if language not in ("bash", "sh", "shell", "console", "text", ""):
