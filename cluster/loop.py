@@ -131,36 +131,59 @@ def log_profile(folder) -> None:
           "profile/top_operators.txt", flush=True)
 
 
+# run id -> (experiment id, params) of the flow's run, read once by rank 0 while it trains (prepare_model_logging)
+_runs: dict[str, tuple[str, dict[str, str]]] = {}
+
+
+def run_facts(run_id: str) -> tuple[str, dict[str, str]]:
+    """The run's experiment and params: what the logged model records (read once per process)."""
+    if run_id not in _runs:
+        from mlflow import MlflowClient
+
+        run = MlflowClient().get_run(run_id)
+        _runs[run_id] = (run.info.experiment_id, dict(run.data.params))
+    return _runs[run_id]
+
+
 def prepare_model_logging(run_id: str) -> None:
     """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds on
     a small machine): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: SQLAlchemy and
-    MLflow's table models imported, the schema checked). Not the pt2 save itself: torch.export patches torch
-    process-wide while it traces, and a trace beside the training loop broke its next step."""
-
-    def open_the_store():
-        from mlflow import MlflowClient
-
-        MlflowClient().get_run(run_id)
-
-    import_in_background("mlflow.pytorch", "torch.export._trace", then=open_the_store)
+    MLflow's table models imported, the schema checked), reading what the logged model records of the run. Not the pt2
+    save itself: torch.export patches torch process-wide while it traces, and a trace beside the training loop broke its
+    next step."""
+    import_in_background("mlflow.pytorch", "torch.export._trace", then=lambda: run_facts(run_id))
 
 
 def log_model(model, input_example=None) -> None:
-    """Rank 0 logs the trained model to the flow's MLflow run; other ranks do nothing."""
+    """Rank 0 logs the trained model to the flow's MLflow run; other ranks do nothing.
+
+    The logged model is created here, in the run's experiment, from the run (its params, as MLflow's log_model records
+    them), and linked to the run as its output; then MLflow's log_model saves it under that id. Left to create it
+    itself, MLflow's log_model also links the run's metrics of step 0 to the model: one call per metric, each a
+    password check on a server behind basic auth, for figures the run already holds."""
     run_id = JobEnv.from_env().mlflow_run_id
     if rank() != 0 or not run_id:
         return
     import mlflow.pytorch
+    from mlflow.entities import LoggedModelOutput
 
     model = unwrap(model).cpu()
     # Stating the requirement skips MLflow's inference of them, which re-imports the loop (seconds).
     requirements = [f"torch=={torch.__version__.split('+')[0]}"]
+    logged = {}  # what a retry (the server was down) need not do again
 
     def log():
-        # The logged model belongs to the run's experiment, not to whatever experiment is active here.
-        mlflow.set_experiment(experiment_id=mlflow.MlflowClient().get_run(run_id).info.experiment_id)
-        mlflow.pytorch.log_model(model, name="model", input_example=input_example, run_id=run_id,
-                                 pip_requirements=requirements)
+        if "model_id" not in logged:
+            experiment, params = run_facts(run_id)
+            user = os.environ.get("MLFLOW_TRACKING_USERNAME")  # who ran it, like the run (else MLflow's default)
+            logged["model_id"] = mlflow.initialize_logged_model(name="model", source_run_id=run_id, params=params,
+                                                                experiment_id=experiment,
+                                                                tags={"mlflow.user": user} if user else None).model_id
+        if "saved" not in logged:
+            mlflow.pytorch.log_model(model, name="model", input_example=input_example, model_id=logged["model_id"],
+                                     pip_requirements=requirements)
+            logged["saved"] = True
+        mlflow.MlflowClient().log_outputs(run_id, [LoggedModelOutput(logged["model_id"], step=0)])
 
     when_mlflow_answers(log, "model")
     print("[gpuflow] model logged to MLflow", file=sys.stderr, flush=True)

@@ -43,8 +43,13 @@ def release(flow, flow_run, state) -> None:
 
 
 def this_flow_run() -> dict[str, str | None]:
+    from prefect.context import FlowRunContext
+
+    creator = FlowRunContext.get().flow_run.created_by  # self-hosted Prefect: a schedule or an automation, no person
     return {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
-            "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name}
+            "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name,
+            "created_by": f"{(creator.type or '').lower()}:{creator.display_value}"
+                          if creator and creator.display_value else None}
 
 
 def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:

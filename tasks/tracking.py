@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from urllib.parse import quote
 
 import yaml
@@ -10,13 +11,47 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.protocol import BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG
-from gpuflow.cluster.run.record import client_for, experiment_id, flat_params, open_command, param, run_url
+from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
+from gpuflow.cluster.run.record import client_for, experiment_id, experiment_of, open_command, remember_experiment, run_url
 from gpuflow.cluster.spec import ExperimentSpec
 
+REFUSED = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # MLflow's 401 and 403: asking again gets the same answer
+USER_TAG = "mlflow.user"  # who ran it, as MLflow's UI shows it
+PREFECT_USER_TAG = "gpuflow.prefect_user"  # who (or which schedule, automation) created the Prefect run
 
-@task(name="open-mlflow-run", retries=2, retry_delay_seconds=[2, 5])
+
+def not_refused(task, task_run, state) -> bool:
+    """A tracking server that refused the user (wrong password, no permission) refuses a retry too: retry the rest."""
+    try:
+        state.result()
+    except MlflowException as exc:
+        return exc.error_code not in REFUSED
+    except Exception:
+        return True
+    return True
+
+
+def refusal(exc: MlflowException, spec: ExperimentSpec) -> MlflowException:
+    """MLflow's 401/403, saying whom it refused and what to fix."""
+    from mlflow.protos.databricks_pb2 import ErrorCode
+
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if exc.error_code == "UNAUTHENTICATED":
+        message = (f"MLflow at {spec.tracking_uri} refused user {user!r} (401): check MLFLOW_TRACKING_USERNAME / "
+                   "MLFLOW_TRACKING_PASSWORD" if user else f"MLflow at {spec.tracking_uri} asks who you are (401): "
+                   "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (a user its admin created)")
+    else:
+        message = (f"MLflow at {spec.tracking_uri}: user {user!r} lacks EDIT permission on experiment "
+                   f"{spec.experiment_name!r} (403): its owner or an admin grants it with `gpuflow share SPEC --user "
+                   f"{user}`, or change tracking.experiment")
+    return MlflowException(message, error_code=ErrorCode.Value(exc.error_code))
+
+
+@task(name="open-mlflow-run", retries=2, retry_delay_seconds=[2, 5], retry_condition_fn=not_refused)
 def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> str:
-    """Creates the run the job will log into: params, the spec, and tags linking it to the Prefect run."""
+    """Creates the run the job will log into: spec.yaml, and tags linking it to the Prefect run and saying who ran it.
+    Three calls to the tracking server (its experiment, the run, spec.yaml): its params go in with its price and lease
+    (RunRecord.opened), in one more."""
     client = client_for(spec)
     tags = {
         FLOW_RUN_TAG: flow_run["id"],
@@ -27,10 +62,21 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         CLUSTER_TAG: cluster_name,
         "mlflow.runName": flow_run["name"],
     }
-    run = client.create_run(experiment_id(client, spec), run_name=flow_run["name"], tags=tags)
-    run_id = run.info.run_id
-    client.log_batch(run_id, params=[param(k, v) for k, v in flat_params(spec).items()], synchronous=True)
-    client.log_text(run_id, yaml.safe_dump(spec.model_dump(mode="json", exclude={"secrets"}), sort_keys=False), "spec.yaml")
+    if os.environ.get("MLFLOW_TRACKING_USERNAME"):  # else MLflow's default
+        tags[USER_TAG] = os.environ["MLFLOW_TRACKING_USERNAME"]
+    if flow_run.get("created_by"):
+        tags[PREFECT_USER_TAG] = flow_run["created_by"]
+    try:
+        experiment = experiment_id(client, spec)
+        run = client.create_run(experiment, run_name=flow_run["name"], tags=tags)
+        run_id = run.info.run_id
+        remember_experiment(run_id, experiment)
+        spec_yaml = yaml.safe_dump(spec.model_dump(mode="json", exclude={"secrets"}), sort_keys=False)
+        log_text_to(artifact_repo(run.info.artifact_uri, spec.tracking_uri), spec_yaml, "spec.yaml")
+    except MlflowException as exc:
+        if exc.error_code in REFUSED:
+            raise refusal(exc, spec) from exc
+        raise
     # TODO(skypilot): log the resolved SkyPilot task YAML beside spec.yaml (client.log_text(run_id, ..., "sky-task.yaml"))
     # once the SkyPilot backend can render it; the local backend has none.
     get_run_logger().info(f"MLflow run {run_id} in experiment {spec.experiment_name!r} ({spec.tracking_uri})")
@@ -41,8 +87,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
 def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
     """Registers the model that rank 0 logged as a new version of the model named after the spec."""
     client = client_for(spec)
-    experiment = client.get_run(run_id).info.experiment_id
-    models = client.search_logged_models([experiment], filter_string=f"source_run_id = '{run_id}'")
+    models = client.search_logged_models([experiment_of(client, run_id)], filter_string=f"source_run_id = '{run_id}'")
     if not models:
         get_run_logger().warning("the training loop logged no model (gpuflow.cluster.loop.log_model): nothing to register")
         return None
@@ -88,9 +133,10 @@ def telemetry_lines(metrics: dict) -> list[str]:
 def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
     """A markdown artifact on the Prefect run: the MLflow run, its link, final metrics, timings and telemetry."""
     metrics = summary.get("metrics", {})
+    url = run_url(spec, run_id)
     lines = [
         f"# {spec.name}",
-        f"**MLflow run** `{run_id}`: [{run_url(spec, run_id)}]({run_url(spec, run_id)})",
+        f"**MLflow run** `{run_id}`: [{url}]({url})",
         f"(tracking URI `{spec.tracking_uri}`" + (f"; open with `{open_command(spec)}`)" if open_command(spec) else ")"),
         "",
         "| metric | value |",

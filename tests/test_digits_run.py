@@ -41,6 +41,7 @@ def digits_run(prefect_server, tmp_path_factory) -> DigitsRun:
     home = tmp_path_factory.mktemp("digits-run")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("GPUFLOW_HOME", str(home))
+        env.setenv("MLFLOW_TRACKING_USERNAME", "digits-tester")  # who ran it: the run's mlflow.user (a local store ignores it)
         spec = load_spec(REPO / "experiments" / "digits.yaml", [
             f"workdir={REPO}", f"data.train={home}/data/train.parquet",
             f"data.validation={home}/data/validation.parquet", f"tracking.uri=sqlite:///{home}/mlflow.db",
@@ -63,6 +64,7 @@ def test_the_mlflow_run_has_every_epoch_its_params_and_its_cluster(digits_run):
     summary = digits_run.state.result()
     assert run.data.tags["gpuflow.cluster"] == cluster_name_for(digits_run.flow_run_id) == summary["cluster"]
     assert run.data.tags["prefect.flow_run_name"].startswith("digits-mlp-")
+    assert run.data.tags["mlflow.user"] == run.info.user_id == "digits-tester"
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(spec.train.epochs))
     assert run.data.params["train.lr"] == str(spec.train.lr)

@@ -6,6 +6,9 @@
 import base64
 import contextlib
 import os
+import secrets
+import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +22,7 @@ from tests.conftest import REPO, processes_of
 from tests.infra.postgres import harness
 from tests.servers import BIN, READY_TIMEOUT_S, base_env, started
 from tests.team_stack import MLFLOW_ADMIN, TeamStack, team_stack, wait_until_final
+from tests.loops import PACED_LOOP
 from tests.tiers import require
 
 pytestmark = pytest.mark.team
@@ -62,9 +66,10 @@ def test_requests_without_the_credentials_are_refused(stack):
 
 
 @contextlib.contextmanager
-def serving(stack: TeamStack, home, limit: int):
-    """`gpuflow serve --only run-experiment` as a worker of the team would run it: credentials in its environment,
-    the MLflow ones passed on to the cluster as secrets."""
+def serving(stack: TeamStack, home, limit: int, user: tuple[str, str] | None = None,
+            only: tuple[str, ...] = ("run-experiment",), down_what_is_left: bool = True):
+    """`gpuflow serve --only run-experiment` as a worker of the team would run it: credentials in its environment
+    (the admin's, or `user`'s), the MLflow ones passed on to the cluster as secrets."""
     home.mkdir(parents=True, exist_ok=True)
     from experiments.digits import write_parquet
 
@@ -72,14 +77,15 @@ def serving(stack: TeamStack, home, limit: int):
     overrides = [f"tracking.uri={stack.mlflow_url}", f"workdir={REPO}", f"data.train={home}/data/train.parquet",
                  f"data.validation={home}/data/validation.parquet", "data.generate=null",
                  "secrets=[MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD]"]
-    env = base_env(**stack.client_env(), GPUFLOW_HOME=str(home), PREFECT_RUNNER_POLL_FREQUENCY="1")
-    command = [str(BIN / "gpuflow"), "serve", "--only", "run-experiment", "--limit", str(limit),
+    credentials = {"MLFLOW_TRACKING_USERNAME": user[0], "MLFLOW_TRACKING_PASSWORD": user[1]} if user else {}
+    env = base_env(**{**stack.client_env(), **credentials}, GPUFLOW_HOME=str(home), PREFECT_RUNNER_POLL_FREQUENCY="1")
+    command = [str(BIN / "gpuflow"), "serve", *[f"--only={name}" for name in only], "--limit", str(limit),
                *[f"--set={item}" for item in overrides]]
     try:
         with started(command, home / "serve.log", env) as process:
             deadline = time.monotonic() + READY_TIMEOUT_S
             with stack.prefect_client() as client:
-                while not [d for d in client.read_deployments() if d.name == "run-experiment"]:
+                while not set(only) <= {d.name for d in client.read_deployments()}:
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"gpuflow serve did not register:\n{(home / 'serve.log').read_text()[-3000:]}")
                     time.sleep(0.5)
@@ -87,8 +93,40 @@ def serving(stack: TeamStack, home, limit: int):
     finally:
         # Stopping the runner SIGKILLs flow runs still going (no `finally`): down what they left, as the reaper would.
         backend = LocalBackend(home / "clusters")
-        for cluster in backend.status():
+        for cluster in backend.status() if down_what_is_left else ():
             backend.down(cluster.name)
+
+
+@contextlib.contextmanager
+def as_user(name: str, password: str):
+    """MLflow's client (and gpuflow's checks) send these credentials inside the block."""
+    previous = {key: os.environ.get(key) for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+    os.environ.update(MLFLOW_TRACKING_USERNAME=name, MLFLOW_TRACKING_PASSWORD=password)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+@pytest.fixture(scope="module")
+def users(stack) -> dict[str, str]:
+    """Three members of the team, none an admin, created by the admin: name → password."""
+    from mlflow.server.auth.client import AuthServiceClient
+
+    made = {name: secrets.token_hex(8) for name in ("alice", "bob", "carol")}
+    with as_user(MLFLOW_ADMIN, stack.mlflow_password):
+        for name, password in made.items():
+            AuthServiceClient(stack.mlflow_url).create_user(name, password)
+    return made
+
+
+def gpuflow_command(stack: TeamStack, *args: str, user: tuple[str, str]) -> subprocess.CompletedProcess:
+    """A gpuflow command on the digits spec as a team member runs it, tracking to the team's server."""
+    env = base_env(**{**stack.client_env(), "MLFLOW_TRACKING_USERNAME": user[0], "MLFLOW_TRACKING_PASSWORD": user[1]},
+                   GPUFLOW_HOME=str(stack.home / f"cli-{user[0]}"))
+    return subprocess.run([str(BIN / "gpuflow"), *args, "experiments/digits.yaml", f"--set=tracking.uri={stack.mlflow_url}"],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
 
 
 # The load is on the stack (servers, serve, clusters, tracking), not on training: two tiny epochs of a loop that
@@ -109,12 +147,14 @@ def submit(stack: TeamStack, count: int, train: dict, **sections) -> list:
 
 
 def mlflow_runs(stack: TeamStack, flow_run_ids) -> dict:
-    client = MlflowClient(stack.mlflow_url)
+    """flow run id → its MLflow run, read as the admin."""
     ids = {str(run_id) for run_id in flow_run_ids}
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    return {run.data.tags["prefect.flow_run_id"]: run
-            for run in client.search_runs(experiments, max_results=1000)
-            if run.data.tags.get("prefect.flow_run_id") in ids}
+    with as_user(MLFLOW_ADMIN, stack.mlflow_password):
+        client = MlflowClient(stack.mlflow_url)
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        return {run.data.tags["prefect.flow_run_id"]: run
+                for run in client.search_runs(experiments, max_results=1000)
+                if run.data.tags.get("prefect.flow_run_id") in ids}
 
 
 @pytest.fixture
@@ -123,23 +163,104 @@ def mlflow_credentials(stack, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", stack.mlflow_password)
 
 
-def test_an_authenticated_run_works_end_to_end_on_postgres(stack, mlflow_credentials, tmp_path):
-    home = stack.home / "served-one"
-    with serving(stack, home, limit=1):
+@pytest.fixture(scope="module")
+def first_run(stack, users):
+    """Alice, the first of the team to run: through the served deployment, as herself. It creates the experiment and
+    the registered model, which she then manages."""
+    home = stack.home / "served-alice"
+    with serving(stack, home, limit=1, user=("alice", users["alice"])):
         [flow_run_id] = submit(stack, 1, train={"epochs": 1})
         [flow_run] = wait_until_final(stack, [flow_run_id], log=home / "serve.log")
+    assert processes_of(home) == [] and not any((home / "clusters").glob("*/*"))
+    return flow_run, mlflow_runs(stack, [flow_run_id]).get(str(flow_run_id))
+
+
+def test_an_authenticated_run_works_end_to_end_on_postgres(stack, first_run):
+    flow_run, run = first_run
     assert flow_run.state.is_completed(), flow_run.state.message
-    run = mlflow_runs(stack, [flow_run_id])[str(flow_run_id)]
     assert run.info.status == "FINISHED" and run.data.metrics["val_accuracy"] > 0.5
+    assert run.data.tags["mlflow.user"] == "alice"  # who ran it, not `unknown`
 
     # both servers keep it in PostgreSQL, not in a file of their own
     with psycopg2.connect(stack.postgres.url("mlflow")) as db, db.cursor() as cursor:
         cursor.execute("select status from runs where run_uuid = %s", (run.info.run_id,))
         assert cursor.fetchone() == ("FINISHED",)
     with psycopg2.connect(stack.postgres.url("prefect")) as db, db.cursor() as cursor:
-        cursor.execute("select state_type from flow_run where id = %s", (str(flow_run_id),))
+        cursor.execute("select state_type from flow_run where id = %s", (str(flow_run.id),))
         assert cursor.fetchone() == ("COMPLETED",)
-    assert processes_of(home) == [] and not any((home / "clusters").glob("*/*"))
+
+
+def test_an_unknown_user_is_refused_before_anything_starts(stack):
+    result = gpuflow_command(stack, "validate", user=("mallory", "anything"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refused user 'mallory' (401)" in result.stderr and "MLFLOW_TRACKING_USERNAME" in result.stderr
+
+
+def test_a_wrong_password_is_refused_before_anything_starts(stack, users):
+    result = gpuflow_command(stack, "validate", user=("alice", "not-her-password"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refused user 'alice' (401)" in result.stderr and "MLFLOW_TRACKING_PASSWORD" in result.stderr
+    assert gpuflow_command(stack, "validate", user=("alice", users["alice"])).returncode == 0
+
+
+def test_a_user_without_edit_on_the_experiment_is_refused_naming_the_fix(stack, users, first_run):
+    result = gpuflow_command(stack, "validate", user=("carol", users["carol"]))
+    assert result.returncode == 2, result.stdout + result.stderr
+    for wanted in ("tracking.experiment: MLflow user 'carol' has READ on experiment 'digits-mlp'",
+                   "name: MLflow user 'carol' has READ on registered model 'digits-mlp'", "gpuflow share SPEC --user carol"):
+        assert wanted in result.stderr, result.stderr
+
+
+def test_a_teammate_runs_and_registers_a_version_once_shared(stack, users, first_run):
+    shared = gpuflow_command(stack, "share", "--user", "bob", user=("alice", users["alice"]))
+    assert shared.returncode == 0 and "bob: EDIT on experiment 'digits-mlp'" in shared.stdout, shared.stderr
+    home = stack.home / "served-bob"
+    with serving(stack, home, limit=1, user=("bob", users["bob"])):
+        [flow_run_id] = submit(stack, 1, train={"epochs": 1})
+        [flow_run] = wait_until_final(stack, [flow_run_id], log=home / "serve.log")
+    assert flow_run.state.is_completed(), flow_run.state.message
+    run = mlflow_runs(stack, [flow_run_id])[str(flow_run_id)]
+    assert run.data.tags["mlflow.user"] == "bob" and first_run[1].data.tags["mlflow.user"] == "alice"
+    with as_user(MLFLOW_ADMIN, stack.mlflow_password):
+        versions = MlflowClient(stack.mlflow_url).search_model_versions("name = 'digits-mlp'")
+    assert {v.run_id for v in versions} >= {first_run[1].info.run_id, run.info.run_id}
+    assert processes_of(home) == []
+
+
+def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflow_credentials):
+    """The runner's machine goes (SIGTERM): its job ends its own run as orphaned, and the reaper another machine
+    serves, run as its schedule runs it (default parameters), finds the team's server and marks the flow run Crashed."""
+    home = stack.home / "served-stopped"
+    with serving(stack, stack.home / "served-reaper", limit=1, only=("reap-clusters",)), \
+            serving(stack, home, limit=1, down_what_is_left=False) as runner:
+        [flow_run_id] = submit(stack, 1, train={"loop": PACED_LOOP, "epochs": 400, "params": {"hidden": 32, "pace_s": 0.5}},
+                               limits={"max_runtime_minutes": 15, "orphan_grace_minutes": 0.2})
+        wait_until(lambda: [r for r in mlflow_runs(stack, [flow_run_id]).values() if "train_loss" in r.data.metrics],
+                   300, "training")
+        runner.send_signal(signal.SIGTERM)
+        runner.wait(90)
+        wait_until(lambda: mlflow_runs(stack, [flow_run_id])[str(flow_run_id)].info.status != "RUNNING", 180,
+                   "the job ending its run")
+        with stack.prefect_client() as client:
+            assert client.read_flow_run(flow_run_id).state.is_running()  # nothing else updates a dead runner's run
+            reaper = client.read_deployment_by_name("reap-clusters/reap-clusters")
+            reaper_run = client.create_flow_run_from_deployment(reaper.id).id  # its parameters as the schedule's
+        [reaped] = wait_until_final(stack, [reaper_run], log=stack.home / "served-reaper" / "serve.log")
+    assert reaped.state.is_completed(), reaped.state.message
+    with stack.prefect_client() as client:
+        assert client.read_flow_run(flow_run_id).state.is_crashed()
+    run = mlflow_runs(stack, [flow_run_id])[str(flow_run_id)]
+    assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
+    wait_until(lambda: processes_of(home) == [], 120, "the stopped serve's cluster gone")
+
+
+def wait_until(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (found := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(1)
+    return found
 
 
 @pytest.mark.load

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from gpuflow.cluster.cost.pricing import (BudgetExceeded, Estimate, check_daily_budget, check_run_budget,
                                          daily_budget_usd, hourly_cost)
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.cluster.cost.spend import HOURLY_METRIC, run_costs, start_of_today_utc
+from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
 
 RESERVATIONS_EXPERIMENT = "gpuflow-budget-reservations"
 RESERVED_METRIC = "reserved_usd"
@@ -144,13 +144,3 @@ def settle_budget(spec: ExperimentSpec, flow_run_id: str) -> None:
     """At the run's end: its budget reservation gives way to the real cost logged in its MLflow run (cost_usd)."""
     if daily_budget_usd() is not None:
         release_reservations_of(spec.tracking_uri, str(flow_run_id))
-
-
-def record_estimate(spec: ExperimentSpec, run_id: str, estimate: Estimate) -> None:
-    """Logs the price when the run opens, so a run still going (or killed with its flow) can be priced later."""
-    client = MlflowClient(tracking_uri=spec.tracking_uri)
-    client.log_metric(run_id, HOURLY_METRIC, estimate.hourly_usd)
-    client.set_tag(run_id, "spot", str(estimate.use_spot).lower())
-    client.set_tag(run_id, "gpuflow.price_source", estimate.source)
-    if estimate.instance_type:
-        client.set_tag(run_id, "gpuflow.instance_type", estimate.instance_type)

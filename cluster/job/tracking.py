@@ -2,11 +2,11 @@
 
     TorchTrainer(loop, run_config=RunConfig(callbacks=tracking_callbacks(run_id, tracking_uri)))
 
-The callbacks run in Ray Train's controller, not in the workers: a loop needs no gpuflow code to be
-tracked. Ray Train calls `after_report` once all workers have reported and after the report's
-checkpoint is persisted to storage, so a step's metrics are logged only once its checkpoint exists.
-Logging happens on a background thread in batches (MLflow's per-call latency would otherwise hold up
-the workers' next report), and a resumed attempt skips steps the run already holds.
+The callbacks run in Ray Train's controller, not in the workers: a loop needs no gpuflow code to be tracked. Ray
+Train calls `after_report` once all workers have reported and after the report's checkpoint is persisted to storage,
+so a step's metrics are logged only once its checkpoint exists. A background thread logs what is reported within a
+few seconds in one call (MLflow's per-call latency would otherwise hold up the workers' next report, and behind basic
+auth each call costs the server a password check); a resumed attempt skips steps the run already holds.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlflow import MlflowClient
 from ray.train.v2._internal.execution.callback import ControllerCallback  # end of run: no public hook yet
 from ray.train.v2.api.callback import UserCallback
 
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, epoch_line
+from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
 FINISH_TIMEOUT_S = 120
+BATCH_WINDOW_S = 3.0  # reports within this long of the first queued go to MLflow together: one call, not one each
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train v2's, next to the checkpoints
 
 
@@ -88,7 +91,7 @@ class MlflowTracker:
         self._logged_before: dict[str, int] = {}  # key -> max step the run held when this attempt first saw it
         self._logged: dict[str, int] = {}  # key -> max step logged so far
         self._client = None
-        self._keys_in_run: set[str] | None = None
+        self._keys_in_run, self._run_info = None, None  # metric keys, experiment, artifact URI: one read (_read_run)
         self._pending: list[tuple[list, list]] = []  # batches MLflow has not taken yet (the server was down)
         self._unreachable = False
 
@@ -98,8 +101,6 @@ class MlflowTracker:
     @property
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient
-
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -136,10 +137,10 @@ class MlflowTracker:
     def _drain(self) -> None:
         done = False
         while not done:
-            batch = [self._queue.get()]
-            while True:  # everything that queued up meanwhile goes in the same batch
+            batch, until = [self._queue.get()], time.monotonic() + BATCH_WINDOW_S
+            while batch[-1] is not None:  # what queues up within the window goes in the same batch (call)
                 try:
-                    batch.append(self._queue.get_nowait())
+                    batch.append(self._queue.get(timeout=max(0.0, until - time.monotonic())))
                 except queue.Empty:
                     break
             done = None in batch
@@ -153,7 +154,7 @@ class MlflowTracker:
         if key not in self._logged_before:
             try:
                 if self._keys_in_run is None:  # one read: only a resumed run's keys need their history
-                    self._keys_in_run = set(self.client.get_run(self.run_id).data.metrics)
+                    self._read_run()
                 history = self.client.get_metric_history(self.run_id, key) if key in self._keys_in_run else []
             except Exception:
                 history = []
@@ -215,22 +216,29 @@ class MlflowTracker:
                 else:
                     time.sleep(1 + attempt * 4)
 
+    def _read_run(self):  # once: the metric keys the run already holds, its experiment and its artifact URI
+        if self._run_info is None:
+            run = self.client.get_run(self.run_id)
+            self._keys_in_run, self._run_info = set(run.data.metrics), run.info
+        return self._run_info
+
     # -- at the end of the run ------------------------------------------------------------------------------
     def close_run_records(self, checkpoint, succeeded: bool) -> None:
         """The list of checkpoints as an artifact; and a run that logged no model gets its last checkpoint."""
         self.finish()
+        artifacts = lambda: artifact_repo(self._read_run().artifact_uri, self.tracking_uri)  # noqa: E731
         if self.checkpoints:
-            self._call(lambda: self.client.log_text(self.run_id, json.dumps(self.checkpoints, indent=1), "checkpoints.json"))
+            self._call(lambda: log_text_to(artifacts(), json.dumps(self.checkpoints, indent=1), "checkpoints.json"))
         if succeeded and checkpoint is not None and not self.logged_a_model():
             def upload():
                 with checkpoint.as_directory() as folder:
-                    self.client.log_artifacts(self.run_id, folder, "checkpoint")
+                    artifacts().log_artifacts(folder, "checkpoint")
             self._call(upload)
             print("[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run", flush=True)
 
     def logged_a_model(self) -> bool:
         try:
-            experiment = self.client.get_run(self.run_id).info.experiment_id
+            experiment = self._read_run().experiment_id
             return bool(self.client.search_logged_models([experiment], filter_string=f"source_run_id = '{self.run_id}'"))
         except Exception:
             return False

@@ -19,12 +19,20 @@ def renew_interval_s(grace_s: float) -> float:
     return max(0.5, min(30.0, grace_s / 4))
 
 
-class LeaseKeeper(threading.Thread):
-    """The flow's side: renews the lease until `finish()` (a failed renewal is retried at the next tick)."""
+def lease_tags(grace_s: float, now: float | None = None) -> dict[str, str]:
+    """The lease as the run's tags: its grace period and a renewal now. Logged with the run's other tags when it
+    opens (one call), so that the keeper's first renewal waits a whole interval."""
+    return {GRACE_TAG: f"{grace_s:g}", RENEWED_TAG: f"{time.time() if now is None else now:.3f}"}
 
-    def __init__(self, client, run_id: str, grace_s: float):
+
+class LeaseKeeper(threading.Thread):
+    """The flow's side: renews the lease until `finish()` (a failed renewal is retried at the next tick).
+
+    `taken`: the lease tags (`lease_tags`) are already in the run; else the keeper writes them first."""
+
+    def __init__(self, client, run_id: str, grace_s: float, taken: bool = False):
         super().__init__(daemon=True, name="gpuflow-lease")
-        self.client, self.run_id, self.grace_s = client, run_id, grace_s
+        self.client, self.run_id, self.grace_s, self.taken = client, run_id, grace_s, taken
         self._done = threading.Event()
 
     def renew(self) -> bool:
@@ -34,11 +42,21 @@ class LeaseKeeper(threading.Thread):
         except Exception:  # the tracking server blinked: the grace period covers a few missed renewals
             return False
 
+    def take(self) -> bool:
+        """Writes the grace period and a first renewal, in one call."""
+        from mlflow.entities import RunTag
+
+        try:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in lease_tags(self.grace_s).items()],
+                                  synchronous=True)
+            return True
+        except Exception:
+            return False
+
     def run(self) -> None:
-        self.client.set_tag(self.run_id, GRACE_TAG, f"{self.grace_s:g}")
-        while not self._done.is_set():
-            self.renew()
-            self._done.wait(renew_interval_s(self.grace_s))
+        self.taken = self.taken or self.take()
+        while not self._done.wait(renew_interval_s(self.grace_s)):
+            self.taken = self.renew() if self.taken else self.take()
 
     def finish(self) -> None:
         self._done.set()

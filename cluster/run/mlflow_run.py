@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
-from mlflow.entities import Metric
+from mlflow.entities import Metric, RunTag
 
 RETRY_DELAYS_S = (1, 2, 4, 8, 15)  # a tracking server restarting takes seconds: the run must still end
 
 
 def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None = None,
-              tags: dict[str, str] | None = None, overwrite: bool = False) -> bool:
+              tags: dict[str, str] | None = None, overwrite: bool = False, children: bool = True) -> bool:
     """Logs the last metrics and tags and ends the run FINISHED, FAILED or KILLED.
 
     A run that already ended keeps its status unless `overwrite` (the job that stopped itself ended it first,
-    with the reason only it knew). Its child runs still RUNNING (a sweep's trials) end with the same status.
-    Returns False when the tracking server stayed unreachable."""
+    with the reason only it knew). Its child runs still RUNNING (a sweep's trials) end with the same status;
+    `children=False` where the run can have none (no sweep): then no search for them.
+    Returns False when the tracking server stayed unreachable.
+
+    At most four calls: the run read once (its status, its experiment), metrics and tags in one batch, the
+    children's search, the status."""
     for delay in (*RETRY_DELAYS_S, None):
         try:
-            for key, value in (tags or {}).items():
-                client.set_tag(run_id, key, value)
-            if metrics:
+            run = client.get_run(run_id).info
+            if metrics or tags:
                 now = int(time.time() * 1000)
-                client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-                                 synchronous=True)
-            close_children(client, run_id, status)
-            if overwrite or client.get_run(run_id).info.status == "RUNNING":
+                client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+                                 tags=[RunTag(k, v) for k, v in (tags or {}).items()], synchronous=True)
+            if children:
+                close_children(client, run_id, status, run.experiment_id)
+            if overwrite or run.status == "RUNNING":
                 client.set_terminated(run_id, status)
             return True
         except Exception:
@@ -35,10 +41,10 @@ def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None
     return False
 
 
-def close_children(client, run_id: str, status: str) -> list[str]:
+def close_children(client, run_id: str, status: str, experiment: str | None = None) -> list[str]:
     """Ends the run's child runs (tag mlflow.parentRunId) still RUNNING with `status`: whatever ends a sweep, a
     cancel, a limit, a crash, the reaper, ends its trials too."""
-    experiment = client.get_run(run_id).info.experiment_id
+    experiment = experiment or client.get_run(run_id).info.experiment_id
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run_id}' and "
                                                 "attributes.status = 'RUNNING'", max_results=5000)
     for child in children:
@@ -59,3 +65,20 @@ def stop_of_closed_run(client, run_id: str) -> tuple[str, str] | None:
     if run.info.status == "RUNNING" or not reason:
         return None
     return reason, run.data.tags.get(STOP_DETAIL_TAG, f"stopped: {reason} (by the job on the cluster)")
+
+
+def artifact_repo(artifact_uri: str, tracking_uri: str | None = None):
+    """The artifact store of a run whose artifact URI is known (from creating or reading it): MlflowClient's own
+    log_text / log_artifacts would ask the server for the run first, to learn it."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    return get_artifact_repository(artifact_uri, tracking_uri=tracking_uri)
+
+
+def log_text_to(repo, text: str, artifact_file: str) -> None:
+    """MlflowClient.log_text into `repo` (artifact_repo)."""
+    where = Path(artifact_file)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, where.name)
+        path.write_text(text, encoding="utf-8")
+        repo.log_artifact(str(path), str(where.parent) if str(where.parent) != "." else None)

@@ -4,15 +4,18 @@ flow lives, closed with the run's outcome and bill; and finding a flow run's MLf
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable
 
 from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
 
 from gpuflow.cluster.backends import train_run_name
-from gpuflow.cluster.cost.budget import record_estimate, settle_budget
+from gpuflow.cluster.cost.budget import settle_budget
+from gpuflow.cluster.cost.spend import HOURLY_METRIC
 from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
-from gpuflow.cluster.run.lease import LeaseKeeper
+from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
 from gpuflow.cluster.run.mlflow_run import close_run
 from gpuflow.cluster.spec import ExperimentSpec
@@ -20,6 +23,22 @@ from gpuflow.cluster.spec import ExperimentSpec
 
 def client_for(spec: ExperimentSpec) -> MlflowClient:
     return MlflowClient(tracking_uri=spec.tracking_uri)
+
+
+# run id -> experiment id, for the runs this process opened: asked for again (the summary's link, the registration),
+# it is known without a call to the tracking server (each one a password check on a server behind basic auth).
+_experiments: dict[str, str] = {}
+
+
+def remember_experiment(run_id: str, experiment: str) -> None:
+    _experiments[run_id] = experiment
+
+
+def experiment_of(client: MlflowClient, run_id: str) -> str:
+    """The run's experiment id: remembered from its opening in this process, else read from the server once."""
+    if run_id not in _experiments:
+        _experiments[run_id] = client.get_run(run_id).info.experiment_id
+    return _experiments[run_id]
 
 
 def experiment_id(client: MlflowClient, spec: ExperimentSpec) -> str:
@@ -55,9 +74,16 @@ def flat_params(spec: ExperimentSpec) -> dict[str, str]:
 
 
 def param(key, value):
-    from mlflow.entities import Param
-
     return Param(key, value)
+
+
+def price_entries(price) -> tuple[dict[str, float], dict[str, str]]:
+    """The price the run opens with, as (metrics, tags): so a run still going (or killed with its flow) can be
+    priced later (cluster/cost/spend.py reads the metric)."""
+    tags = {"spot": str(price.use_spot).lower(), "gpuflow.price_source": price.source}
+    if price.instance_type:
+        tags["gpuflow.instance_type"] = price.instance_type
+    return {HOURLY_METRIC: price.hourly_usd}, tags
 
 
 class RunRecord:
@@ -70,11 +96,18 @@ class RunRecord:
         self._lease: LeaseKeeper | None = None
 
     def opened(self, run_id: str, price) -> str:
+        """The run is open: its params, its price, where its checkpoints go and its lease, in one call; then the
+        lease is kept."""
         self.run_id = run_id
-        record_estimate(self.spec, run_id, price)
-        checkpoints = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
-        client_for(self.spec).set_tag(run_id, CHECKPOINTS_TAG, checkpoints)
-        self._lease = LeaseKeeper(client_for(self.spec), run_id, self.spec.limits.orphan_grace_minutes * 60)
+        grace_s = self.spec.limits.orphan_grace_minutes * 60
+        metrics, tags = price_entries(price)
+        tags[CHECKPOINTS_TAG] = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
+        tags.update(lease_tags(grace_s))
+        now = int(time.time() * 1000)
+        client_for(self.spec).log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                                        params=[param(k, v) for k, v in flat_params(self.spec).items()],
+                                        tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+        self._lease = LeaseKeeper(client_for(self.spec), run_id, grace_s, taken=True)
         self._lease.start()
         return run_id
 
@@ -83,7 +116,9 @@ class RunRecord:
         if self.run_id:
             metrics = {**{f"gpuflow.{key}": value for key, value in self.phases.items()}, **bill}
             tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
-            if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags):
+            # only a sweep's run has child runs (its trials) to end with it: no search for the others
+            if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags,
+                             children=self.spec.sweep is not None):
                 self.warn(f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
                                          "left RUNNING; the reaper closes it")
         else:
@@ -110,8 +145,7 @@ def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) 
 
 
 def run_url(spec: ExperimentSpec, run_id: str) -> str:
-    client = client_for(spec)
-    experiment = client.get_run(run_id).info.experiment_id
+    experiment = experiment_of(client_for(spec), run_id)
     base = spec.tracking_uri if spec.tracking_uri.startswith("http") else "http://127.0.0.1:5000"
     return f"{base.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
 
