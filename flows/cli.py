@@ -3,6 +3,8 @@
     gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
     gpuflow validate my.yaml
     gpuflow cost --since 7d
+    gpuflow status                     # what is running or waiting now, its cluster, GPUs, cost so far
+    gpuflow quota set aws-h100 8       # the team's runs hold at most 8 of those GPUs at once; the rest wait
     gpuflow share my.yaml --user bob   # on a tracking server with users: bob may run it and register versions
     gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
     gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
@@ -33,10 +35,14 @@ def command_line() -> argparse.ArgumentParser:
                                  help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
-    from gpuflow.flows import cost_command, share_command
+    from gpuflow.flows import cost_command, quota_command, share_command
 
     cost_command.add_parser(commands)
     share_command.add_parser(commands)
+    quota_command.add_parser(commands)
+    from gpuflow.flows import status_command
+
+    status_command.add_parser(commands)
     # -- deployments (flows/deploy.py, flows/serve.py): prefect.yaml's deployments, served here or registered
     serve = commands.add_parser("serve", help="serve prefect.yaml's deployments from this machine (no work pool)")
     serve.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -54,6 +60,7 @@ def command_line() -> argparse.ArgumentParser:
     deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments with a work pool")
     deploy.add_argument("--only", action="append", default=[], metavar="DEPLOYMENT", help="deploy only this one (repeatable)")
     deploy.add_argument("--pool", default="gpuflow-process", help="work pool, created as a process pool if missing")
+    deploy.add_argument("--remote", help="git URL workers pull the code from (default: this folder's origin)")
     init = commands.add_parser("init", help="write a starter project: experiment.yaml, train.py (a Ray Train loop), prefect.yaml")
     init.add_argument("folder", nargs="?", default=".", help="where to write it (default: here)")
     init.add_argument("--force", action="store_true", help="overwrite those files if they exist")
@@ -75,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
             from gpuflow.flows import cost_command
 
             return cost_command.run(args)
+        if args.command == "status":
+            from gpuflow.flows import status_command
+
+            return status_command.run(args)
+        if args.command == "quota":
+            from gpuflow.flows import quota_command
+
+            return quota_command.run(args)
         if args.command == "share":
             from gpuflow.flows import share_command
 
@@ -194,7 +209,7 @@ def deployments(args) -> int:
 
     try:
         if args.command == "deploy":
-            return deploy(args.only, args.pool)
+            return deploy(args.only, args.pool, remote=args.remote)
         serve(args.overrides, args.only, args.limit)
         return 0
     except SpecError as exc:

@@ -22,6 +22,7 @@ from gpuflow.cluster.run.monitor import (LOSS_SETTLE_S, JobFailed, TrainResult, 
 from gpuflow.cluster.run.record import RunRecord, close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
+from gpuflow.flows.quota import QueueCancelled, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
@@ -108,7 +109,8 @@ def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, l
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
 def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
-    """Validate → stage data + open the MLflow run + provision (side by side) → train → teardown → register.
+    """Validate → wait for the team's GPU quota → stage data + open the MLflow run + provision (side by side) →
+    train → teardown → register.
 
     Args:
         spec: The experiment: what to train, on what data and compute, tracked where, within which limits.
@@ -119,8 +121,21 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     flow_run = this_flow_run()
+    try:
+        # the quota's GPUs are held from before the provision request until the cluster is down
+        with turn_for_gpus(spec, flow_run["id"], logger.info) as quota:
+            return run_on_a_cluster(spec, flow_run, quota.waited_s if quota.lease_id else None)
+    except QueueCancelled:
+        return Cancelled(message="cancelled while waiting for the team's GPU quota: nothing was started")
+
+
+def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | None):
+    """Provision → train (relaunching a lost cluster) → teardown → register, as one unit with the MLflow run."""
+    logger = get_run_logger()
     cluster_name = cluster_name_for(flow_run["id"])
     record = RunRecord(spec, flow_run["id"], logger.warning)
+    if queued_s is not None:  # it held a quota
+        record.phases["queue_seconds"] = queued_s
     backend = get_backend(spec.compute.backend)
     life = Lifecycle(cluster_name, backend.down, hourly_cost(spec), record.close, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.

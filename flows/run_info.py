@@ -15,6 +15,7 @@ from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spe
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 from gpuflow.flows.deploy import PREFECT_YAML, declared, with_overrides
 from gpuflow.flows.known_servers import tracking_tag
+from gpuflow.flows.quota import POOL_TAG_PREFIX, need_of
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
@@ -81,8 +82,10 @@ def run_name_for(parameters: dict) -> str:
 
 
 def run_tags(spec: ExperimentSpec) -> list[str]:
-    """experiment:, backend: and tracking: (read by the reaper, so that it closes the runs of every server)."""
-    return [f"experiment:{spec.name}", f"backend:{spec.compute.backend}", tracking_tag(spec.tracking_uri)]
+    """experiment:, backend:, tracking: (read by the reaper, so that it closes the runs of every server) and quota:
+    (the GPU quota's queue)."""
+    return [f"experiment:{spec.name}", f"backend:{spec.compute.backend}", tracking_tag(spec.tracking_uri),
+            POOL_TAG_PREFIX + need_of(spec).pool]
 
 
 def tag_flow_run(flow_run_id, existing_tags, spec: ExperimentSpec) -> list[str]:

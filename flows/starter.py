@@ -105,6 +105,15 @@ prefect-version: {prefect_version}
 
 build: null
 push: null
+# A worker on any machine pulls this project at the commit `gpuflow deploy` ran at, and installs it
+# (its pyproject.toml or requirements.txt, if any) before each run. `gpuflow serve` runs this folder as it is.
+pull:
+  - prefect.deployments.steps.git_clone:
+      id: clone
+      repository: "{{{{ $GPUFLOW_GIT_REMOTE }}}}"
+      commit_sha: "{{{{ $GPUFLOW_GIT_COMMIT }}}}"
+  - gpuflow.flows.pull.install_checkout:
+      directory: "{{{{ clone.directory }}}}"
 
 definitions:
   work_pools:

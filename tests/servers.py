@@ -166,9 +166,10 @@ def mlflow_server(home: Path, port: int | None = None):
 
 
 @contextlib.contextmanager
-def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names: tuple[str, ...], only: bool = False):
+def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names: tuple[str, ...], only: bool = False,
+                  limit: int | None = None):
     """`gpuflow serve` against the test's Prefect server; yields once every named deployment is registered
-    (only: serve only those)."""
+    (only: serve only those; limit: its --limit)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -176,7 +177,7 @@ def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names:
     env = base_env(PREFECT_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"), GPUFLOW_HOME=str(gpuflow_home),
                    PREFECT_RUNNER_POLL_FREQUENCY="1", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
     command = [str(BIN / "gpuflow"), "serve", *[f"--set={item}" for item in overrides],
-               *[f"--only={name}" for name in (names if only else ())]]
+               *[f"--only={name}" for name in (names if only else ())], *([f"--limit={limit}"] if limit else [])]
     log = gpuflow_home / "serve.log"
     with contextlib.ExitStack() as stack:
         stack.callback(stop_left_behind, gpuflow_home)  # after serve itself is stopped

@@ -91,7 +91,8 @@ def reserve_within_budget(spec: ExperimentSpec, estimate: Estimate, budget_usd: 
     if worst <= 0:
         check_daily_budget(spec, estimate, committed_since_usd(spec.tracking_uri, since)[0], budget_usd)
         return None
-    hold_s = spec.limits.max_runtime_minutes * 60 + LAPSE_MARGIN_S
+    # the run may first wait for the team's GPU quota (limits.max_queue_minutes): the reservation outlasts that too
+    hold_s = (spec.limits.max_queue_minutes + spec.limits.max_runtime_minutes) * 60 + LAPSE_MARGIN_S
     for attempt in range(attempts):
         reservation = reserve(spec.tracking_uri, owner, worst, hold_s)
         others, rivals = committed_since_usd(spec.tracking_uri, since, exclude=reservation)

@@ -82,6 +82,15 @@ def looks_like_credential(name: str) -> str | None:
     return next((word for word in words if word in CREDENTIAL_WORDS), None)
 
 
+QUOTA_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+
+
+def quota_name_problem(name: str) -> str | None:
+    if QUOTA_NAME.match(name):
+        return None
+    return f"{shorten(name)}: use lowercase letters, digits, '.', '_' and '-' (at most 63), e.g. 'aws-h100'"
+
+
 def env_name_problem(name: str) -> str | None:
     if not ENV_NAME.match(name):
         return f"{shorten(name)} is not an environment variable name; use letters, digits and '_', e.g. WANDB_PROJECT"

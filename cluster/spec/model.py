@@ -80,6 +80,7 @@ class ComputeSpec(Strict):
     use_gpu: StrictBool | None = Field(None, description="Train on GPUs; defaults to true when accelerators are set.")
     use_spot: StrictBool = Field(False, description="Use spot instances (cheaper, may be preempted).")
     infra: Annotated[str, Field(max_length=200)] | None = Field(None, description="SkyPilot infra, e.g. 'aws', 'aws/us-east-1', 'slurm/mycluster'.")
+    quota: Annotated[str, no_problem(checks.quota_name_problem)] | None = Field(None, description="The team's GPU quota the run counts against (gpuflow quota set NAME N); default: cloud-accelerator, e.g. aws-h100, or 'local'.")
     cloud: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud name, e.g. 'aws', 'gcp' (or use infra).")
     region: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud region, e.g. 'us-east-1'.")
     disk_size_gb: Count(10, 65_536) | None = Field(None, description="Boot disk per node in GB.")
@@ -144,6 +145,7 @@ class LimitsSpec(Strict):
     hourly_rate_usd: Amount(le=100_000, ge=0) | None = Field(None, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
     min_gpu_utilization: Amount(le=100) | None = Field(None, description="Stop when GPU use stays below this percent.")
     idle_gpu_minutes: Amount(le=10_080) = Field(10, description="How long GPU use may stay under min_gpu_utilization.")
+    max_queue_minutes: Amount(le=10_080) = Field(60, description="Wait at most this long for the team's GPU quota, then fail (nothing started).")
     orphan_grace_minutes: Amount(le=60) = Field(
         2,
         description="The job stops itself (checkpoints kept, MLflow run FAILED, stopped_by=orphaned) when the flow "

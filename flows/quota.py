@@ -1,0 +1,272 @@
+"""The team's GPU quota: runs wait their turn for the GPUs their clusters will hold, on Prefect's global
+concurrency limits, so every process that talks to the same Prefect server shares one queue.
+
+    gpuflow quota set aws-h100 8          # at most 8 GPUs held at once by the team's runs in pool aws-h100
+    compute.quota: aws-h100               # the pool a spec's runs count against (default: pool_of below)
+
+A run holds its cluster's GPUs (nodes × GPUs per node; on the local backend, its workers) from before it
+provisions until its cluster is down. Prefect grants free slots to whoever asks first; this queue makes that the
+run submitted first. Every run tags its flow run `quota:<pool>` when it starts; a waiting one adds `quota-wait:`
+and keeps its state stamped ("Waiting for GPUs", with its place in the queue), a holding one `quota-held:`. A run
+asks for slots only when no run of its pool submitted before it waits or is still on its way to the queue; a
+waiter whose stamp went stale (killed while waiting) is passed over. The slots are held on a Prefect lease that is renewed while the run's
+process lives: a run that dies gives them back when the lease lapses, after the grace its job takes to stop itself
+and its cluster to go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable
+
+from gpuflow.cluster.spec import ExperimentSpec
+
+LIMIT_PREFIX = "gpuflow-quota-"
+POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_info.py)
+WAIT_TAG_PREFIX = "quota-wait:"  # while it waits
+HELD_TAG_PREFIX = "quota-held:"  # once it holds
+WAITING = "Waiting for GPUs"  # the state's name while it waits, in the UI and `gpuflow status`
+POLL_S = 2.0
+STAMP_S = 20.0  # a waiter re-stamps its state this often, even with nothing new to say
+STALE_S = 75.0  # a waiter not stamped for this long is dead
+JOIN_S = 120.0  # a run of the pool that started this recently and has not reached the queue yet (validating) is ahead
+TEARDOWN_MARGIN_S = 30.0  # the lease outlives the job's orphan grace by this: time for the cluster to go
+
+
+class QueueTimeout(RuntimeError):
+    """Waited limits.max_queue_minutes for the quota: the run ends before anything exists."""
+
+
+@dataclass(frozen=True)
+class Need:
+    pool: str
+    slots: int
+    unit: str  # "GPU" or "worker"
+
+    @property
+    def limit_name(self) -> str:
+        return LIMIT_PREFIX + self.pool
+
+    def describe(self) -> str:
+        return f"{self.slots} {self.unit}{'s' if self.slots != 1 else ''} of quota {self.pool!r}"
+
+
+def need_of(spec: ExperimentSpec) -> Need:
+    """What the run's cluster holds: its GPUs, or on the local backend (no GPUs) its workers."""
+    compute = spec.compute
+    first = compute.accelerators[0] if isinstance(compute.accelerators, list) else compute.accelerators
+    if compute.backend == "local" or not first:
+        return Need(compute.quota or compute.backend, compute.num_workers, "worker")
+    name, _, count = first.partition(":")
+    where = compute.cloud or (compute.infra or "").split("/")[0] or "any"
+    return Need(compute.quota or f"{where}-{name}".lower(), compute.num_nodes * int(count or 1), "GPU")
+
+
+def lease_seconds(spec: ExperimentSpec) -> float:
+    """Prefect's lease on the slots: the job's orphan grace and the teardown after it (Prefect's minimum is 60 s)."""
+    return max(60.0, spec.limits.orphan_grace_minutes * 60 + TEARDOWN_MARGIN_S)
+
+
+def set_quota(pool: str, slots: int) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(LIMIT_PREFIX + pool, slots)
+
+
+def quotas() -> list:
+    """The team's quotas: Prefect's global concurrency limits named gpuflow-quota-*."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        limits = client.read_global_concurrency_limits(limit=200)
+    return [limit for limit in limits if limit.name.startswith(LIMIT_PREFIX)]
+
+
+def remove_quota(pool: str) -> None:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
+def waiting_runs(pool: str, client=None) -> list:
+    """The live runs waiting for the pool's quota, first submitted first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    with contextlib.nullcontext(client) if client else get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[WAIT_TAG_PREFIX + pool])), limit=200)
+    now = datetime.now(timezone.utc)
+    return sorted((run for run in runs if run.state and run.state.name == WAITING
+                   and (now - run.state.timestamp).total_seconds() < STALE_S), key=submitted)
+
+
+class QuotaHold:
+    """Waits its turn, then holds the slots (renewing their lease) until `release()`; a no-op without a quota.
+    A cancel from Prefect while it waits ends the wait (QueueCancelled): nothing was started."""
+
+    def __init__(self, spec: ExperimentSpec, flow_run_id: str, say: Callable[[str], None]):
+        self.need, self.flow_run_id, self.say = need_of(spec), flow_run_id, say
+        self.max_wait_s = spec.limits.max_queue_minutes * 60
+        self.lease_s = lease_seconds(spec)
+        self.lease_id = None
+        self.waited_s = 0.0
+        self._stop = threading.Event()
+
+    def acquire(self) -> bool:
+        """Blocks until the slots are held (True), or returns False when the pool has no quota. Raises QueueTimeout."""
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        with get_client(sync_client=True) as client:
+            try:
+                limit = client.read_global_concurrency_limit_by_name(self.need.limit_name)
+            except ObjectNotFound:
+                return False
+            if self.need.slots > limit.limit:
+                raise QueueTimeout(f"compute: the run needs {self.need.describe()}, and the quota has {limit.limit} in "
+                                   f"all; make the cluster smaller, or raise the quota (gpuflow quota set "
+                                   f"{self.need.pool} {self.need.slots})")
+            started = time.monotonic()
+            self._retag(client, add=WAIT_TAG_PREFIX)
+            try:
+                self._wait(client, started)
+            finally:
+                self.waited_s = time.monotonic() - started
+                self._retag(client, add=HELD_TAG_PREFIX if self.lease_id else None, remove=WAIT_TAG_PREFIX)
+        threading.Thread(target=self._renew, daemon=True, name="gpuflow-quota-lease").start()
+        return True
+
+    def _wait(self, client, started: float) -> None:
+        from prefect.states import Running
+
+        said, stamped = None, 0.0
+        while True:
+            mine, ahead = self._queue(client)
+            if mine.state and mine.state.type.value in ("CANCELLING", "CANCELLED"):
+                raise QueueCancelled()
+            if not ahead and self._try(client):
+                if not accepted(client.set_flow_run_state(self.flow_run_id, Running(
+                        message=f"holding {self.need.describe()}"))):
+                    self.release()  # cancelled in the instant between
+                    raise QueueCancelled()
+                self.say(f"quota: holding {self.need.describe()} after {time.monotonic() - started:.0f} s")
+                return
+            held = client.read_global_concurrency_limit_by_name(self.need.limit_name)
+            message = (f"waiting for {self.need.describe()}: {len(ahead)} run(s) ahead, "
+                       f"{held.active_slots} of {held.limit} held")
+            if message != said or time.monotonic() - stamped > STAMP_S:
+                # not forced: a cancel (Cancelling) refuses it, and the next look at the state ends the wait
+                client.set_flow_run_state(self.flow_run_id, waiting_state(message))
+                if message != said:
+                    self.say(message)
+                said, stamped = message, time.monotonic()
+            if time.monotonic() - started > self.max_wait_s:
+                raise QueueTimeout(f"limits.max_queue_minutes: waited {self.max_wait_s / 60:g} min for "
+                                   f"{self.need.describe()} ({len(ahead)} run(s) ahead, {held.active_slots} of "
+                                   f"{held.limit} held) and started nothing; raise the limit or the quota "
+                                   f"(gpuflow quota set {self.need.pool} N), or run later")
+            time.sleep(POLL_S)
+
+    def _queue(self, client) -> tuple:
+        """This run, and the runs of the pool submitted before it that wait, or are on their way to the queue."""
+        from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                    FlowRunFilterTags)
+
+        mine = client.read_flow_run(self.flow_run_id)
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[POOL_TAG_PREFIX + self.need.pool]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))), limit=200)
+        now = datetime.now(timezone.utc)
+
+        def ahead(run) -> bool:
+            if str(run.id) == self.flow_run_id or submitted(run) >= submitted(mine) \
+                    or HELD_TAG_PREFIX + self.need.pool in run.tags:
+                return False
+            if run.state.name == WAITING:
+                return (now - run.state.timestamp).total_seconds() < STALE_S  # else killed while it waited
+            return run.start_time is not None and (now - run.start_time).total_seconds() < JOIN_S
+
+        return mine, [run for run in runs if ahead(run)]
+
+    def _try(self, client) -> bool:
+        import httpx
+        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+        try:
+            response = client.increment_concurrency_slots_with_lease(
+                names=[self.need.limit_name], slots=self.need.slots, mode="concurrency",
+                lease_duration=self.lease_s, holder=ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id))
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == 423:  # not enough free slots yet
+                return False
+            raise
+        self.lease_id = response.json()["lease_id"]
+        return True
+
+    def _retag(self, client, add: str | None = None, remove: str | None = None) -> None:
+        tags = set(client.read_flow_run(self.flow_run_id).tags) - {f"{remove}{self.need.pool}"}
+        client.update_flow_run(self.flow_run_id, tags=sorted(tags | ({add + self.need.pool} if add else set())))
+
+    def _renew(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        while not self._stop.wait(self.lease_s / 4):
+            try:
+                with get_client(sync_client=True) as client:
+                    client.renew_concurrency_lease(self.lease_id, self.lease_s)
+            except Exception:  # the API blinked: the lease covers a few missed renewals
+                pass
+
+    def release(self) -> None:
+        """Gives the slots back: the cluster is down."""
+        from prefect.client.orchestration import get_client
+
+        self._stop.set()
+        if self.lease_id is not None:
+            try:
+                with get_client(sync_client=True) as client:
+                    client.release_concurrency_slots_with_lease(self.lease_id)
+            except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
+                self.say(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
+                         f"its lease lapses within {self.lease_s:.0f} s")
+            self.lease_id = None
+
+
+@contextlib.contextmanager
+def turn_for_gpus(spec: ExperimentSpec, flow_run_id: str, say: Callable[[str], None]):
+    """Waits for the team's quota (when the run's pool has one) and holds it inside the block: wrap everything from
+    the provision request to the cluster being down. Raises QueueTimeout, QueueCancelled before anything starts."""
+    hold = QuotaHold(spec, flow_run_id, say)
+    held = hold.acquire()
+    try:
+        yield hold
+    finally:
+        if held:
+            hold.release()
+
+
+class QueueCancelled(RuntimeError):
+    """Cancelled from Prefect while waiting for the quota: nothing was started."""
+
+
+def accepted(result) -> bool:
+    return result.status.value == "ACCEPT"
+
+
+def waiting_state(message: str):
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import State
+
+    return State(type=StateType.RUNNING, name=WAITING, message=message)
+
+
+def submitted(run) -> tuple:
+    """Submission order: a scheduled run counts from its scheduled time, any other from its creation."""
+    return (run.expected_start_time or run.created, run.created, str(run.id))

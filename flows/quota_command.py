@@ -1,0 +1,46 @@
+"""`gpuflow quota`: the team's GPU quotas, on the Prefect server every run and worker talks to.
+
+    gpuflow quota set aws-h100 8      # the team's runs hold at most 8 GPUs of pool aws-h100 at once
+    gpuflow quota set local 2         # on the local backend the unit is the worker
+    gpuflow quota list                # each quota: size, held now, runs waiting
+    gpuflow quota remove aws-h100     # runs of that pool no longer wait
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuflow.cluster.spec import SpecError
+from gpuflow.cluster.spec.fields import quota_name_problem
+
+
+def add_parser(commands) -> None:
+    command = commands.add_parser("quota", help="the team's GPU quotas: runs over one wait their turn")
+    actions = command.add_subparsers(dest="action", required=True)
+    set_ = actions.add_parser("set", help="create or resize a quota")
+    set_.add_argument("pool", help="its name, as compute.quota names it (e.g. aws-h100, local)")
+    set_.add_argument("size", type=int, help="GPUs (workers on the local backend) held at once, at most")
+    actions.add_parser("list", help="each quota: its size, what is held now, the runs waiting")
+    remove = actions.add_parser("remove", help="delete a quota: its runs no longer wait")
+    remove.add_argument("pool")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpuflow.flows import quota
+
+    if args.action == "set":
+        problem = quota_name_problem(args.pool)
+        if problem or args.size < 0:
+            raise SpecError([f"pool: {problem}" if problem else f"size: {args.size} is negative; give 0 or more"])
+        quota.set_quota(args.pool, args.size)
+        print(f"quota {args.pool}: {args.size} at once")
+    elif args.action == "remove":
+        quota.remove_quota(args.pool)
+        print(f"quota {args.pool} removed: its runs no longer wait")
+    else:
+        rows = [(limit.name.removeprefix(quota.LIMIT_PREFIX), limit.limit, limit.active_slots,
+                 len(quota.waiting_runs(limit.name.removeprefix(quota.LIMIT_PREFIX)))) for limit in quota.quotas()]
+        print("no quotas: runs never wait (gpuflow quota set POOL SIZE)" if not rows else
+              "\n".join([f"{'quota':<24} {'size':>5} {'held':>5} {'waiting runs':>13}",
+                         *[f"{name:<24} {size:>5} {held:>5} {waiting:>13}" for name, size, held, waiting in rows]]))
+    return 0

@@ -1,0 +1,184 @@
+"""`gpuflow status`: what of ours is running or waiting right now, on every backend, and what it costs so far.
+
+    gpuflow status            # a table: run, state, cluster, GPUs, $/h, spent, lease, queue, MLflow
+    gpuflow status --json     # the same, for scripts
+
+Read from where each fact lives: the Prefect server (the runs, their state, their place in a quota's queue), each
+backend (the clusters), and each run's MLflow run (its price, its start, its lease as the reaper judges it). A
+cluster of ours whose run is over or gone is listed too: the reaper downs it at its next pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from gpuflow.cluster.backends import flow_run_id_of
+from gpuflow.cluster.cost.spend import HOURLY_METRIC
+from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, RENEWED_TAG
+from gpuflow.cluster.run.lease import stale
+from gpuflow.flows.known_servers import TRACKING_TAG_PREFIX
+from gpuflow.flows.quota import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
+
+LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
+DEFAULT_GRACE_S = 120.0
+
+
+@dataclass
+class RunStatus:
+    flow_run: str
+    flow_run_id: str
+    state: str
+    backend: str | None = None
+    cluster: str | None = None
+    gpus: str | None = None
+    hourly_usd: float | None = None
+    spent_usd: float | None = None
+    lease: str | None = None  # "alive" or "dead", and the age of its last renewal
+    queue: str | None = None  # "2 of 3 in aws-h100" while waiting for the quota
+    mlflow: str | None = None
+
+
+def add_parser(commands) -> None:
+    command = commands.add_parser("status", help="runs going or waiting now, their clusters and what they cost so far")
+    command.add_argument("--json", action="store_true", help="one JSON list, for scripts")
+
+
+def run(args: argparse.Namespace) -> int:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from gpuflow.flows.stack import read_stack
+
+    api_url = PREFECT_API_URL.value() or (read_stack() or {}).get("api_url")
+    if not api_url:  # each `gpuflow run` had a temporary API of its own, gone with it
+        rows = add_clusters([], {"local"})
+        if not args.json:
+            print("no Prefect server (PREFECT_API_URL) nor warm stack: this machine's clusters only")
+    else:
+        with temporary_settings({PREFECT_API_URL: api_url}):
+            rows = status()
+    if args.json:
+        print(json.dumps([asdict(row) for row in rows], indent=2))
+    else:
+        print(table(rows))
+    return 0
+
+
+def status(now: float | None = None) -> list[RunStatus]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+
+    now = now or time.time()
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=LIVE_STATES))),
+            limit=200)
+        queues = {pool: [str(run.id) for run in waiting_runs(pool, client)]
+                  for pool in {tag.removeprefix(WAIT_TAG_PREFIX) for run in runs for tag in run.tags
+                               if tag.startswith(WAIT_TAG_PREFIX)}}
+    rows = [RunStatus(run.name, str(run.id), run.state.name if run.state else "?", tag_value(run, "backend:"),
+                      gpus=gpus_of(run.parameters)) for run in runs]
+    for row, run in zip(rows, runs):
+        for pool, queue in queues.items():
+            if row.flow_run_id in queue and row.state == WAITING:
+                row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
+    add_mlflow_facts(rows, runs, now)
+    return rows + add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
+
+
+def tag_value(run, prefix: str) -> str | None:
+    return next((tag.removeprefix(prefix) for tag in run.tags if tag.startswith(prefix)), None)
+
+
+def gpus_of(parameters: dict) -> str | None:
+    from gpuflow.cluster.spec import load_spec, parse_spec
+
+    try:
+        if parameters.get("spec_file"):
+            spec = load_spec(parameters["spec_file"]) if Path(parameters["spec_file"]).is_file() else None
+        else:
+            spec = parse_spec(parameters["spec"])
+    except Exception:  # a spec the run itself refuses
+        return None
+    return spec and need_of(spec).describe().split(" of quota ")[0]
+
+
+def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:
+    """Price, spent so far, lease and link, from each run's MLflow run (on its own tracking server)."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    by_uri: dict[str, list[RunStatus]] = {}
+    for row, run in zip(rows, runs):
+        uri = tag_value(run, TRACKING_TAG_PREFIX)
+        if uri and (uri.startswith(("http://", "https://")) or Path(uri.removeprefix("sqlite:///")).is_file()):
+            by_uri.setdefault(uri, []).append(row)
+    for uri, group in by_uri.items():
+        try:
+            client = MlflowClient(uri)
+            experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+            found = {run.data.tags.get(FLOW_RUN_TAG): run for run in client.search_runs(
+                experiments, "attributes.status = 'RUNNING'", max_results=1000)} if experiments else {}
+        except Exception as exc:  # one tracking server down: the others are still shown
+            for row in group:
+                row.mlflow = f"unreachable: {type(exc).__name__}"
+            continue
+        for row in group:
+            mlflow_run = found.get(row.flow_run_id)
+            if mlflow_run is None:
+                continue
+            tags, hourly = mlflow_run.data.tags, mlflow_run.data.metrics.get(HOURLY_METRIC)
+            row.hourly_usd = hourly
+            row.spent_usd = None if hourly is None else round(hourly * (now - mlflow_run.info.start_time / 1000) / 3600, 4)
+            if RENEWED_TAG in tags:
+                verdict = "dead" if stale(tags, now, DEFAULT_GRACE_S) else "alive"
+                row.lease = f"{verdict}, renewed {now - float(tags[RENEWED_TAG]):.0f} s ago " \
+                            f"(grace {float(tags.get(GRACE_TAG, DEFAULT_GRACE_S)):g} s)"
+            base = uri if uri.startswith("http") else "http://127.0.0.1:5000"
+            row.mlflow = f"{base.rstrip('/')}/#/experiments/{mlflow_run.info.experiment_id}/runs/{mlflow_run.info.run_id}"
+
+
+def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:
+    """Each cluster of ours goes on its run's row; one whose run is not going gets a row of its own."""
+    from gpuflow.flows.reaper import statuses
+
+    from gpuflow.cluster.backends import get_backend
+
+    by_id = {row.flow_run_id.replace("-", ""): row for row in rows}
+    orphans = []
+    for name in sorted(backends):
+        try:
+            backend = get_backend(name)
+        except Exception:  # not set up here (SkyPilot without credentials)
+            continue
+        for cluster in statuses(backend):
+            run_id = flow_run_id_of(cluster.name)
+            if not run_id:
+                continue
+            row = by_id.get(run_id.replace("-", ""))
+            if row is None:
+                orphans.append(row := RunStatus("(none)", run_id, "over or gone: the reaper downs it", name))
+            row.cluster = f"{cluster.name} ({cluster.status})"
+        getattr(backend, "close", lambda: None)()
+    return orphans
+
+
+def table(rows: list[RunStatus]) -> str:
+    if not rows:
+        return "nothing running or waiting"
+    columns = [("run", lambda r: r.flow_run), ("state", lambda r: r.state), ("cluster", lambda r: r.cluster or "-"),
+               ("GPUs", lambda r: r.gpus or "-"), ("$/h", lambda r: money(r.hourly_usd)),
+               ("spent", lambda r: money(r.spent_usd)), ("lease", lambda r: r.lease or "-"),
+               ("queue", lambda r: r.queue or "-"), ("MLflow", lambda r: r.mlflow or "-")]
+    cells = [[name for name, _ in columns]] + [[value(row) for _, value in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)
+
+
+def money(value: float | None) -> str:
+    return "-" if value is None else f"${value:,.2f}"
