@@ -63,7 +63,8 @@ def main() -> None:
     with team_stack() as stack:
         alone = one_pass(stack, stack.home / "one-at-a-time", args.baseline_runs, limit=1, quota=None)
         queued = one_pass(stack, stack.home / "quota", args.runs, limit=args.runs, quota=args.quota)
-    print(f"{args.runs} runs one at a time: {alone['per_min']:.2f} runs/min; against a quota of {args.quota}: "
+    print(f"{args.baseline_runs} runs one at a time: {alone['per_min']:.2f} runs/min; {args.runs} against a quota of "
+          f"{args.quota}: "
           f"{queued['per_min']:.2f} runs/min, at most {queued['most']} holding, {queued['completed']} Completed, "
           f"{queued['finished']} MLflow runs FINISHED")
     record("quota_load", {"runs": args.runs, "quota": args.quota, "one at a time runs/min": round(alone["per_min"], 2),
