@@ -18,7 +18,7 @@ from pathlib import Path
 def install_checkout(directory: str) -> dict:
     """Installs the cloned project into this Python: a package (pyproject.toml, setup.py) with its dependencies, or
     a requirements.txt; a folder of plain files needs nothing."""
-    folder = Path(directory)
+    folder = Path(directory).resolve()  # absolute: pip reads a bare name ("remote") as a package to download
     if (folder / "pyproject.toml").is_file() or (folder / "setup.py").is_file():
         command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(folder)]
     elif (folder / "requirements.txt").is_file():

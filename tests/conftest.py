@@ -129,8 +129,9 @@ def second_serve_stopped(served, tmp_path_factory) -> str:
     from tests.servers import gpuflow_serve
 
     home = tmp_path_factory.mktemp("second-serve")
+    # its shutdown waits two poll intervals for another serve's poll: on a busy machine, more than the usual grace
     with gpuflow_serve(served.api_url, home, served_overrides(served.mlflow_url, served.home), ("nightly-digits",),
-                       only=True):
+                       only=True, stop_grace_s=90):
         time.sleep(3)  # it polls the server at least once
     return (home / "serve.log").read_text()
 

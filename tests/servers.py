@@ -64,7 +64,7 @@ def stop_group(process: subprocess.Popen, grace_s: float = 15) -> None:
 
 
 @contextlib.contextmanager
-def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO):
+def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO, stop_grace_s: float = 15):
     tiers.started(f"a server ({Path(command[0]).name} {command[1]})")
     with open(log, "ab") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
@@ -72,7 +72,7 @@ def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO
     try:
         yield process
     finally:
-        stop_group(process)
+        stop_group(process, stop_grace_s)
 
 
 @contextlib.contextmanager
@@ -167,7 +167,7 @@ def mlflow_server(home: Path, port: int | None = None):
 
 @contextlib.contextmanager
 def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names: tuple[str, ...], only: bool = False,
-                  limit: int | None = None):
+                  limit: int | None = None, stop_grace_s: float = 15):
     """`gpuflow serve` against the test's Prefect server; yields once every named deployment is registered
     (only: serve only those; limit: its --limit)."""
     from prefect.client.orchestration import get_client
@@ -175,13 +175,14 @@ def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names:
 
     gpuflow_home.mkdir(parents=True, exist_ok=True)
     env = base_env(PREFECT_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"), GPUFLOW_HOME=str(gpuflow_home),
-                   PREFECT_RUNNER_POLL_FREQUENCY="1", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1")
+                   PREFECT_RUNNER_POLL_FREQUENCY="1", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
+                   PYTHONUNBUFFERED="1")
     command = [str(BIN / "gpuflow"), "serve", *[f"--set={item}" for item in overrides],
                *[f"--only={name}" for name in (names if only else ())], *([f"--limit={limit}"] if limit else [])]
     log = gpuflow_home / "serve.log"
     with contextlib.ExitStack() as stack:
         stack.callback(stop_left_behind, gpuflow_home)  # after serve itself is stopped
-        process = stack.enter_context(started(command, log, env))
+        process = stack.enter_context(started(command, log, env, stop_grace_s=stop_grace_s))
         stack.enter_context(temporary_settings({PREFECT_API_URL: api_url}))
         deadline = time.monotonic() + READY_TIMEOUT_S
         with get_client(sync_client=True) as client:
