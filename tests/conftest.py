@@ -132,7 +132,11 @@ def second_serve_stopped(served, tmp_path_factory) -> str:
     # its shutdown waits two poll intervals for another serve's poll: on a busy machine, more than the usual grace
     with gpuflow_serve(served.api_url, home, served_overrides(served.mlflow_url, served.home), ("nightly-digits",),
                        only=True, stop_grace_s=90):
-        time.sleep(3)  # it polls the server at least once
+        # the session's serve registered nightly-digits already: wait for this one's own start, then its first poll
+        deadline = time.monotonic() + 240
+        while "being served" not in (home / "serve.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(3)
     return (home / "serve.log").read_text()
 
 
