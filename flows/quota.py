@@ -51,8 +51,11 @@ class Need:
     def limit_name(self) -> str:
         return LIMIT_PREFIX + self.pool
 
+    def amount(self) -> str:
+        return f"{self.slots} {self.unit}{'s' if self.slots != 1 else ''}"
+
     def describe(self) -> str:
-        return f"{self.slots} {self.unit}{'s' if self.slots != 1 else ''} of quota {self.pool!r}"
+        return f"{self.amount()} of quota {self.pool!r}"
 
 
 def need_of(spec: ExperimentSpec) -> Need:

@@ -105,7 +105,7 @@ def gpus_of(parameters: dict) -> str | None:
             spec = parse_spec(parameters["spec"])
     except Exception:  # a spec the run itself refuses
         return None
-    return spec and need_of(spec).describe().split(" of quota ")[0]
+    return spec and need_of(spec).amount()
 
 
 def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:

@@ -22,6 +22,7 @@ from gpuflow.flows.quota import LIMIT_PREFIX, WAITING
 from tests.conftest import REPO, processes_of
 from tests.loops import PACED_LOOP
 from tests.servers import BIN, base_env, gpuflow_serve, prefect_server
+from tests.test_faults import wait_until
 from tests.tiers import carrying
 
 
@@ -87,15 +88,6 @@ def runs_and_held(ids) -> tuple[list, int]:
     with get_client(sync_client=True) as client:
         return ([client.read_flow_run(run_id) for run_id in ids],
                 client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + "local").active_slots)
-
-
-def wait_until(condition, timeout_s: float, what: str, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(every_s)
-    return found
 
 
 def steps_of(flow_run_id) -> set[str]:

@@ -23,6 +23,7 @@ from tests.infra.postgres import harness
 from tests.servers import BIN, READY_TIMEOUT_S, base_env, started
 from tests.team_stack import MLFLOW_ADMIN, TeamStack, team_stack, wait_until_final
 from tests.loops import PACED_LOOP
+from tests.test_faults import wait_until
 from tests.tiers import require
 
 pytestmark = pytest.mark.team
@@ -236,11 +237,11 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
         [flow_run_id] = submit(stack, 1, train={"loop": PACED_LOOP, "epochs": 400, "params": {"hidden": 32, "pace_s": 0.5}},
                                limits={"max_runtime_minutes": 15, "orphan_grace_minutes": 0.2})
         wait_until(lambda: [r for r in mlflow_runs(stack, [flow_run_id]).values() if "train_loss" in r.data.metrics],
-                   300, "training")
+                   300, "training", interval_s=1)
         runner.send_signal(signal.SIGTERM)
         runner.wait(90)
         wait_until(lambda: mlflow_runs(stack, [flow_run_id])[str(flow_run_id)].info.status != "RUNNING", 180,
-                   "the job ending its run")
+                   "the job ending its run", interval_s=1)
         with stack.prefect_client() as client:
             assert client.read_flow_run(flow_run_id).state.is_running()  # nothing else updates a dead runner's run
             reaper = client.read_deployment_by_name("reap-clusters/reap-clusters")
@@ -251,16 +252,7 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
         assert client.read_flow_run(flow_run_id).state.is_crashed()
     run = mlflow_runs(stack, [flow_run_id])[str(flow_run_id)]
     assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
-    wait_until(lambda: processes_of(home) == [], 120, "the stopped serve's cluster gone")
-
-
-def wait_until(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (found := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(1)
-    return found
+    wait_until(lambda: processes_of(home) == [], 120, "the stopped serve's cluster gone", interval_s=1)
 
 
 @pytest.mark.load
