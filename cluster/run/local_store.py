@@ -1,0 +1,26 @@
+"""A local MLflow store (sqlite://) made once, not by several runs at the same time.
+
+MLflow creates a SQLite store's tables on first use, with Alembic migrations that are not safe to run twice at once:
+runs started together on a fresh GPUFLOW_HOME (a served deployment taking four runs) fail with
+"table _alembic_tmp_experiments already exists". The first run makes it under a file lock; the others wait for it."""
+
+from __future__ import annotations
+
+import fcntl
+from pathlib import Path
+
+_ready: set[str] = set()
+
+
+def ready_local_store(tracking_uri: str) -> None:
+    """Creates (or upgrades) a sqlite:/// store under a lock beside it; any other URI is the server's business."""
+    if not tracking_uri.startswith("sqlite:///") or tracking_uri in _ready:
+        return
+    from mlflow import MlflowClient
+
+    database = Path(tracking_uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        MlflowClient(tracking_uri).search_experiments(max_results=1)  # MLflow makes its tables here
+    _ready.add(tracking_uri)
