@@ -126,7 +126,8 @@ RENEWED_TAG = "gpuflow.lease_renewed_at"  # the flow's lease on the run (cluster
 GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP
 STOP_DETAIL_TAG = "gpuflow.stop_detail"
+HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
 
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
 STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",
-                   "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED"}
+                   "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED", "hung": "FAILED"}

@@ -94,3 +94,29 @@ def test_budget_and_timeout_each_stop_a_running_job(prefect_server, digits_spec,
 
     assert LocalBackend().status() == []
     assert processes_under(gpuflow_home) == []
+
+
+@pytest.mark.timeout(600)
+def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(prefect_server, digits_spec, gpuflow_home):
+    from gpuflow.flows.experiment import run_experiment
+    from tests.loops import HANGING_LOOP
+
+    hung_minutes = 0.75
+    spec = long_job(digits_spec, hung_minutes=hung_minutes, max_runtime_minutes=10)
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={
+        "loop": HANGING_LOOP, "params": {"hang_after": 3}})})
+    state = run_experiment(spec, return_state=True)
+
+    assert state.is_failed() and "has not reported for" in state.message, state.message
+    run = stopped_run(spec, state)
+    assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "hung")
+    losses = MlflowClient(spec.tracking_uri).get_metric_history(run.info.run_id, "train_loss")
+    assert [loss.step for loss in losses] == [0, 1, 2]
+    # stopped within the limit and the guard's poll after the last report, not at max_runtime_minutes
+    silent_s = run.info.end_time / 1000 - losses[-1].timestamp / 1000
+    assert hung_minutes * 60 <= silent_s <= hung_minutes * 60 + 60, silent_s
+    stacks = Path(MlflowClient(spec.tracking_uri).download_artifacts(run.info.run_id, "hung/stacks.txt",
+                                                                      str(gpuflow_home / "stacks"))).read_text()
+    assert 'loops/hanging.py", line 12 in train_loop' in stacks, stacks[-3000:]
+    assert LocalBackend().status() == []
+    assert processes_under(gpuflow_home) == []

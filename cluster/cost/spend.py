@@ -13,10 +13,9 @@ from datetime import datetime, timezone
 from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
-from gpuflow.cluster.protocol import BACKEND_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import BACKEND_TAG, FLOW_RUN_TAG, HOURLY_METRIC, STOPPED_BY_TAG
 
 COST_METRICS = ("cost_usd", "gpu_hours", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown")
-HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 

@@ -3,7 +3,7 @@
 The flow enforces `limits.max_runtime_minutes` and `limits.max_cost_usd` while it lives; this guard enforces
 them again inside the job, and stops the job when the flow stops renewing its lease (cluster/run/lease.py) for
 `limits.orphan_grace_minutes`, or at once when the local cluster's owner process dies (SIGUSR1 from the
-local backend's supervisor). Stopping: say why on the log, end the MLflow run with the reason (the
+local backend's supervisor), or when the loop stops reporting (cluster/job/hung.py: its workers' stacks are saved). Stopping: say why on the log, end the MLflow run with the reason (the
 checkpoints of every report are already in storage), release the cluster, exit.
 """
 
@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Callable
 
+from gpuflow.cluster.job.hung import HungWatch
 from gpuflow.cluster.run.lease import LeaseWatch
 from gpuflow.cluster.run.limits import Watchdog, cost_check, deadline_check
 from gpuflow.cluster.protocol import OWNER_DIED, STATUS_FOR_STOP, STOP_DETAIL_TAG, STOPPED_BY_TAG, JobEnv, stop_line
@@ -43,7 +44,10 @@ class JobGuard:
         checks = [deadline_check(spec.limits.max_runtime_minutes, self.started),
                   cost_check(spec.limits.max_cost_usd, lambda: self.hourly_usd, self.requested_at)]
         if self.run_id:
-            checks.append(LeaseWatch(self.client(), self.run_id, spec.limits.orphan_grace_minutes * 60).check)
+            lease = LeaseWatch(self.client(), self.run_id, spec.limits.orphan_grace_minutes * 60)
+            checks.append(lease.check)
+            if not spec.sweep:  # a sweep's trials report to runs of their own
+                checks.append(HungWatch(lambda: lease.run, spec.limits.hung_minutes).check)
         self.watchdog = Watchdog(checks, self.stop, interval_s=lease_poll_s(spec), name="gpuflow-job-guard")
 
     def client(self):
@@ -64,12 +68,25 @@ class JobGuard:
     def stop(self, reason: str, detail: str) -> None:
         if not self._stopping.acquire(blocking=False):
             return
+        if reason == "hung":  # before the stop line: the flow tears the cluster down once it reads that
+            self.save_stacks()
         print(stop_line(reason, detail), flush=True)
         try:
             self.close_run(reason, detail)
         finally:
             self.release()  # the cluster must not idle once the job is gone
             os._exit(SELF_STOP_EXIT_CODE)
+
+    def save_stacks(self) -> None:
+        """Each worker's stacks, to the run's artifacts (hung/stacks.txt) and this log, before anything stops."""
+        from gpuflow.cluster.job.stacks import worker_stacks
+
+        try:
+            stacks = worker_stacks(self.run_id) or "no worker answered: none had registered for stack dumps"
+            print(stacks, flush=True)
+            self.client().log_text(self.run_id, stacks, "hung/stacks.txt")
+        except Exception as exc:  # the stop goes on: the run must not stay up for want of its stacks
+            print(f"[gpuflow] could not save the workers' stacks: {type(exc).__name__}: {exc}", flush=True)
 
     def close_run(self, reason: str, detail: str) -> None:
         """Ends the MLflow run with the reason; the flow, if it still lives, keeps this status and adds its bill."""
@@ -84,5 +101,5 @@ class JobGuard:
 
 
 def lease_poll_s(spec: ExperimentSpec) -> float:
-    """How often the guard looks: a few times per grace period, at most every 10 s."""
-    return max(0.5, min(10.0, spec.limits.orphan_grace_minutes * 60 / 6))
+    """How often the guard looks: a few times per grace period (and hung limit), at most every 10 s."""
+    return max(0.5, min(10.0, spec.limits.orphan_grace_minutes * 60 / 6, (spec.limits.hung_minutes or 60) * 60 / 6))

@@ -75,6 +75,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     from ray.train.torch import TorchTrainer
 
     from gpuflow.cluster.job.ingest import SplitInMemory
+    from gpuflow.cluster.job.stacks import with_stack_dumps
     from gpuflow.cluster.job.tracking import tracking_callbacks
 
     compute = spec.compute
@@ -83,7 +84,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     num_workers = spec.workers_per_trial
     gpus_per_worker = 1 if compute.use_gpu else 0
     return TorchTrainer(
-        resolve(spec.train.loop),
+        with_stack_dumps(resolve(spec.train.loop), run_id),  # a hung loop's stacks can be read (job/stacks.py)
         train_loop_config=loop_config(spec),
         datasets=datasets_of(spec),
         dataset_config=SplitInMemory(),

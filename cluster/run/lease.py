@@ -71,12 +71,14 @@ class LeaseWatch:
         self.value: str | None = None
         self.unchanged_since = clock()
         self.reads_failed = False
+        self.run = None  # the latest read of the run: the hung check reads it too (one call per poll)
 
     def expired(self) -> bool:
         try:
-            value = self.client.get_run(self.run_id).data.tags.get(RENEWED_TAG)
+            self.run = self.client.get_run(self.run_id)
+            value = self.run.data.tags.get(RENEWED_TAG)
         except Exception:  # cannot judge without reading: restart the window once reads work again
-            self.reads_failed = True
+            self.run, self.reads_failed = None, True
             return False
         now = self.clock()
         if value != self.value or self.reads_failed:

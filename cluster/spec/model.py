@@ -145,6 +145,11 @@ class LimitsSpec(Strict):
     hourly_rate_usd: Amount(le=100_000, ge=0) | None = Field(None, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
     min_gpu_utilization: Amount(le=100) | None = Field(None, description="Stop when GPU use stays below this percent.")
     idle_gpu_minutes: Amount(le=10_080) = Field(10, description="How long GPU use may stay under min_gpu_utilization.")
+    hung_minutes: Amount(le=10_080) | None = Field(
+        None,
+        description="Stop the run (stopped_by=hung, each worker's stack saved to MLflow) when the loop has not "
+        "reported for this long, counted from its first report. Unset: 5x the longest gap between its reports, at "
+        "least 10 min, once it has reported twice.")
     max_queue_minutes: Amount(le=10_080) = Field(60, description="Wait at most this long for the team's GPU quota, then fail (nothing started).")
     orphan_grace_minutes: Amount(le=60) = Field(
         2,

@@ -1,6 +1,7 @@
 """Training loops the tests run, and how a test names them."""
 
 PACED_LOOP = "tests.loops.paced:train_loop"  # named here, not imported: importing it loads torch and Ray Train
+HANGING_LOOP = "tests.loops.hanging:train_loop"  # reports train.params.hang_after epochs, then hangs
 TUNABLE_LOOP = "tests.loops.tunable:train_loop"  # a score known in advance from lr and hidden: sweep tests
 
 
