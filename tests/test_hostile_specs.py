@@ -115,6 +115,37 @@ def test_oversized_spec_file_is_refused_unread(tmp_path):
         load_spec(big)
 
 
+@pytest.mark.parametrize("text, field, lines", [
+    ("train:\n  loop: experiments.digits:train_loop\n  epochs: 3\n  epochs: 30\n", "train.epochs", "lines 3 and 4"),
+    ("train: {loop: experiments.digits:train_loop}\nname: a\ntrain: {loop: os:system}\n", "train:", "lines 1 and 3"),
+    ("train:\n  loop: experiments.digits:train_loop\n  params: {hidden: 8, hidden: 9}\n", "train.params.hidden",
+     "lines 3 and 3"),
+])
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, capsys, text, field, lines):
+    spec = tmp_path / "twice.yaml"
+    spec.write_text(text)
+    assert gpuflow(["validate", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{field}" in err and "given twice" in err and lines in err and "keep one" in err, err
+
+
+def test_a_merge_key_may_still_override_what_it_merges(tmp_path):
+    spec = tmp_path / "merged.yaml"
+    spec.write_text("train:\n  loop: experiments.digits:train_loop\n  params:\n"
+                    "    small: &small {hidden: 8, dropout: 0.1}\n    large: {<<: *small, hidden: 256}\n")
+    assert load_spec(spec).train.params["large"] == {"hidden": 256, "dropout": 0.1}
+
+
+def test_a_deployment_spec_with_a_key_given_twice_is_refused(tmp_path):
+    from gpuflow.flows.deploy import declared
+
+    prefect_yaml = tmp_path / "prefect.yaml"
+    prefect_yaml.write_text("deployments:\n- name: d\n  parameters:\n    spec:\n"
+                            "      train: {loop: a:b, lr: 0.1, lr: 1}\n")
+    with pytest.raises(SpecError, match=r"deployments\.0\.parameters\.spec\.train\.lr: given twice .*lines 5 and 5"):
+        declared(prefect_yaml)
+
+
 def test_bad_override_yaml_is_a_short_error():
     with pytest.raises(SpecError, match=r"--set .*not valid YAML"):
         load_spec(REPO / "experiments" / "digits.yaml", ["train.params={unclosed: [1"])
