@@ -1,7 +1,9 @@
 """Hostile specs: each refused before anything exists, in a short message (< 4 KB) naming the field and the fix."""
 
 import math
+import shutil
 import socket
+import subprocess
 
 import pytest
 
@@ -172,6 +174,47 @@ def test_storage_probe_leaves_nothing_behind(tmp_path, gpuflow_home):
     folder = tmp_path / "ckpt"
     assert checked({"storage": {"checkpoints": f"file://{folder}"}}) == []
     assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+@pytest.fixture
+def immutable_folder(tmp_path):
+    """A folder not even root can write in (chattr +i), made writable again after the test."""
+    folder = tmp_path / "immutable"
+    folder.mkdir()
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        pytest.skip("chattr +i does not work on this file system")
+    yield folder
+    subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_checkpoint_folder_root_cannot_write_is_refused(immutable_folder, gpuflow_home):
+    # os.access says yes to root for a kernel file system; only a write tells
+    for folder in ("/sys/gpuflow-checkpoints/run", immutable_folder / "run", immutable_folder):
+        problems = checked({"storage": {"checkpoints": str(folder)}})
+        assert any(p.startswith("storage.checkpoints: cannot write under") and "Operation not permitted" in p
+                   and "give a folder or bucket this machine can write" in p for p in problems), problems
+
+
+def test_the_local_storage_probe_leaves_no_folder(tmp_path, gpuflow_home):
+    assert checked({"storage": {"checkpoints": str(tmp_path / "made" / "ckpt")}}) == []
+    assert not (tmp_path / "made").exists() and not list(tmp_path.glob(".gpuflow-write-probe-*"))
+
+
+@pytest.mark.parametrize("field, entrypoint", [
+    ("train.loop", "builtins:print"), ("train.loop", "os:getcwd"), ("train.loop", "math:floor"),
+    ("train.loop", "operator:itemgetter"), ("train.loop", "os:system"), ("data.generate", "builtins:print"),
+])
+def test_a_builtin_is_no_entrypoint(tmp_path, field, entrypoint):
+    module = "own_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name)
+    (tmp_path / f"{module}.py").write_text("def train_loop(config):\n    pass\n\n\n"
+                                           "def write(train, validation):\n    pass\n")
+    spec = {"train": {"loop": f"{module}:train_loop"}, "data": {"train": "t.parquet", "generate": f"{module}:write"},
+            "workdir": str(tmp_path)}
+    section, key = field.split(".")
+    spec[section][key] = entrypoint
+    problems = check_spec(parse_spec(spec))
+    assert len(problems) == 1 and problems[0].startswith(f"{field}: {entrypoint!r} is a"), problems
+    assert "not a Python function; give 'module:function'" in problems[0] and "def " in problems[0], problems
 
 
 def test_tracking_server_that_is_down_is_a_clear_error(gpuflow_home):

@@ -1,17 +1,16 @@
-"""The spec's field checks and field types: bounded YAML, credential-looking names, entrypoint signatures, URIs a
-cluster can reach, and the probes of the checkpoint storage and the tracking server that probes.py runs.
+"""The spec's field checks and field types: bounded YAML, credential-looking names, URIs a cluster can reach, and
+the probes of the checkpoint storage and the tracking server that probes.py runs.
 
     gpuflow validate my.yaml          # runs every check here before anything starts
 """
 
 from __future__ import annotations
 
-import inspect
-import os
+import contextlib
 import re
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -155,36 +154,30 @@ def control_character_problem(text: str) -> str | None:
     return None
 
 
-# -- entrypoints ----------------------------------------------------------------------------------
-
-def signature_problem(function: Callable, arguments: int, what: str) -> str | None:
-    """None if `function` can be called with `arguments` positional arguments, else why not."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return None  # a builtin without a signature: nothing to say here
-    try:
-        signature.bind(*range(arguments))
-    except TypeError:
-        return f"takes {signature} but gpuflow calls it with {arguments} argument(s): {what}"
-    return None
-
-
 # -- probes ---------------------------------------------------------------------------------------
 
 def folder_write_problem(folder: Path, probe_name: str) -> str | None:
-    """Whether a local folder can be written, without creating it: the job creates it, maybe as another user
-    on a shared disk, and a folder made here by the flow's user could lock it out."""
+    """Writes and removes a probe file in the folder or, where it is missing, in a probe folder made and removed where
+    the job will make it: root passes a permission check where only a write fails (a kernel file system, an immutable
+    folder), and the probe leaves no folder (on a shared disk, the job's user must make it, not the flow's)."""
     existing = next(path for path in (folder, *folder.parents) if path.exists())
     if not existing.is_dir():
         return f"cannot write under {shorten(str(folder))}: {existing} is a file"
-    if existing != folder:
-        return None if os.access(existing, os.W_OK | os.X_OK) else \
-            f"cannot write under {shorten(str(folder))}: {existing} is not writable"
-    probe = folder / probe_name
-    probe.write_bytes(b"probe")
-    probe.unlink()
+    stand_in = existing / probe_name if existing != folder else None
+    probe_file = (stand_in or folder) / probe_name
+    try:
+        if stand_in:
+            stand_in.mkdir()
+        probe_file.write_bytes(b"probe")
+        probe_file.unlink()
+    except OSError as exc:
+        return f"cannot write under {shorten(str(folder))}: {exc.strerror or exc} ({exc.filename or probe_file})"
+    finally:
+        if stand_in:
+            with contextlib.suppress(OSError):
+                stand_in.rmdir()
     return None
+
 
 def storage_write_problem(uri: str) -> str | None:
     """Writes and removes a probe file under the checkpoint location (local or a bucket, through pyarrow)."""
