@@ -60,6 +60,14 @@ HOSTILE_SPECS = [
     ({"envs": {"GPUFLOW_MLFLOW_RUN_ID": "other-run"}}, "envs", "set by gpuflow"),
     ({"envs": {"PROJECT": 7}}, "envs.PROJECT", "valid string"),
     ({"secrets": ["not a name; rm -rf /"]}, "secrets.0", "not an environment variable name"),
+    # credentials in train.params: logged to MLflow in clear
+    ({"train": {"params": {"db_password": "pw"}}}, "train.params.db_password", "secrets: [DB_PASSWORD]"),
+    ({"train": {"params": {"wandbApiKey": "k"}}}, "train.params.wandbApiKey", "secrets: [WANDB_API_KEY]"),
+    ({"train": {"params": {"API_KEY": "k"}}}, "train.params.API_KEY", "os.environ['API_KEY']"),
+    ({"train": {"params": {"token": "t"}}}, "train.params.token", "secrets: [TOKEN]"),
+    ({"train": {"params": {"Secret": "s"}}}, "train.params.Secret", "secrets: [SECRET]"),
+    ({"train": {"params": {"s3": {"aws_secret_access_key": "s"}}}}, "train.params.s3.aws_secret_access_key",
+     "secrets: [AWS_SECRET_ACCESS_KEY]"),
     # sizes: long values are shortened, floods are cut
     ({"name": HUGE}, "name", "chars)"),
     ({"setup": HUGE}, "setup", "at most 20000"),
@@ -79,6 +87,12 @@ def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix
     message = str(error.value)
     assert field in message and fix in message, message
     assert len(message.encode()) < MAX_MESSAGE_BYTES, len(message)
+
+
+def test_hyper_parameters_that_only_sound_like_credentials_pass():
+    params = {"tokenizer": "bpe", "max_tokens": 512, "num_tokens": 10, "secretary": 1, "pad_token": "<pad>",
+              "eos_token_id": 2, "label_key": "y", "forward_pass": 2, "password_file": "pw.txt"}
+    assert parse_spec(with_loop({"train": {"params": params}})).train.params == params
 
 
 def test_epochs_true_is_not_one():
