@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from gpuflow.cluster.spec import SpecError, apply_override, parse_spec
+from gpuflow.cluster.spec.loading import DuplicateKey, safe_load
 
 PREFECT_YAML = Path("prefect.yaml")
 DEFAULT_POOL = "gpuflow-process"
@@ -23,7 +24,10 @@ DEFAULT_POOL = "gpuflow-process"
 
 def declared(prefect_yaml: Path = PREFECT_YAML) -> list[dict]:
     """The `deployments:` entries of prefect.yaml, anchors resolved."""
-    return yaml.safe_load(Path(prefect_yaml).read_text())["deployments"]
+    try:
+        return safe_load(Path(prefect_yaml).read_text())["deployments"]
+    except DuplicateKey as exc:  # a deployment's spec given a field twice
+        raise SpecError([exc.describe(str(prefect_yaml))]) from None
 
 
 def runnable(entries: list[dict], only: list[str] = ()) -> tuple[list[dict], list[str]]:

@@ -1,7 +1,9 @@
 """Hostile specs: each refused before anything exists, in a short message (< 4 KB) naming the field and the fix."""
 
 import math
+import shutil
 import socket
+import subprocess
 
 import pytest
 
@@ -58,6 +60,14 @@ HOSTILE_SPECS = [
     ({"envs": {"GPUFLOW_MLFLOW_RUN_ID": "other-run"}}, "envs", "set by gpuflow"),
     ({"envs": {"PROJECT": 7}}, "envs.PROJECT", "valid string"),
     ({"secrets": ["not a name; rm -rf /"]}, "secrets.0", "not an environment variable name"),
+    # credentials in train.params: logged to MLflow in clear
+    ({"train": {"params": {"db_password": "pw"}}}, "train.params.db_password", "secrets: [DB_PASSWORD]"),
+    ({"train": {"params": {"wandbApiKey": "k"}}}, "train.params.wandbApiKey", "secrets: [WANDB_API_KEY]"),
+    ({"train": {"params": {"API_KEY": "k"}}}, "train.params.API_KEY", "os.environ['API_KEY']"),
+    ({"train": {"params": {"token": "t"}}}, "train.params.token", "secrets: [TOKEN]"),
+    ({"train": {"params": {"Secret": "s"}}}, "train.params.Secret", "secrets: [SECRET]"),
+    ({"train": {"params": {"s3": {"aws_secret_access_key": "s"}}}}, "train.params.s3.aws_secret_access_key",
+     "secrets: [AWS_SECRET_ACCESS_KEY]"),
     # sizes: long values are shortened, floods are cut
     ({"name": HUGE}, "name", "chars)"),
     ({"setup": HUGE}, "setup", "at most 20000"),
@@ -77,6 +87,12 @@ def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix
     message = str(error.value)
     assert field in message and fix in message, message
     assert len(message.encode()) < MAX_MESSAGE_BYTES, len(message)
+
+
+def test_hyper_parameters_that_only_sound_like_credentials_pass():
+    params = {"tokenizer": "bpe", "max_tokens": 512, "num_tokens": 10, "secretary": 1, "pad_token": "<pad>",
+              "eos_token_id": 2, "label_key": "y", "forward_pass": 2, "password_file": "pw.txt"}
+    assert parse_spec(with_loop({"train": {"params": params}})).train.params == params
 
 
 def test_epochs_true_is_not_one():
@@ -115,6 +131,37 @@ def test_oversized_spec_file_is_refused_unread(tmp_path):
         load_spec(big)
 
 
+@pytest.mark.parametrize("text, field, lines", [
+    ("train:\n  loop: experiments.digits:train_loop\n  epochs: 3\n  epochs: 30\n", "train.epochs", "lines 3 and 4"),
+    ("train: {loop: experiments.digits:train_loop}\nname: a\ntrain: {loop: os:system}\n", "train:", "lines 1 and 3"),
+    ("train:\n  loop: experiments.digits:train_loop\n  params: {hidden: 8, hidden: 9}\n", "train.params.hidden",
+     "lines 3 and 3"),
+])
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, capsys, text, field, lines):
+    spec = tmp_path / "twice.yaml"
+    spec.write_text(text)
+    assert gpuflow(["validate", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert f"{field}" in err and "given twice" in err and lines in err and "keep one" in err, err
+
+
+def test_a_merge_key_may_still_override_what_it_merges(tmp_path):
+    spec = tmp_path / "merged.yaml"
+    spec.write_text("train:\n  loop: experiments.digits:train_loop\n  params:\n"
+                    "    small: &small {hidden: 8, dropout: 0.1}\n    large: {<<: *small, hidden: 256}\n")
+    assert load_spec(spec).train.params["large"] == {"hidden": 256, "dropout": 0.1}
+
+
+def test_a_deployment_spec_with_a_key_given_twice_is_refused(tmp_path):
+    from gpuflow.flows.deploy import declared
+
+    prefect_yaml = tmp_path / "prefect.yaml"
+    prefect_yaml.write_text("deployments:\n- name: d\n  parameters:\n    spec:\n"
+                            "      train: {loop: a:b, lr: 0.1, lr: 1}\n")
+    with pytest.raises(SpecError, match=r"deployments\.0\.parameters\.spec\.train\.lr: given twice .*lines 5 and 5"):
+        declared(prefect_yaml)
+
+
 def test_bad_override_yaml_is_a_short_error():
     with pytest.raises(SpecError, match=r"--set .*not valid YAML"):
         load_spec(REPO / "experiments" / "digits.yaml", ["train.params={unclosed: [1"])
@@ -141,6 +188,47 @@ def test_storage_probe_leaves_nothing_behind(tmp_path, gpuflow_home):
     folder = tmp_path / "ckpt"
     assert checked({"storage": {"checkpoints": f"file://{folder}"}}) == []
     assert folder.is_dir() and list(folder.iterdir()) == []
+
+
+@pytest.fixture
+def immutable_folder(tmp_path):
+    """A folder not even root can write in (chattr +i), made writable again after the test."""
+    folder = tmp_path / "immutable"
+    folder.mkdir()
+    if not shutil.which("chattr") or subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:
+        pytest.skip("chattr +i does not work on this file system")
+    yield folder
+    subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+def test_a_checkpoint_folder_root_cannot_write_is_refused(immutable_folder, gpuflow_home):
+    # os.access says yes to root for a kernel file system; only a write tells
+    for folder in ("/sys/gpuflow-checkpoints/run", immutable_folder / "run", immutable_folder):
+        problems = checked({"storage": {"checkpoints": str(folder)}})
+        assert any(p.startswith("storage.checkpoints: cannot write under") and "Operation not permitted" in p
+                   and "give a folder or bucket this machine can write" in p for p in problems), problems
+
+
+def test_the_local_storage_probe_leaves_no_folder(tmp_path, gpuflow_home):
+    assert checked({"storage": {"checkpoints": str(tmp_path / "made" / "ckpt")}}) == []
+    assert not (tmp_path / "made").exists() and not list(tmp_path.glob(".gpuflow-write-probe-*"))
+
+
+@pytest.mark.parametrize("field, entrypoint", [
+    ("train.loop", "builtins:print"), ("train.loop", "os:getcwd"), ("train.loop", "math:floor"),
+    ("train.loop", "operator:itemgetter"), ("train.loop", "os:system"), ("data.generate", "builtins:print"),
+])
+def test_a_builtin_is_no_entrypoint(tmp_path, field, entrypoint):
+    module = "own_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name)
+    (tmp_path / f"{module}.py").write_text("def train_loop(config):\n    pass\n\n\n"
+                                           "def write(train, validation):\n    pass\n")
+    spec = {"train": {"loop": f"{module}:train_loop"}, "data": {"train": "t.parquet", "generate": f"{module}:write"},
+            "workdir": str(tmp_path)}
+    section, key = field.split(".")
+    spec[section][key] = entrypoint
+    problems = check_spec(parse_spec(spec))
+    assert len(problems) == 1 and problems[0].startswith(f"{field}: {entrypoint!r} is a"), problems
+    assert "not a Python function; give 'module:function'" in problems[0] and "def " in problems[0], problems
 
 
 def test_tracking_server_that_is_down_is_a_clear_error(gpuflow_home):

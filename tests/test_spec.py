@@ -103,6 +103,23 @@ def test_unreadable_data_file_is_refused(tmp_path):
     assert any("data.train" in p and "Parquet" in p for p in problems), problems
 
 
+@pytest.mark.parametrize("field", ["train", "validation"])
+def test_data_without_rows_is_refused(tmp_path, field):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, no_rows, no_files = tmp_path / "rows.parquet", tmp_path / "no_rows.parquet", tmp_path / "empty"
+    pq.write_table(pa.table({"x": [1.0]}), rows)
+    pq.write_table(pa.table({"x": pa.array([], pa.float64())}), no_rows)
+    no_files.mkdir()
+    for empty, what in ((no_files, "holds no Parquet files"), (no_rows, "holds no rows")):
+        data = {"train": str(rows), "validation": str(rows), field: str(empty)}
+        problems = check_spec(parse_spec({**A_LOOP, "workdir": str(REPO), "data": data}))
+        assert any(p.startswith(f"data.{field}: {str(empty)!r} {what}; give a Parquet file or folder that holds rows")
+                   for p in problems), problems
+        assert not any(p.startswith("data.") and str(rows) in p for p in problems), problems
+
+
 def test_skypilot_accepts_remote_stores():
     spec = ExperimentSpec.model_validate({**A_LOOP,
         "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},

@@ -13,15 +13,18 @@ error from the check to the job's start, never let a run train something else.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
-from gpuflow.cluster.spec.fields import cut, signature_problem
+from gpuflow.cluster.spec.fields import cut
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.usercode import resolve
 
@@ -30,6 +33,7 @@ ENTRYPOINT_ARGUMENTS = {
     "train.loop": (1, "a Ray Train loop is `def train_loop(config: dict)`"),
     "data.generate": (2, "a data generator is `def write_parquet(train_uri, validation_uri)`"),
 }
+CHECK_RULES = 2  # raised when check() refuses more: a pass recorded under older rules is not reused
 IMPORT_TIMEOUT_S = 300.0  # torch and Ray Train on a busy small machine take tens of seconds; a hang must not block
 REPORT = "gpuflow-entrypoints "  # the report's line, apart from whatever the user's modules print
 
@@ -100,7 +104,7 @@ def record_of(workdir: str, entrypoints: dict[str, str]) -> Path:
     """Where a passed check of these entrypoints, from this workdir with this Python, is kept."""
     from gpuflow.cluster.config import state_dir
 
-    key = json.dumps([sys.executable, str(Path(workdir).absolute()), sorted(entrypoints.items())])
+    key = json.dumps([CHECK_RULES, sys.executable, str(Path(workdir).absolute()), sorted(entrypoints.items())])
     return state_dir() / "checks" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -134,8 +138,36 @@ def check(workdir: str, field: str, entrypoint: str) -> str | None:
     except Exception as exc:  # any import-time error is the user's to see
         return f"{field}: cannot load {entrypoint!r} from workdir {workdir!r}: {cut(str(exc), 200)}"
     arguments, what = ENTRYPOINT_ARGUMENTS[field]
-    wrong = signature_problem(function, arguments, what)
+    wrong = python_function_problem(function, what) or signature_problem(function, arguments, what)
     return f"{field}: {entrypoint!r} {wrong}" if wrong else None
+
+
+def python_function_problem(function: Callable, what: str) -> str | None:
+    """None if `function` is written in Python (a function, a method, a partial of one, an object with a Python
+    __call__), else why not: a builtin (print, os.getcwd) or a class is no loop, whatever its signature says."""
+    target = inspect.unwrap(function)
+    if isinstance(target, functools.partial):
+        target = inspect.unwrap(target.func)
+    if inspect.isfunction(target) or inspect.ismethod(target):
+        return None
+    if not inspect.isclass(target) and inspect.isfunction(getattr(type(target), "__call__", None)):
+        return None
+    kind = "a builtin" if inspect.isbuiltin(target) else "a class" if inspect.isclass(target) else \
+        f"a {type(target).__name__} object"
+    return f"is {kind}, not a Python function; give 'module:function' of a function in the workdir: {what}"
+
+
+def signature_problem(function: Callable, arguments: int, what: str) -> str | None:
+    """None if `function` can be called with `arguments` positional arguments, else why not."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None  # a callable object without a signature: nothing to say here
+    try:
+        signature.bind(*range(arguments))
+    except TypeError:
+        return f"takes {signature} but gpuflow calls it with {arguments} argument(s): {what}"
+    return None
 
 
 def main(argv: list[str]) -> int:

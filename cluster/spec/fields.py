@@ -1,17 +1,16 @@
-"""The spec's field checks and field types: bounded YAML, credential-looking names, entrypoint signatures, URIs a
-cluster can reach, and the probes of the checkpoint storage and the tracking server that probes.py runs.
+"""The spec's field checks and field types: bounded YAML, credential-looking names, URIs a cluster can reach, and
+the probes of the checkpoint storage and the tracking server that probes.py runs.
 
     gpuflow validate my.yaml          # runs every check here before anything starts
 """
 
 from __future__ import annotations
 
-import inspect
-import os
+import contextlib
 import re
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -28,6 +27,10 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Words that make an environment variable a credential: its value must not be logged anywhere.
 CREDENTIAL_WORDS = {"KEY", "KEYS", "APIKEY", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS",
                     "PWD", "CREDENTIAL", "CREDENTIALS", "AUTH", "PRIVATE", "CERT", "SESSION", "SIGNATURE", "DSN"}
+# In a hyper-parameter's name some of them mean something else (max_tokens, label_key, forward_pass, private_ratio).
+PARAM_CREDENTIAL_WORDS = (CREDENTIAL_WORDS - {"KEY", "KEYS", "TOKENS", "PASS", "PWD", "AUTH", "PRIVATE", "CERT",
+                                              "SESSION", "SIGNATURE", "DSN"}) | {"ACCESSKEY", "SECRETKEY", "PRIVATEKEY"}
+VOCABULARY_TOKENS = {"PAD", "BOS", "EOS", "UNK", "SEP", "CLS", "MASK", "START", "END", "STOP", "SPECIAL", "EOT"}
 # What gpuflow itself sets for the job: an `envs` entry must not redirect it.
 RESERVED_ENV = re.compile(r"^(GPUFLOW_.*|MLFLOW_TRACKING_URI|MLFLOW_RUN_ID|RAY_AUTH_.*|RAY_ADDRESS|PYTHONPATH)$")
 
@@ -76,10 +79,25 @@ def size_problem(raw: Any) -> str | None:
 
 # -- environment variable names -------------------------------------------------------------------
 
+def name_words(name: str) -> list[str]:
+    """The words of a name, upper case: WANDB_API_KEY, wandb-api-key and wandbApiKey → [WANDB, API, KEY]."""
+    return [word for word in re.split(r"[_\-.\s]+", re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).upper()) if word]
+
+
 def looks_like_credential(name: str) -> str | None:
     """The word of `name` that makes it a credential (WANDB_API_KEY → KEY), or None."""
-    words = re.split(r"[_\-.]+", name.upper())
-    return next((word for word in words if word in CREDENTIAL_WORDS), None)
+    return next((word for word in name_words(name) if word in CREDENTIAL_WORDS), None)
+
+
+def param_looks_like_credential(name: str) -> str | None:
+    """The credential word a hyper-parameter's name ends with (db_password, wandbApiKey, hf_token), or None.
+
+    Narrower than for an environment variable: max_tokens, label_key, pad_token or forward_pass are
+    hyper-parameters, so only the last word (or last two: api_key, secret_access_key) counts."""
+    words = name_words(name) or [""]
+    if words[-1] == "TOKEN" and len(words) > 1 and words[-2] in VOCABULARY_TOKENS:
+        return None  # pad_token, eos_token: a token of the model's vocabulary
+    return next((word for word in ("".join(words[-2:]), words[-1]) if word in PARAM_CREDENTIAL_WORDS), None)
 
 
 QUOTA_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
@@ -111,6 +129,21 @@ def envs_problems(envs: dict[str, str]) -> list[str]:
         elif RESERVED_ENV.match(name):
             problems.append(f"{name!r} is set by gpuflow for the job; remove it from envs")
     return problems
+
+
+def credential_params(params: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], str]]:
+    """The train.params keys (nested ones too) named like a credential, each with the fix: MLflow logs params."""
+    found = []
+    for key, value in params.items():
+        if param_looks_like_credential(str(key)):
+            env = "_".join(name_words(str(key)))
+            env = env if ENV_NAME.match(env) else "MY_SECRET"
+            found.append(((*path, key), "a parameter named like a credential is logged to MLflow in clear; "
+                          f"put the value in an environment variable, list its name under secrets: (e.g. secrets: "
+                          f"[{env}]), and read it with os.environ[{env!r}] in the loop"))
+        elif isinstance(value, dict):
+            found += credential_params(value, (*path, key))
+    return found
 
 
 # -- URIs -----------------------------------------------------------------------------------------
@@ -155,36 +188,30 @@ def control_character_problem(text: str) -> str | None:
     return None
 
 
-# -- entrypoints ----------------------------------------------------------------------------------
-
-def signature_problem(function: Callable, arguments: int, what: str) -> str | None:
-    """None if `function` can be called with `arguments` positional arguments, else why not."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return None  # a builtin without a signature: nothing to say here
-    try:
-        signature.bind(*range(arguments))
-    except TypeError:
-        return f"takes {signature} but gpuflow calls it with {arguments} argument(s): {what}"
-    return None
-
-
 # -- probes ---------------------------------------------------------------------------------------
 
 def folder_write_problem(folder: Path, probe_name: str) -> str | None:
-    """Whether a local folder can be written, without creating it: the job creates it, maybe as another user
-    on a shared disk, and a folder made here by the flow's user could lock it out."""
+    """Writes and removes a probe file in the folder or, where it is missing, in a probe folder made and removed where
+    the job will make it: root passes a permission check where only a write fails (a kernel file system, an immutable
+    folder), and the probe leaves no folder (on a shared disk, the job's user must make it, not the flow's)."""
     existing = next(path for path in (folder, *folder.parents) if path.exists())
     if not existing.is_dir():
         return f"cannot write under {shorten(str(folder))}: {existing} is a file"
-    if existing != folder:
-        return None if os.access(existing, os.W_OK | os.X_OK) else \
-            f"cannot write under {shorten(str(folder))}: {existing} is not writable"
-    probe = folder / probe_name
-    probe.write_bytes(b"probe")
-    probe.unlink()
+    stand_in = existing / probe_name if existing != folder else None
+    probe_file = (stand_in or folder) / probe_name
+    try:
+        if stand_in:
+            stand_in.mkdir()
+        probe_file.write_bytes(b"probe")
+        probe_file.unlink()
+    except OSError as exc:
+        return f"cannot write under {shorten(str(folder))}: {exc.strerror or exc} ({exc.filename or probe_file})"
+    finally:
+        if stand_in:
+            with contextlib.suppress(OSError):
+                stand_in.rmdir()
     return None
+
 
 def storage_write_problem(uri: str) -> str | None:
     """Writes and removes a probe file under the checkpoint location (local or a bucket, through pyarrow)."""

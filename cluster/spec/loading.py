@@ -29,6 +29,51 @@ class SpecError(ValueError):
         super().__init__("invalid experiment spec:\n" + "\n".join(f"  - {p}" for p in shown))
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, path: str, lines: tuple[int, int]):
+        self.path, self.lines = path, lines
+        super().__init__(self.describe())
+
+    def describe(self, source: str = "") -> str:
+        where = f" in {source}" if source else ""
+        return (f"{self.path}: given twice{where} (lines {self.lines[0]} and {self.lines[1]}); keep one of them "
+                "(YAML would silently take the second)")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping. Checked as each mapping is composed, before
+    the `<<: *anchor` merges that may legitimately override a key: the mapping holds only what the file says there."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.path: list = []  # the keys (and list indexes) above the node being composed
+
+    def compose_node(self, parent, index):
+        self.path.append(index.value if isinstance(index, yaml.ScalarNode) else index)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.path.pop()
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        lines: dict[tuple, int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key.start_mark.line + 1
+            if (key.tag, key.value) in lines:
+                path = ".".join(str(part) for part in [*self.path, key.value] if part is not None)
+                raise DuplicateKey(cut(path, 120), (lines[key.tag, key.value], line))
+            lines[key.tag, key.value] = line
+        return node
+
+
+def safe_load(text: str):
+    """yaml.safe_load, refusing a key given twice in one mapping (e.g. `train:` twice: the second would win)."""
+    return yaml.load(text, Loader=UniqueKeyLoader)
+
+
 def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
     """Reads a YAML spec and applies `key.sub=value` overrides (values parsed as YAML)."""
     path = Path(path)
@@ -36,9 +81,11 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
         if path.stat().st_size > checks.MAX_SPEC_FILE_BYTES:
             raise SpecError([f"spec file: {str(path)!r} is {path.stat().st_size} bytes, more than a spec can be "
                              f"({checks.MAX_SPEC_FILE_BYTES}); give the experiment's YAML spec"])
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = safe_load(path.read_text()) or {}
     except (FileNotFoundError, NotADirectoryError):
         raise SpecError([f"spec file: {str(path)!r} does not exist; pass the path of a YAML spec"]) from None
+    except DuplicateKey as exc:
+        raise SpecError([exc.describe(repr(str(path)))]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise SpecError([f"spec file: {str(path)!r} is not valid YAML: {cut(str(exc), 300)}"]) from None
     except RecursionError:
@@ -50,7 +97,7 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
         if not sep or not key:
             raise SpecError([f"--set {item!r}: write it as field.path=value, e.g. train.lr=0.01"])
         try:
-            apply_override(raw, key.strip(), yaml.safe_load(value))
+            apply_override(raw, key.strip(), safe_load(value))
         except yaml.YAMLError as exc:
             raise SpecError([f"--set {checks.shorten(item)}: the value is not valid YAML: {cut(str(exc), 200)}"]) from None
     return parse_spec(raw)

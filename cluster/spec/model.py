@@ -40,6 +40,16 @@ class TrainSpec(Strict):
                 raise ValueError(f"params.{checks.shorten(key)} is {item!r}; give a finite number")
         return value
 
+    @field_validator("params")
+    @classmethod
+    def _no_credentials_in_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+        found = checks.credential_params(value)
+        if found:  # one error per key, each at its own field
+            raise ValidationError.from_exception_data("TrainSpec", [
+                {"type": "value_error", "loc": path, "input": None, "ctx": {"error": problem}}
+                for path, problem in found])
+        return value
+
     @field_validator("loop")
     @classmethod
     def _entrypoint(cls, value: str) -> str:

@@ -24,11 +24,10 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     located = spec.anchored().data
     for field in ("train", "validation"):
         uri = getattr(spec.data, field) if spec.data else None
-        if uri and not generate and not readable(getattr(located, field)):
-            problems.append(
-                f"data.{field}: {uri!r} cannot be read as Parquet; give an existing Parquet file or folder, "
-                "or set data.generate to a function that writes it"
-            )
+        unusable = uri and not generate and data_problem(getattr(located, field))
+        if unusable:
+            problems.append(f"data.{field}: {uri!r} {unusable}; give a Parquet file or folder that holds rows, "
+                            "or set data.generate to a function that writes it")
     for field, secret in enumerate(spec.secrets):
         if secret not in os.environ:
             problems.append(f"secrets[{field}]: {secret!r} is not set in this environment; export it before running")
@@ -57,10 +56,20 @@ def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:
 
 
 def readable(uri: str) -> bool:
+    return data_problem(uri) is None
+
+
+def data_problem(uri: str) -> str | None:
+    """None if `uri` is Parquet data with at least one row, else what it is."""
     import pyarrow.dataset as ds
 
     try:
-        ds.dataset(absolute_uri(uri), format="parquet").schema
-        return True
+        dataset = ds.dataset(absolute_uri(uri), format="parquet")
+        if not dataset.files:
+            return "holds no Parquet files"
+        # a file's row count is in its footer; stop at the first file with rows
+        if not any(fragment.count_rows() for fragment in dataset.get_fragments()):
+            return "holds no rows"
     except Exception:
-        return False
+        return "cannot be read as Parquet"
+    return None
