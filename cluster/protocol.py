@@ -89,6 +89,7 @@ RESULT_LINE = re.compile(r"^(?:\([^()]*, pid=\d+\) )?" + re.escape(RESULT_PREFIX
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 EPOCH_LINE = re.compile(re.escape(MARK) + r" epoch (\d+):")
 TRIAL_LINE = re.compile(re.escape(MARK) + r" trial \S+ .*\((\d+) of (\d+) done\)")
+METRIC = re.compile(r"(\S+)=(\S+)")
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,18 @@ def parse_line(line: str) -> JobEvent | None:
     if SETUP_DONE in line:
         return JobEvent("setup_done")
     return None
+
+
+def epoch_metrics(line: str) -> dict[str, float]:
+    """The metrics of an epoch line, `{"val_accuracy": 0.95, ...}`, in the order the job printed them."""
+    found = EPOCH_LINE.search(line)
+    metrics = {}
+    for key, value in METRIC.findall(line[found.end():] if found else ""):
+        try:
+            metrics[key] = float(value)
+        except ValueError:
+            pass
+    return metrics
 
 
 # -- the MLflow run both sides write -------------------------------------------------------------------------------

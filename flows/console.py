@@ -1,14 +1,29 @@
 """What `gpuflow run` shows: provisioning, each epoch, teardown and the summary. Ray's and MLflow's own lines
-from the job stay in the Prefect run's logs and in a log file; `gpuflow run -v` shows them here too."""
+from the job stay in the Prefect run's logs and in a log file; `gpuflow run -v` shows them here too.
+
+On a terminal, one live line says where the run is (phase, epoch i/N, ETA, metrics, dollars so far), rewritten in
+place; other lines print above it. In a log or a pipe, each epoch is one short line instead."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
+import threading
 import time
 from pathlib import Path
 
-from gpuflow.cluster.run.monitor import JOB_DETAIL
+from gpuflow.cluster.run.monitor import JOB_DETAIL, PROGRESS
+
+# The phase of a record from a task run, by the task's name; the flow's own records say theirs (PROGRESS).
+TASK_PHASES = {"validate": "validating", "stage-data": "provisioning", "open-mlflow-run": "provisioning",
+               "provision": "provisioning", "train": "training", "teardown": "tearing down",
+               "register-model": "registering"}
+SHOWN_METRICS = 3  # of an epoch's metrics, besides perf/*: the line stays short
+CLEAR_LINE = "\r\x1b[K"
+REDRAW_S = 1.0
+RAY_PREFIX = re.compile(r"^(?:\([^()]*pid=\d+[^()]*\) )+")  # "(RayTrainWorker pid=8380) ": which Ray process said it  # the live line's clock: ETA and dollars move between epochs too
 
 
 class HideJobDetail(logging.Filter):
@@ -16,8 +31,148 @@ class HideJobDetail(logging.Filter):
         return not getattr(record, JOB_DETAIL, False)
 
 
-def quiet_console(log_folder: Path) -> Path:
-    """Hides the job's detail lines from Prefect's console handler; writes every line to a log file, returned."""
+def clock(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def key_metrics(metrics: dict, first: str | None = None) -> dict:
+    """The few metrics worth a glance: the spec's own metric first, validation ones next, no perf/* figures."""
+    keys = [key for key in metrics if not key.startswith("perf/")]
+    keys.sort(key=lambda key: (key != first, not key.startswith("val")))
+    return {key: metrics[key] for key in keys[:SHOWN_METRICS]}
+
+
+class Progress:
+    """The run's progress, read from the flow's records: phase, the latest epoch and how fast epochs go."""
+
+    def __init__(self, metric: str | None = None):
+        self.metric = metric
+        self.phase = "starting"
+        self.started = time.time()
+        self.epoch: dict | None = None  # the latest epoch's fields, with `at`, when it arrived
+        self._first: tuple[float, int] | None = None  # (when, epoch) of the first epoch seen on this cluster
+
+    def update(self, record: logging.LogRecord) -> dict | None:
+        """Takes what `record` says of the run; returns its epoch fields, if it reports an epoch."""
+        fields = getattr(record, PROGRESS, None) or {}
+        phase = fields.get("phase") or TASK_PHASES.get(getattr(record, "task_name", None))
+        if phase:
+            self.phase = phase
+        if "epoch" not in fields:
+            return None
+        if self._first is None or fields["epoch"] <= self._first[1]:  # a resumed run starts counting again
+            self._first = (record.created, fields["epoch"])
+        self.epoch = {**fields, "at": record.created}
+        return self.epoch
+
+    def seconds_per_epoch(self) -> float:
+        """From the first epoch seen on: that one paid for the start-up. Before a second, the loop's own timing
+        of the epoch where it reports one, else the time since the job started."""
+        at, first = self._first
+        if self.epoch["epoch"] > first:
+            return (self.epoch["at"] - at) / (self.epoch["epoch"] - first)
+        return self.epoch["metrics"].get("perf/epoch_s") or self.epoch["train_seconds"] / self.epoch["epoch"]
+
+    def eta_s(self, now: float) -> float:
+        left = (self.epoch["epochs"] - self.epoch["epoch"]) * self.seconds_per_epoch()
+        return max(0.0, left - (now - self.epoch["at"]))
+
+    def cost_usd(self, now: float) -> float:
+        return self.epoch["cost_usd"] + self.epoch["hourly_usd"] * (now - self.epoch["at"]) / 3600
+
+    def metrics_text(self) -> str:
+        return "  ".join(f"{key} {value:.4g}" for key, value in key_metrics(self.epoch["metrics"], self.metric).items())
+
+    def epoch_line(self) -> str:
+        """An epoch for a log: `epoch 3/10  val_accuracy 0.962  train_loss 0.118  2.4 s/epoch  ETA 0:17  $0.00`."""
+        epoch = self.epoch
+        return "  ".join(part for part in (
+            f"epoch {epoch['epoch']}/{epoch['epochs']}", self.metrics_text(), f"{self.seconds_per_epoch():.1f} s/epoch",
+            f"ETA {clock(self.eta_s(epoch['at']))}", f"${epoch['cost_usd']:.2f}") if part)
+
+    def live_line(self, now: float) -> str:
+        """Where the run is now: `training  epoch 3/10  ETA 0:17  val_accuracy 0.962  $0.00  [0:41]`."""
+        parts = [self.phase]
+        if self.epoch:
+            if self.phase == "training":
+                parts += [f"epoch {self.epoch['epoch']}/{self.epoch['epochs']}", f"ETA {clock(self.eta_s(now))}"]
+            parts += [self.metrics_text(), f"${self.cost_usd(now):.2f}"]
+        parts.append(f"[{clock(now - self.started)}]")
+        return "  ".join(part for part in parts if part)
+
+
+def without_ray_prefix(record: logging.LogRecord) -> logging.LogRecord:
+    """The record as the console shows it: a job's line without the Ray process it came from (the log keeps it)."""
+    if not isinstance(record.msg, str) or not RAY_PREFIX.match(record.msg):
+        return record
+    shown = logging.makeLogRecord(record.__dict__)
+    shown.msg = RAY_PREFIX.sub("", record.msg)
+    return shown
+
+
+class Console(logging.Handler):
+    """Prefect's console handler, with the run's progress: a live line on a terminal, a short line per epoch else."""
+
+    def __init__(self, inner: logging.Handler, metric: str | None = None):
+        super().__init__(inner.level)
+        self.inner = inner
+        self.stream = inner.stream
+        self.live = self.stream.isatty()
+        self.progress = Progress(metric)
+        self._drawn = False
+        self._ended = threading.Event()
+        if self.live:
+            threading.Thread(target=self._tick, daemon=True, name="gpuflow-console").start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        epoch = self.progress.update(record)
+        if epoch and not self.live:
+            self._write(self.progress.epoch_line() + "\n")
+        elif not epoch and self.inner.filter(record):
+            self._clear()
+            self.inner.handle(without_ray_prefix(record))
+        self._draw()
+
+    def end(self) -> None:
+        """The run is over: the live line goes, for the summary printed in its place."""
+        with self.lock:
+            self._clear()
+            self._ended.set()
+
+    def _tick(self) -> None:
+        while not self._ended.wait(REDRAW_S):
+            with self.lock:
+                self._draw()
+
+    def _draw(self) -> None:
+        if not self.live or self._ended.is_set():
+            return
+        width = shutil.get_terminal_size().columns - 1  # a line that wraps cannot be rewritten in place
+        self._write(CLEAR_LINE + self.progress.live_line(time.time())[:width])
+        self._drawn = True
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self._write(CLEAR_LINE)
+            self._drawn = False
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+
+def end_live_line() -> None:
+    """Clears the live line before the run's summary (or its error) is printed."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, Console):
+            handler.end()
+
+
+def quiet_console(log_folder: Path, metric: str | None = None) -> Path:
+    """Hides the job's detail lines from Prefect's console handler and shows the run's progress in their place
+    (`metric` first among an epoch's metrics); writes every line to a log file, returned."""
     from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import PrefectConsoleHandler
 
@@ -26,6 +181,8 @@ def quiet_console(log_folder: Path) -> Path:
     consoles = [handler for handler in root.handlers if isinstance(handler, PrefectConsoleHandler)]
     for handler in consoles:
         handler.addFilter(HideJobDetail())
+        root.removeHandler(handler)
+        root.addHandler(Console(handler, metric))
     # MLflow's own notes (INFO lines, "View run ... at" links): the summary at the end gives the run and its link.
     # Importing MLflow sets its loggers' levels: quieted after that, not before.
     import mlflow  # noqa: F401

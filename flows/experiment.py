@@ -18,7 +18,7 @@ from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import (LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check,
-                                         lost_after)
+                                         lost_after, progress)
 from gpuflow.cluster.run.record import RunRecord, close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
@@ -123,7 +123,8 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     flow_run = this_flow_run()
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
-        with turn_for_gpus(spec, flow_run["id"], logger.info) as quota:
+        waiting = progress(phase="waiting for GPUs")
+        with turn_for_gpus(spec, flow_run["id"], lambda message: logger.info(message, extra=waiting)) as quota:
             return run_on_a_cluster(spec, flow_run, quota.waited_s if quota.lease_id else None)
     except QueueCancelled:
         return Cancelled(message="cancelled while waiting for the team's GPU quota: nothing was started")

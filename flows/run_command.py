@@ -12,6 +12,7 @@ import sys
 import time
 
 from gpuflow.cluster.spec import check_entrypoints, validate_spec
+from gpuflow.flows.console import end_live_line
 from gpuflow.cluster.util.preload import import_in_background
 
 
@@ -103,7 +104,7 @@ def run(spec, verbose: bool = False) -> int:
         from gpuflow.cluster.config import state_dir
         from gpuflow.flows.console import quiet_console
 
-        log_file = quiet_console(state_dir() / "logs")
+        log_file = quiet_console(state_dir() / "logs", spec.sweep.metric if spec.sweep else None)
     warm_cluster, lost_api = None, None
     try:
         from gpuflow.flows.experiment import run_experiment  # its imports take a second or two: meanwhile, the check
@@ -120,10 +121,12 @@ def run(spec, verbose: bool = False) -> int:
                 raise
             state, lost_api = None, f"{type(exc).__name__}: {exc}"
     except KeyboardInterrupt:
+        end_live_line()
         print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
               file=sys.stderr)
         return 130
     finally:
+        end_live_line()  # what follows, the summary or what went wrong, takes its place
         if warm_cluster:  # not adopted if the flow never reached provisioning: ours to remove
             from gpuflow.cluster.backends.local import LocalBackend
 

@@ -12,12 +12,13 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from gpuflow.cluster.backends import ClusterHandle, Job, get_backend
-from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, parse_line
+from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, epoch_metrics, parse_line
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import (ANSI, FAILURE_TAIL_LINES, JOB_DETAIL, NOISE, JobFailed, JobReported,
-                                         TrainResult, loss_check, stopped_by_the_job, visible)
+                                         TrainResult, loss_check, progress, stopped_by_the_job, visible)
 from gpuflow.cluster.spec import ExperimentSpec
+
 
 def worth_retrying(task, task_run, state) -> bool:
     """A broken setup fails the same way again and a cancelled launch was meant: retry only the rest."""
@@ -50,7 +51,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     result = TrainResult()
     started = time.time()
     done_of = f"trials done of {spec.sweep.num_trials}" if spec.sweep else f"epochs done of {spec.train.epochs}"
-    progress = ProgressBar(f"{spec.name}: {done_of}", logger)
+    bar = ProgressBar(f"{spec.name}: {done_of}", logger)
 
     tail: deque[str] = deque(maxlen=FAILURE_TAIL_LINES)
 
@@ -58,6 +59,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
         line = visible(raw)
         life.output()
         event = parse_line(line)
+        extra = {JOB_DETAIL: MARK not in line or RESULT_PREFIX in line}
         if event is None:
             pass
         elif event.kind == "result":
@@ -72,15 +74,17 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             life.epoch_done()
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             if not spec.sweep:
-                progress.set(100.0 * (event.value + 1) / spec.train.epochs)
+                bar.set(100.0 * (event.value + 1) / spec.train.epochs)
+                extra.update(epoch_progress(spec, event.value, line, life, time.time() - started))
         elif event.kind == "trial":
             done, total = event.value
-            progress.set(100.0 * done / total)
+            bar.set(100.0 * done / total)
+            extra.update(progress(phase="training", trial=done, trials=total))
         tail.append(line)
         if any(noise in line for noise in NOISE):
             logger.debug(line)
         else:  # the console shows gpuflow's own lines, less the result's JSON; the Prefect run and the log file keep all
-            logger.info(line, extra={JOB_DETAIL: MARK not in line or RESULT_PREFIX in line})
+            logger.info(line, extra=extra)
         # The job's result line is its last act: the tail ends there, not once the job's process and Ray have
         # stopped (seconds of an idle, billing cluster). The whole line, not what a terminal shows of it: a worker's
         # line holding the same text carries Ray's prefix, and a prefix before a \r is still a prefix.
@@ -104,7 +108,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
                 raise RunStopped(life.stop_reason, life.stop_detail) from exc
             raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
         finally:
-            progress.close()
+            bar.close()
     result.train_seconds = time.time() - started
     if life.stopped or (exit_code != 0 and stopped_by_the_job(job.env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)
@@ -115,11 +119,18 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     return result
 
 
+def epoch_progress(spec: ExperimentSpec, epoch: int, line: str, life: Lifecycle, seconds: float) -> dict:
+    """What the console makes of an epoch's line: epoch i of N, its metrics, the time so far and the bill."""
+    return progress(phase="training", epoch=epoch + 1, epochs=spec.train.epochs, metrics=epoch_metrics(line),
+                    train_seconds=seconds, cost_usd=life.bill()["cost_usd"], hourly_usd=life.hourly_usd())
+
+
 @task(name="teardown", cache_policy=NO_CACHE)
 def teardown(life: Lifecycle) -> float:
     """Downs the cluster (retried inside; idempotent, so the cancel/crash hooks and the reaper may call down too).
-    The lifecycle says when it starts and when the cluster is down, on every path: not said twice here."""
-    return life.teardown()
+    The lifecycle says when it starts and when the cluster is down, on every path: not said twice here; its lines
+    are this task's, so that the console shows the run tearing down."""
+    return life.teardown(log=get_run_logger().info)
 
 
 # -- the train task's progress bar in the Prefect UI ------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+
 from gpuflow.cluster.protocol import EPOCH_LINE, RESULT_LINE
 from gpuflow.cluster.run.monitor import ANSI, visible
 
@@ -24,6 +26,25 @@ def test_only_the_jobs_own_result_line_ends_the_tail():
     assert not RESULT_LINE.match(f"(digits-mlp, pid=25726) (RayTrainWorker pid=26135) {result}")
     assert not RESULT_LINE.match(f"(RayTrainWorker pid=26135) {result}")
     assert not RESULT_LINE.match(f"\r(pid=14686) Running Dataset\r{result}")
+
+
+def test_an_epoch_record_makes_one_short_line():
+    """The train task's record of an epoch (its fields as tasks/compute.py sets them), as a log or a pipe shows it."""
+    import logging
+
+    from gpuflow.cluster.protocol import epoch_metrics
+    from gpuflow.cluster.run.monitor import progress
+    from gpuflow.flows.console import Progress, without_ray_prefix
+
+    line = ("(TrainController pid=14569) [gpuflow] epoch 2: train_loss=0.1183 val_accuracy=0.962 perf/epoch_s=0.41 "
+            "perf/samples_per_s=5043")
+    record = logging.makeLogRecord({"msg": line, **progress(
+        phase="training", epoch=3, epochs=10, metrics=epoch_metrics(line), train_seconds=20.0, cost_usd=0.004,
+        hourly_usd=0.0)})
+    shown = Progress()
+    assert shown.update(record) and shown.phase == "training"
+    assert shown.epoch_line() == "epoch 3/10  val_accuracy 0.962  train_loss 0.1183  0.4 s/epoch  ETA 0:02  $0.00"
+    assert without_ray_prefix(logging.makeLogRecord({"msg": line})).msg.startswith("[gpuflow] epoch 2:")
 
 
 REGISTER_TWICE = """
@@ -84,3 +105,66 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
     for noise in ("Successfully registered", "already exists", "Created version", "Waiting up to",
                   "INFO mlflow"):  # e.g. "Creating initial MLflow database tables"
         assert noise not in shown and noise not in Path(log_file).read_text(), noise
+
+
+def gpuflow_run_output(home: Path, args: list[str], terminal: bool) -> str:
+    """What `gpuflow run` prints, all of it, read from a pseudo-terminal or from a pipe."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    from tests.conftest import REPO
+
+    command = [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args]
+    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "160"}
+    if not terminal:
+        done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:]
+        return done.stdout
+    main, other = pty.openpty()
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdin=other, stdout=other, stderr=other)
+    os.close(other)
+    shown = bytearray()
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the terminal's other end closed: the run is over
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main)
+    assert process.wait(timeout=60) == 0, shown[-3000:]
+    return shown.decode(errors="replace")
+
+
+@pytest.mark.full  # two runs of minutes each
+def test_a_terminal_gets_a_live_line_and_a_log_a_short_line_per_epoch(prefect_server, gpuflow_home):
+    """The same short run twice: on a terminal, one line rewritten in place (epoch i/N, ETA) then the summary; in a
+    pipe, one short line per epoch, without the telemetry figures or Ray's prefixes."""
+    epochs = 3
+    args = [arg for item in (f"train.epochs={epochs}", f"data.train={gpuflow_home}/data/train.parquet",
+                             f"data.validation={gpuflow_home}/data/validation.parquet")
+            for arg in ("--set", item)]
+    piped = gpuflow_run_output(gpuflow_home, args, terminal=False)
+    epoch_lines = [line for line in piped.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in epoch_lines] == [f"{i}/{epochs}" for i in range(1, epochs + 1)], piped
+    for line in epoch_lines:
+        assert len(line) <= 120 and "val_accuracy " in line and " s/epoch" in line and "$" in line, line
+    for hidden in ("perf/", "TrainController", "RayTrainWorker", "[gpuflow] epoch", "\r"):
+        assert not any(hidden in line for line in piped.splitlines() if "metrics      " not in line), hidden
+    log_file = piped.split("full log     ", 1)[1].split(" ", 1)[0]
+    assert "[gpuflow] epoch 2: " in Path(log_file).read_text()  # the log file keeps the job's whole lines
+
+    shown = gpuflow_run_output(gpuflow_home, args, terminal=True)
+    redrawn = [part.split("\r")[0] for part in shown.split("\r\x1b[K")]  # what each redraw of the line wrote
+    for i in range(1, epochs + 1):
+        assert any(f"training  epoch {i}/{epochs}  ETA " in part for part in redrawn), shown[-3000:]
+    assert any(part.startswith("provisioning") for part in redrawn), shown[-3000:]
+    assert not any(line.startswith("epoch ") for line in shown.splitlines()), shown[-3000:]
+    assert shown.rstrip().split("\r\x1b[K")[-1].lstrip("\r\n").startswith("gpuflow: digits-mlp finished in"), \
+        shown[-3000:]

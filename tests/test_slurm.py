@@ -139,7 +139,7 @@ class Run:
         """Phase wall times as seen from the output (the flow also logs gpuflow.*_seconds to MLflow)."""
         marks = {name: self.at(text) for name, text in (
             ("start", "provisioning skypilot cluster"), ("provisioned", "[gpuflow] provisioned"),
-            ("setup_done", "[gpuflow] setup finished"), ("first_epoch", "[gpuflow] epoch 0:"),
+            ("setup_done", "[gpuflow] setup finished"), ("first_epoch", "epoch 1/"),
             ("down_start", "tearing down cluster"), ("down_end", " is down ("))}
         spans = {"provision": ("start", "provisioned"), "setup": ("provisioned", "setup_done"),
                  "to_first_epoch": ("setup_done", "first_epoch"), "down": ("down_start", "down_end")}
@@ -231,7 +231,7 @@ def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_clust
                                                                                    mlflow_url):
     """No flow is left to tear down: the job notices the lease, stops, shortens autostop; SkyPilot downs the cluster."""
     run = gpuflow_on_slurm("limits.orphan_grace_minutes=0.25", "limits.idle_minutes_to_autostop=5", *PACED, epochs=400)
-    run.wait_for("[gpuflow] epoch 1:")
+    run.wait_for("epoch 2/")
     # the backstop when the flow dies: every launch sets autostop with autodown, so SkyPilot deletes the cluster
     [record] = [r for r in harness.sky_status(slurm_infra) if r["name"] == run.cluster]
     assert (record["status"], record["autostop"], record["to_down"]) == ("UP", 5, True)
@@ -285,7 +285,7 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     home): the flow relaunches (as <name>-r1) and resumes from the checkpoints on the shared disk."""
     epochs = 30  # the scancel comes at epoch 3 and kills the job at once: the rest is the resumed attempt
     run = gpuflow_on_slurm(epochs=epochs)
-    run.wait_for("[gpuflow] epoch 3:")
+    run.wait_for("epoch 4/")
     [job] = harness.slurm_jobs(user=slurm_infra.ssh_user)
     subprocess.run(["scancel", job["id"]], check=True, timeout=60)
     lost_at = time.monotonic()

@@ -98,7 +98,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
 def assert_a_clean_console(out: str) -> None:
     """What a person reads of a 2-epoch run: a line per epoch and the end of training in readable metrics; not the
     job's result JSON, Ray's or MLflow's own lines, nor raw metric dicts. The log file keeps every line."""
-    assert [line for line in out.splitlines() if "[gpuflow] epoch " in line] and "[gpuflow] epoch 1:" in out, out
+    assert [line for line in out.splitlines() if line.startswith("epoch 1/2 ")] and "\nepoch 2/2 " in out, out
     [finished] = [line for line in out.splitlines() if "training finished in" in line]
     assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
     for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group"):
@@ -114,7 +114,7 @@ def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, di
     stack = stack_record(gpuflow_home)
     own = set(processes_of(gpuflow_home)) - set(spare_pids(gpuflow_home))  # the stack, its API, their watchers
     run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)  # a long, paced digits run
-    run.wait_for_line("[gpuflow] epoch 2:")
+    run.wait_for_line("epoch 3/")
     of_the_run = set(processes_of(gpuflow_home)) - own
     run.process.kill()
     run.wait()

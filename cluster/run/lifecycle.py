@@ -130,13 +130,15 @@ class Lifecycle:
         return self.stop_reason is not None
 
     # -- the end --------------------------------------------------------------------------------------
-    def teardown(self) -> float:
-        """Downs the cluster (idempotent; retried); returns the seconds it took. Raises TeardownFailed."""
+    def teardown(self, log: Callable[[str], None] | None = None) -> float:
+        """Downs the cluster (idempotent; retried); returns the seconds it took. Raises TeardownFailed.
+        Its lines go to `log` where given, else to the lifecycle's."""
         if self.teardown_seconds is not None:
             return self.teardown_seconds
+        log = log or self.log
         self.teardown_requested_at = self.teardown_requested_at or time.time()
         started = time.time()
-        self.log(f"tearing down cluster {self.cluster_name}")
+        log(f"tearing down cluster {self.cluster_name}")
         # after a failed teardown (the block then ends with it), one more try, not the whole series again
         for delay in (None,) if self.teardown_error else (*TEARDOWN_DELAYS_S, None):
             try:
@@ -149,7 +151,7 @@ class Lifecycle:
                 break
             except Exception as exc:
                 self.teardown_error = exc
-                self.log(f"teardown of {self.cluster_name} failed: {type(exc).__name__}: {exc}")
+                log(f"teardown of {self.cluster_name} failed: {type(exc).__name__}: {exc}")
                 if delay is None:
                     raise TeardownFailed(
                         f"could not tear down cluster {self.cluster_name} after {len(TEARDOWN_DELAYS_S) + 1} tries: "
@@ -157,7 +159,7 @@ class Lifecycle:
                         f"or run `gpuflow down {self.cluster_name}`") from exc
                 time.sleep(delay)
         self.teardown_seconds = time.time() - started
-        self.log(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
+        log(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
         return self.teardown_seconds
 
     def outcome(self, error: BaseException | None) -> Outcome:

@@ -18,6 +18,7 @@ from gpuflow.cluster.util.waiting import wait_until
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
 FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
 JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
+PROGRESS = "gpuflow_progress"  # set on a log record that moves the run on: its fields, for the console (flows/console.py)
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
 
@@ -27,6 +28,11 @@ def visible(raw: str) -> str:
     process's line (an epoch's) can land after one on the same line."""
     shown = [part for part in ANSI.sub("", raw).split("\r") if part.strip()]
     return shown[-1].rstrip() if shown else ""
+
+
+def progress(**fields) -> dict:
+    """A log record's `extra` that marks it as progress: phase="training", or epoch/epochs/metrics/cost_usd..."""
+    return {PROGRESS: fields}
 
 
 class JobFailed(RuntimeError):
