@@ -23,13 +23,13 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import AnyType, Array, DataType, Object, Property
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY,
+                                     MLFLOW_GIT_REPO_URL)
 
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 
 CONTEXTS = {"train": "training", "validation": "validation"}  # data.<split> -> MLflow's mlflow.data.context
-DIRTY_TAG = "gpuflow.source.dirty"
 PACKAGES_ARTIFACT = "environment/packages.txt"
 GIT_TIMEOUT_S = 5
 
@@ -74,15 +74,17 @@ def mlflow_type(arrow_type):
         return Array(mlflow_type(arrow_type.value_type))
     if pa.types.is_struct(arrow_type):
         return Object([Property(field.name, mlflow_type(field.type)) for field in arrow_type])
-    for is_type, dtype in ((pa.types.is_boolean, DataType.boolean), (pa.types.is_int64, DataType.long),
-                           (pa.types.is_uint32, DataType.long), (pa.types.is_integer, DataType.integer),
+    # int64, uint32 and uint64 overflow MLflow's integer (int32): long
+    for is_type, dtype in ((pa.types.is_boolean, DataType.boolean),
+                           (lambda t: pa.types.is_integer(t) and t.bit_width >= 32 and t != pa.int32(), DataType.long),
+                           (pa.types.is_integer, DataType.integer),
                            (pa.types.is_float64, DataType.double), (pa.types.is_floating, DataType.float),
-                           (pa.types.is_string, DataType.string), (pa.types.is_large_string, DataType.string),
-                           (pa.types.is_binary, DataType.binary), (pa.types.is_large_binary, DataType.binary),
+                           (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), DataType.string),
+                           (lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t), DataType.binary),
                            (pa.types.is_temporal, DataType.datetime)):
         if is_type(arrow_type):
             return dtype
-    return AnyType()  # uint64, decimals, maps, ...: no closer MLflow type
+    return AnyType()  # decimals, maps, ...: no closer MLflow type
 
 
 class ParquetDataset(MetaDataset):
@@ -134,18 +136,18 @@ def without_credentials(url: str) -> str:
 
 def source_tags(workdir: str | Path) -> dict[str, str]:
     """MLflow's source tags for the project in `workdir`: its commit, remote, branch, and whether the tree had
-    changes not committed. None when it is not a git repository (or git is missing)."""
+    changes not committed. Empty when it is not a git repository (or git is missing)."""
     workdir = Path(workdir).expanduser().absolute()
     commit = git(workdir, "rev-parse", "HEAD")
     if not commit:
         return {}
-    tags = {"mlflow.source.git.commit": commit}
+    tags = {MLFLOW_GIT_COMMIT: commit}
     if remote := git(workdir, "remote", "get-url", "origin"):
-        tags["mlflow.source.git.repoURL"] = without_credentials(remote)
+        tags[MLFLOW_GIT_REPO_URL] = without_credentials(remote)
     if (branch := git(workdir, "rev-parse", "--abbrev-ref", "HEAD")) and branch != "HEAD":  # HEAD: detached
-        tags["mlflow.source.git.branch"] = branch
+        tags[MLFLOW_GIT_BRANCH] = branch
     if (status := git(workdir, "status", "--porcelain")) is not None:
-        tags[DIRTY_TAG] = str(bool(status)).lower()
+        tags[MLFLOW_GIT_DIRTY] = str(bool(status)).lower()
     return tags
 
 
@@ -168,9 +170,12 @@ def log_job_lineage(job: JobEnv, uris: dict[str, str | None]) -> None:
     try:
         if inputs := dataset_inputs(uris):
             client.log_inputs(job.mlflow_run_id, datasets=inputs)
+    except Exception as exc:
+        print(f"[gpuflow] warning: the run's datasets are not in MLflow: {exc}", flush=True)
+    try:
         if job.artifact_uri:  # known from the run's opening: no read of the run first
             log_text_to(artifact_repo(job.artifact_uri, job.tracking_uri), packages_text(), PACKAGES_ARTIFACT)
         else:
             client.log_text(job.mlflow_run_id, packages_text(), PACKAGES_ARTIFACT)
     except Exception as exc:
-        print(f"[gpuflow] warning: the run's datasets or packages are not in MLflow: {exc}", flush=True)
+        print(f"[gpuflow] warning: the job's package list is not in MLflow: {exc}", flush=True)

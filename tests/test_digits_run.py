@@ -125,7 +125,7 @@ def test_the_run_names_its_datasets_its_commit_and_its_packages(digits_run, tmp_
     # the workdir is this repository: its commit
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert run.data.tags["mlflow.source.git.commit"] == head
-    assert run.data.tags["gpuflow.source.dirty"] in ("true", "false")
+    assert run.data.tags["mlflow.source.git.dirty"] in ("true", "false")
     packages = Path(client.download_artifacts(run.info.run_id, "environment/packages.txt", str(tmp_path))).read_text()
     assert {"torch", "ray"} <= {line.split("==")[0] for line in packages.splitlines()}
 

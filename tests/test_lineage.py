@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from gpuflow.cluster.lineage import (DIRTY_TAG, PACKAGES_ARTIFACT, log_job_lineage, packages_text, parquet_dataset,
+from gpuflow.cluster.lineage import (PACKAGES_ARTIFACT, log_job_lineage, packages_text, parquet_dataset,
                                      source_tags, without_credentials)
 from gpuflow.cluster.protocol import JobEnv
 
@@ -68,9 +68,10 @@ def repo(tmp_path):
 def test_source_tags_name_the_commit_and_flip_dirty_after_an_edit(repo):
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     tags = source_tags(repo)
-    assert tags == {"mlflow.source.git.commit": head, "mlflow.source.git.branch": "main", DIRTY_TAG: "false"}
+    assert tags == {"mlflow.source.git.commit": head, "mlflow.source.git.branch": "main",
+                    "mlflow.source.git.dirty": "false"}
     (repo / "train.py").write_text("def train(config): return 1\n")
-    assert source_tags(repo)[DIRTY_TAG] == "true"
+    assert source_tags(repo)["mlflow.source.git.dirty"] == "true"
 
 
 def test_the_remote_is_logged_without_its_credentials(repo):
