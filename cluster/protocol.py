@@ -19,6 +19,7 @@ from typing import Any, Mapping
 ENV_NAMES = {  # JobEnv field -> environment variable
     "tracking_uri": "MLFLOW_TRACKING_URI",
     "mlflow_run_id": "GPUFLOW_MLFLOW_RUN_ID",
+    "artifact_uri": "GPUFLOW_ARTIFACT_URI",
     "requested_at": "GPUFLOW_REQUESTED_AT",
     "hourly_usd": "GPUFLOW_HOURLY_USD",
     "local_cluster_session": "GPUFLOW_LOCAL_CLUSTER_SESSION",
@@ -34,6 +35,7 @@ class JobEnv:
 
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None  # every report of the job is logged into this run
+    artifact_uri: str | None = None  # that run's artifact store: the job writes there without reading the run first
     requested_at: float | None = None  # when the cluster was requested (epoch seconds): the bill counts from here
     hourly_usd: float | None = None  # what the launched cluster costs
     local_cluster_session: int | None = None  # the local backend's session of the cluster: the guard may stop it

@@ -56,8 +56,8 @@ def this_flow_run() -> dict[str, str | None]:
 def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:
     """The training job: Ray Train's run name (the checkpoints' folder, stable for the flow run) and what the job
     needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die."""
-    env = JobEnv(tracking_uri=spec.tracking_uri, mlflow_run_id=record.run_id, requested_at=life.requested_at,
-                 hourly_usd=life.hourly_usd())
+    env = JobEnv(tracking_uri=spec.tracking_uri, mlflow_run_id=record.run_id, artifact_uri=record.artifact_uri,
+                 requested_at=life.requested_at, hourly_usd=life.hourly_usd())
     return Job(train_run_name(spec.name, record.flow_run_id), env.to_env())
 
 

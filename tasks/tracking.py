@@ -6,10 +6,12 @@ import os
 from urllib.parse import quote
 
 import yaml
+from mlflow.entities import RunInfo
 from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from gpuflow.cluster.lineage import source_tags
 from gpuflow.cluster.protocol import BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 from gpuflow.cluster.run.record import client_for, experiment_id, experiment_of, open_command, remember_experiment, run_url
@@ -48,8 +50,9 @@ def refusal(exc: MlflowException, spec: ExperimentSpec) -> MlflowException:
 
 
 @task(name="open-mlflow-run", retries=2, retry_delay_seconds=[2, 5], retry_condition_fn=not_refused)
-def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> str:
-    """Creates the run the job will log into: spec.yaml, and tags linking it to the Prefect run and saying who ran it.
+def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> RunInfo:
+    """Creates the run the job will log into: spec.yaml, and tags linking it to the Prefect run, saying who ran it
+    and which commit of the project (MLflow's source tags, when the workdir is a git repository).
     Three calls to the tracking server (its experiment, the run, spec.yaml): its params go in with its price and lease
     (RunRecord.opened), in one more."""
     client = client_for(spec)
@@ -61,6 +64,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         BACKEND_TAG: spec.compute.backend,
         CLUSTER_TAG: cluster_name,
         "mlflow.runName": flow_run["name"],
+        **source_tags(spec.workdir),
     }
     if os.environ.get("MLFLOW_TRACKING_USERNAME"):  # else MLflow's default
         tags[USER_TAG] = os.environ["MLFLOW_TRACKING_USERNAME"]
@@ -80,7 +84,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
     # TODO(skypilot): log the resolved SkyPilot task YAML beside spec.yaml (client.log_text(run_id, ..., "sky-task.yaml"))
     # once the SkyPilot backend can render it; the local backend has none.
     get_run_logger().info(f"MLflow run {run_id} in experiment {spec.experiment_name!r} ({spec.tracking_uri})")
-    return run_id
+    return run.info
 
 
 @task(name="register-model")

@@ -1,6 +1,7 @@
 """The quick tier's one real run: the README's quickstart (experiments/digits.yaml) end to end under a real Prefect
 API: a local Ray cluster, Ray Train DDP, MLflow, teardown. One run, read by every test of this file."""
 
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,27 @@ def test_telemetry_every_epoch_and_a_profiler_trace(digits_run, tmp_path):
     assert json.loads(Path(trace).read_text())["traceEvents"]
     table = Path(client.download_artifacts(run.info.run_id, "profile/top_operators.txt", str(tmp_path))).read_text()
     assert "4 step(s) recorded after skipping 2" in table
+
+
+def test_the_run_names_its_datasets_its_commit_and_its_packages(digits_run, tmp_path):
+    import json
+
+    import pyarrow.dataset as ds
+
+    client, run = digits_run.mlflow_run()
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"train", "validation"}
+    for name, context in (("train", "training"), ("validation", "validation")):
+        dataset, parquet = inputs[name].dataset, ds.dataset(getattr(digits_run.spec.data, name))
+        assert {tag.key: tag.value for tag in inputs[name].tags}["mlflow.data.context"] == context
+        assert json.loads(dataset.profile)["num_rows"] == parquet.count_rows()
+        assert [c["name"] for c in json.loads(dataset.schema)["mlflow_colspec"]] == parquet.schema.names
+    # the workdir is this repository: its commit
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert run.data.tags["mlflow.source.git.commit"] == head
+    assert run.data.tags["mlflow.source.git.dirty"] in ("true", "false")
+    packages = Path(client.download_artifacts(run.info.run_id, "environment/packages.txt", str(tmp_path))).read_text()
+    assert {"torch", "ray"} <= {line.split("==")[0] for line in packages.splitlines()}
 
 
 def test_nothing_is_left_running(digits_run):

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def preload(spec: ExperimentSpec) -> None:
 
 
 JOIN_TIMEOUT_S = 300
+LINEAGE_TIMEOUT_S = 60
 
 
 def alive_nodes() -> int:
@@ -104,6 +106,18 @@ def wait_for_handoff(args: argparse.Namespace) -> None:
     handoff = json.loads(Path(args.handoff).read_text())
     os.environ.update(handoff["env"])
     args.spec, args.address, args.run_name = handoff["spec"], handoff["address"], handoff["run_name"]
+
+
+def log_lineage_meanwhile(job: JobEnv, uris: dict[str, str | None]) -> threading.Thread:
+    """The run's datasets and this environment's packages (cluster/lineage.py), logged while Ray connects."""
+    def log():
+        from gpuflow.cluster.lineage import log_job_lineage
+
+        log_job_lineage(job, uris)
+
+    thread = threading.Thread(target=log, name="gpuflow-lineage", daemon=True)
+    thread.start()
+    return thread
 
 
 def release_for(job: JobEnv):
@@ -153,7 +167,8 @@ def main(argv=None) -> int:
         **{name: os.environ[name] for name in spec.secrets if name in os.environ},
     }
     started = time.time()
-    ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
+    uris = ensure_data(spec)  # a cloud node makes the data itself when data.generate is set
+    lineage = log_lineage_meanwhile(job, uris)
     if args.after:
         wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
@@ -171,6 +186,7 @@ def main(argv=None) -> int:
         if monitor:
             monitor.finish()
     summary["fit_seconds"] = round(time.time() - started, 2)
+    lineage.join(LINEAGE_TIMEOUT_S)
     print(result_line(summary), flush=True)
     return 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param, RunInfo, RunTag
 
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
@@ -92,13 +92,15 @@ class RunRecord:
     def __init__(self, spec: ExperimentSpec, flow_run_id: str, warn: Callable[[str], None] = print):
         self.spec, self.flow_run_id, self.warn = spec, flow_run_id, warn
         self.run_id: str | None = None
+        self.artifact_uri: str | None = None
         self.phases: dict[str, float] = {}
         self._lease: LeaseKeeper | None = None
 
-    def opened(self, run_id: str, price) -> str:
+    def opened(self, run: RunInfo, price) -> str:
         """The run is open: its params, its price, where its checkpoints go and its lease, in one call; then the
-        lease is kept."""
-        self.run_id = run_id
+        lease is kept. Returns the run's id."""
+        run_id = self.run_id = run.run_id
+        self.artifact_uri = run.artifact_uri  # the job logs its files there (JobEnv)
         grace_s = self.spec.limits.orphan_grace_minutes * 60
         metrics, tags = price_entries(price)
         tags[CHECKPOINTS_TAG] = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"

@@ -113,6 +113,16 @@ def test_the_run_in_the_mlflow_ui(served, page):
     page.get_by_role("tab", name="Overview").first.wait_for()
     page.get_by_text(re.compile(r"Metrics \(\d+\)")).first.wait_for()
     shot("run-overview")
+    # Its lineage: the Overview's Datasets section shows one ("+1" folds the other); clicked, it lists both.
+    shown = {i.dataset.name: f"{i.dataset.name} ({i.dataset.digest})"
+             for i in client.get_run(run.info.run_id).inputs.dataset_inputs}
+    assert set(shown) == {"train", "validation"}
+    page.get_by_text(re.compile("|".join(re.escape(text) for text in shown.values()))).first.click()
+    for text in shown.values():
+        page.get_by_text(text, exact=True).filter(visible=True).first.wait_for()
+    shot("run-datasets")
+    page.keyboard.press("Escape")  # the datasets' drawer closes
+    page.get_by_role("dialog").wait_for(state="hidden")
     page.get_by_role("link", name="val_accuracy", exact=True).first.click()
     # "Model metrics" shows every metric's card (cost, timings too) and renders only those in view:
     # search for the one we want, as a person would.
