@@ -25,7 +25,9 @@ ENV_NAMES = {  # JobEnv field -> environment variable
     "local_cluster_session": "GPUFLOW_LOCAL_CLUSTER_SESSION",
     "spec_json": "GPUFLOW_SPEC_JSON",
     "run_name": "GPUFLOW_RUN_NAME",
+    "notify_json": "GPUFLOW_NOTIFY",
 }
+SECRET_ENV_NAMES = {"GPUFLOW_NOTIFY"}  # never in a log or a backend's job record: SkyPilot gets them as secrets
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class JobEnv:
     local_cluster_session: int | None = None  # the local backend's session of the cluster: the guard may stop it
     spec_json: str | None = None  # a SkyPilot node: the spec, and Ray Train's run name, for the job it starts
     run_name: str | None = None
+    notify_json: str | None = None  # the run's webhook, links and name (cluster/run/notify.py): a secret
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[f.name]: str(value) for f in fields(self) if (value := getattr(self, f.name)) is not None}

@@ -35,10 +35,11 @@ def command_line() -> argparse.ArgumentParser:
                                  help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
         command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                              help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
-    from gpuflow.flows import cost_command, quota_command, share_command
+    from gpuflow.flows import cost_command, notify_command, quota_command, share_command
 
     cost_command.add_parser(commands)
     share_command.add_parser(commands)
+    notify_command.add_parser(commands)
     quota_command.add_parser(commands)
     from gpuflow.flows import status_command
 
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             from gpuflow.flows import quota_command
 
             return quota_command.run(args)
+        if args.command == "notify":
+            from gpuflow.flows import notify_command
+
+            return notify_command.run(args)
         if args.command == "share":
             from gpuflow.flows import share_command
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
@@ -22,6 +23,7 @@ from gpuflow.cluster.run.monitor import (LOSS_SETTLE_S, JobFailed, TrainResult, 
 from gpuflow.cluster.run.record import RunRecord, close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
+from gpuflow.flows.notify import job_notify_json, notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
@@ -53,16 +55,18 @@ def this_flow_run() -> dict[str, str | None]:
                           if creator and creator.display_value else None}
 
 
-def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle) -> Job:
+def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle, flow_run: dict, webhook: dict | None) -> Job:
     """The training job: Ray Train's run name (the checkpoints' folder, stable for the flow run) and what the job
-    needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die."""
+    needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die
+    (and to say so, to the run's webhook)."""
     env = JobEnv(tracking_uri=spec.tracking_uri, mlflow_run_id=record.run_id, artifact_uri=record.artifact_uri,
-                 requested_at=life.requested_at, hourly_usd=life.hourly_usd())
+                 requested_at=life.requested_at, hourly_usd=life.hourly_usd(),
+                 notify_json=job_notify_json(spec, webhook, flow_run, record.run_id))
     return Job(train_run_name(spec.name, record.flow_run_id), env.to_env())
 
 
 def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecord, life: Lifecycle,
-                          backend) -> tuple[str, ClusterHandle]:
+                          backend, webhook: dict | None) -> tuple[str, ClusterHandle]:
     """Stages the data, opens the MLflow run and provisions the cluster, side by side: they have no order between
     them, but where the job starts with the cluster (SkyPilot: setup and training are one job), its data and MLflow
     run must exist before the launch. Returns the MLflow run id and the cluster."""
@@ -71,7 +75,8 @@ def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecor
     if backend.starts_job_at_launch:
         data.result()
         record.opened(mlflow_run.result(), life.price)
-    cluster = provision.submit(spec, life.cluster_name, job_for(spec, record, life) if record.run_id else None)
+    job = job_for(spec, record, life, flow_run, webhook) if record.run_id else None
+    cluster = provision.submit(spec, life.cluster_name, job)
     life.launching(cluster)
     run_id = record.run_id or record.opened(mlflow_run.result(), life.price)
     data.result()
@@ -82,7 +87,8 @@ def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecor
 
 
 def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
-                        stop_checks: list[Check] = ()) -> TrainResult:
+                        stop_checks: list[Check] = (),
+                        recovered: Callable[[str, int], object] = lambda lost, n: None) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
     and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
 
@@ -104,10 +110,12 @@ def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, l
                                      f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
             life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1))  # downs the lost one
             handle = provision(spec, life.cluster_name, job)
+            recovered(lost, recovery + 1)
     raise AssertionError("unreachable")
 
 
-@flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release], log_prints=True)
+@flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release, notify_end],
+      on_failure=[notify_end], on_completion=[notify_end], log_prints=True)
 def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     """Validate → wait for the team's GPU quota → stage data + open the MLflow run + provision (side by side) →
     train → teardown → register.
@@ -120,17 +128,18 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
+    webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here
     flow_run = this_flow_run()
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
         waiting = progress(phase="waiting for GPUs")
         with turn_for_gpus(spec, flow_run["id"], lambda message: logger.info(message, extra=waiting)) as quota:
-            return run_on_a_cluster(spec, flow_run, quota.waited_s if quota.lease_id else None)
+            return run_on_a_cluster(spec, flow_run, quota.waited_s if quota.lease_id else None, webhook)
     except QueueCancelled:
         return Cancelled(message="cancelled while waiting for the team's GPU quota: nothing was started")
 
 
-def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | None):
+def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | None, webhook: dict | None = None):
     """Provision → train (relaunching a lost cluster) → teardown → register, as one unit with the MLflow run."""
     logger = get_run_logger()
     cluster_name = cluster_name_for(flow_run["id"])
@@ -141,10 +150,17 @@ def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | Non
     life = Lifecycle(cluster_name, backend.down, hourly_cost(spec), record.close, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
     with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
-        run_id, handle = prepare_and_provision(spec, flow_run, record, life, backend)
+        run_id, handle = prepare_and_provision(spec, flow_run, record, life, backend, webhook)
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
         stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run_id)]
-        result = train_with_recovery(spec, handle, job_for(spec, record, life), life, stop_checks)
+
+        def recovered(lost: str, recovery: int) -> None:
+            failure = notify_recovered(spec, webhook, flow_run, run_id, lost, life.bill()["cost_usd"], recovery)
+            if failure:
+                logger.warning(failure)
+
+        result = train_with_recovery(spec, handle, job_for(spec, record, life, flow_run, webhook), life, stop_checks,
+                                     recovered)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: it goes down while the model is registered, which needs only MLflow.

@@ -232,6 +232,10 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                                                     "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
     for flow_run_id in crashed:
         logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
+    if crashed:
+        from gpuflow.flows.notify import notify_reaped
+
+        notify_reaped(set(crashed), uris, logger.warning)  # unless the job's guard already said it
     create_markdown_artifact(report(verdicts, closed, crashed), key="reaper", description="clusters the reaper downed and why")
     return [asdict(verdict) for verdict in verdicts]
 

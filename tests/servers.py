@@ -283,3 +283,57 @@ def run_on_a_schedule_a_minute_away(served: ServedDeployments, name: str, overri
                 raise TimeoutError(f"no run of {name} scheduled for {at}")
             time.sleep(2)
     return served.wait_until_final(runs[0].id)
+
+
+@contextlib.contextmanager
+def webhook_receiver():
+    """A webhook on 127.0.0.1 keeping the JSON of every message it gets. Its URL carries a token of its own, for
+    tests that look for the URL where it must not be (a webhook's URL is a secret)."""
+    import json
+    import uuid
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    messages: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):
+            messages.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null"))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/hooks/{uuid.uuid4().hex}", messages
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def files_holding(folder: Path, text: str) -> list[Path]:
+    """Every file under `folder` whose bytes contain `text` (databases, logs, artifacts alike)."""
+    needle = text.encode()
+    return [path for path in folder.rglob("*") if path.is_file() and not path.is_symlink()
+            and needle in path.read_bytes()]
+
+
+def the_one_message(messages: list[dict], event: str, run_id: str, flow_run_id: str, timeout_s: float = 60) -> dict:
+    """The one message a run's event sent (waited for: the job's guard sends from its own process), as its fields
+    (event, run, reason, cost, mlflow, prefect); fails on none, on more than one, and on one that lacks the reason,
+    the cost or either link."""
+    deadline = time.monotonic() + timeout_s
+    while not messages and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1)  # a second message, if one were coming, would come with the first
+    assert [message["subject"].split()[-1] for message in messages] == [event], messages
+    [message] = messages
+    fields = dict(line.split(": ", 1) for line in message["body"].splitlines())
+    fields = {"event": event, "run": message["subject"].split()[1], "reason": fields["reason"],
+              "cost": fields["cost so far"], "mlflow": fields["MLflow"], "prefect": fields["Prefect"]}
+    assert fields["reason"] and float(fields["cost"].lstrip("$")) >= 0, message
+    assert fields["mlflow"].startswith("http"), message  # Prefect's: its UI's page, or the id (temporary API)
+    assert run_id in fields["mlflow"] and flow_run_id in fields["prefect"], message
+    return fields

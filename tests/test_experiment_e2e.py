@@ -50,13 +50,21 @@ def progress_bars(flow_run_id) -> list[float]:
 
 @pytest.mark.full
 def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, digits_spec, gpuflow_home):
+    from gpuflow.cluster.spec.notifying import NotifySpec
+    from gpuflow.flows.notify import add_webhook
+    from tests.servers import the_one_message, webhook_receiver
+
     spec = digits_spec.model_copy(update={"train": digits_spec.train.model_copy(update={
         "epochs": 4, "params": {**digits_spec.train.params, "fail_at_epoch": 2}})})
-    state = run_experiment(spec, return_state=True)
-    flow_run_id = state.state_details.flow_run_id
-    assert state.is_failed()
+    with webhook_receiver() as (url, messages):
+        add_webhook("failures", url)
+        state = run_experiment(spec.model_copy(update={"notify": NotifySpec(block="failures")}), return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        assert state.is_failed()
 
-    _, run = mlflow_run_of(spec, flow_run_id)
+        _, run = mlflow_run_of(spec, flow_run_id)
+        message = the_one_message(messages, "failed", run.info.run_id, str(flow_run_id))
+    assert "fail_at_epoch=2: failing on purpose" in message["reason"], message
     assert run.info.status == "FAILED"
     logs = flow_logs(flow_run_id)
     assert "Traceback" in logs and "fail_at_epoch=2: failing on purpose" in logs

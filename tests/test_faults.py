@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from tests.conftest import REPO, processes_of
 from tests.loops import paced_overrides
+from tests.servers import files_holding, the_one_message, webhook_receiver
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
 
@@ -71,25 +72,44 @@ def reaper_in(gpuflow_home: Path, *, ephemeral_api: bool, api_url: str | None = 
 
 
 def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow_home):
-    """kill -9 of a plain `gpuflow run` (Prefect's temporary API, as a user without a server has it)."""
-    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)
-    run.wait_for_line("epoch 3/")
-    run.process.kill()
-    killed_at = time.monotonic()
-    run.wait()
+    """kill -9 of a plain `gpuflow run` (Prefect's temporary API, as a user without a server has it). The run's
+    webhook hears it once (from the job's guard, not again from the reaper), and its URL is nowhere on disk."""
+    with webhook_receiver() as (url, messages):
+        added = notify_add_in(gpuflow_home, "alerts", url)
+        assert "notify block 'alerts' saved" in added, added
+        run = GpuflowRun(digits_spec, gpuflow_home, "notify.block=alerts", ephemeral_api=True)
+        run.wait_for_line("epoch 3/")
+        run.process.kill()
+        killed_at = time.monotonic()
+        run.wait()
 
-    wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "every process of the run gone (cluster, job, API)")
-    [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], CLEANUP_S,
-                              "the MLflow run closed")
-    print(f"kill -9 → nothing left and MLflow closed in {time.monotonic() - killed_at:.1f}s")
-    assert mlflow_run.info.status == "FAILED"
-    assert mlflow_run.data.tags["stopped_by"] == "orphaned"
-    assert len(checkpoints_under(gpuflow_home)) >= 3, "the checkpoints made before the kill are kept"
+        wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S,
+                   "every process of the run gone (cluster, job, API)")
+        [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"],
+                                  CLEANUP_S, "the MLflow run closed")
+        print(f"kill -9 → nothing left and MLflow closed in {time.monotonic() - killed_at:.1f}s")
+        assert mlflow_run.info.status == "FAILED"
+        assert mlflow_run.data.tags["stopped_by"] == "orphaned"
+        assert len(checkpoints_under(gpuflow_home)) >= 3, "the checkpoints made before the kill are kept"
+        flow_run_id = mlflow_run.data.tags["prefect.flow_run_id"]
+        the_one_message(messages, "orphaned", mlflow_run.info.run_id, flow_run_id)
 
-    # The flow run still reads RUNNING (nothing was left to update it): the reaper tells the truth.
-    out = reaper_in(gpuflow_home, ephemeral_api=True)
-    assert "Crashed" in out and mlflow_run.data.tags["prefect.flow_run_id"] in out, out[-3000:]
+        # The flow run still reads RUNNING (nothing was left to update it): the reaper tells the truth.
+        out = reaper_in(gpuflow_home, ephemeral_api=True)
+        assert len(messages) == 1, messages  # the job's guard said it already: the reaper does not again
+    assert "Crashed" in out and flow_run_id in out, out[-3000:]
     assert processes_of(gpuflow_home) == [], "the reaper stops what it started (its API server)"
+    assert files_holding(gpuflow_home, url.rsplit("/", 1)[1]) == [], "the webhook's URL is a secret"
+
+
+def notify_add_in(gpuflow_home: Path, name: str, url: str) -> str:
+    """`gpuflow notify add` as the user of an ephemeral-API `gpuflow run` runs it: into the same Prefect database."""
+    env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home), "PREFECT_HOME": str(gpuflow_home / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    (gpuflow_home / "prefect").mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "notify", "add", name, url], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=180)
+    return done.stdout + done.stderr
 
 
 def test_prefect_api_killed_mid_run_training_goes_on_and_the_run_ends_saying_so(digits_spec, gpuflow_home, monkeypatch):

@@ -75,14 +75,23 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
                                                                         what):
     from gpuflow.flows.experiment import run_experiment
 
+    from gpuflow.cluster.spec.notifying import NotifySpec
+    from gpuflow.flows.notify import add_webhook
+    from tests.servers import the_one_message, webhook_receiver
+
     spec = two_nodes(digits_spec)
     killer = NodeKiller(gpuflow_home, what)
-    killer.start()
-    state = run_experiment(spec, return_state=True)
-    assert killer.killed == [what]
-    assert state.is_completed(), state.message
+    with webhook_receiver() as (url, messages):
+        add_webhook("recoveries", url)
+        killer.start()
+        state = run_experiment(spec.model_copy(update={"notify": NotifySpec(block="recoveries")}), return_state=True)
+        assert killer.killed == [what]
+        assert state.is_completed(), state.message
+        _, run = mlflow_run_of(spec, state.state_details.flow_run_id)
+        # one message, for the recovery: a completed run says nothing unless notify.completed asks
+        message = the_one_message(messages, "recovered", run.info.run_id, str(state.state_details.flow_run_id))
+    assert "relaunched" in message["reason"], message
 
-    _, run = mlflow_run_of(spec, state.state_details.flow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["recoveries"] == 1
     assert run.data.metrics["lost_compute_seconds"] >= 0 and run.data.metrics["recovery_seconds"] > 0

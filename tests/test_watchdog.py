@@ -72,18 +72,27 @@ def test_budget_and_timeout_each_stop_a_running_job(prefect_server, digits_spec,
 
     # $2 per second; the budget allows LIMIT_MINUTES of it: the estimate (rate × max runtime) passes, but the bill
     # also counts provisioning, so the budget runs out before the job's own LIMIT_MINUTES do.
+    from gpuflow.cluster.spec.notifying import NotifySpec
+    from gpuflow.flows.notify import add_webhook
+    from tests.servers import the_one_message, webhook_receiver
+
     budget_spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
-                           max_cost_usd=LIMIT_MINUTES * 120)
+                           max_cost_usd=LIMIT_MINUTES * 120).model_copy(update={"notify": NotifySpec(block="budget")})
     timeout_spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
     states = {}
     flows = [threading.Thread(target=lambda name=name, spec=spec: states.update({name: run_experiment(spec, return_state=True)}))
              for name, spec in (("budget", budget_spec), ("timeout", timeout_spec))]
-    for flow in flows:
-        flow.start()
-    for flow in flows:
-        flow.join()
+    with webhook_receiver() as (url, messages):
+        add_webhook("budget", url)
+        for flow in flows:
+            flow.start()
+        for flow in flows:
+            flow.join()
+        run = stopped_run(budget_spec, states["budget"])
+        message = the_one_message(messages, "stopped", run.info.run_id, str(states["budget"].state_details.flow_run_id))
 
     budget, state = budget_spec.limits.max_cost_usd, states["budget"]
+    assert "stopped_by=budget" in message["reason"] and float(message["cost"].lstrip("$")) >= budget, message
     assert "stopped by budget: $" in state.message and f"of max_cost_usd={budget:.2f}" in state.message, state.message
     run = assert_stopped_and_clean(budget_spec, state, "budget")
     assert run.data.metrics["cost_usd"] >= budget

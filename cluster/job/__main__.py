@@ -104,6 +104,7 @@ def wait_for_handoff(args: argparse.Namespace) -> None:
             sys.exit(f"[gpuflow] the process that started this job ({starter}) is gone: no run to train")
         time.sleep(0.02)
     handoff = json.loads(Path(args.handoff).read_text())
+    Path(args.handoff).unlink()  # read once; it may hold secrets (the run's webhook)
     os.environ.update(handoff["env"])
     args.spec, args.address, args.run_name = handoff["spec"], handoff["address"], handoff["run_name"]
 

@@ -39,6 +39,7 @@ class JobGuard:
         self.run_id = job.mlflow_run_id
         self.requested_at = job.requested_at or time.time()
         self.hourly_usd = job.hourly_usd or 0.0
+        self.notify_json = job.notify_json
         self.started = time.time()
         self._stopping = threading.Lock()
         checks = [deadline_check(spec.limits.max_runtime_minutes, self.started),
@@ -98,6 +99,12 @@ class JobGuard:
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
         close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill,
                   {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]})
+        if reason == "orphaned" and self.notify_json:  # no flow is left to tell anyone
+            from gpuflow.cluster.run.notify import notify_orphaned
+
+            failure = notify_orphaned(self.client(), self.run_id, self.notify_json, detail, bill["cost_usd"])
+            if failure:
+                print(f"[gpuflow] {failure}", flush=True)
 
 
 def lease_poll_s(spec: ExperimentSpec) -> float:

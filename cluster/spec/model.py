@@ -15,6 +15,7 @@ from gpuflow.cluster.config import default_tracking_uri, state_dir
 from gpuflow.cluster.spec import fields as checks
 from gpuflow.cluster.spec.fields import (Amount, Count, Entrypoint, EnvName, StorageUri, Strict, Text, no_problem,
                                          absolute_uri, is_remote_uri)
+from gpuflow.cluster.spec.notifying import NotifySpec
 from gpuflow.cluster.spec.sweep import SweepSpec, sweep_problems
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -34,15 +35,10 @@ class TrainSpec(Strict):
 
     @field_validator("params")
     @classmethod
-    def _finite_params(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _params(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key, item in value.items():
             if isinstance(item, float) and not math.isfinite(item):
                 raise ValueError(f"params.{checks.shorten(key)} is {item!r}; give a finite number")
-        return value
-
-    @field_validator("params")
-    @classmethod
-    def _no_credentials_in_params(cls, value: dict[str, Any]) -> dict[str, Any]:
         found = checks.credential_params(value)
         if found:  # one error per key, each at its own field
             raise ValidationError.from_exception_data("TrainSpec", [
@@ -203,6 +199,8 @@ class ExperimentSpec(Strict):
         "one training run. Unset: one run.")
     envs: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=200)] = Field(
         default_factory=dict, description="Environment variables for the job (logged with the spec: no credentials; use secrets).")
+    notify: NotifySpec | None = Field(None, description="Message a webhook when a run fails, crashes, is stopped or "
+                                      "recovers (and, if asked, completes). Unset: no messages.")
     secrets: Annotated[list[EnvName], Field(max_length=100)] = Field(
         default_factory=list, description="Names of environment variables passed to the job but never printed or logged.")
 

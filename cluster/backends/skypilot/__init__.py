@@ -18,7 +18,7 @@ import time
 from typing import Callable
 
 from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job
-from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.protocol import SECRET_ENV_NAMES, JobEnv
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
 
 RUN = "python -m gpuflow.cluster.backends.skypilot.node"  # the whole job, see cluster/backends/skypilot/node.py
@@ -60,6 +60,10 @@ def resources_for(spec: ExperimentSpec) -> list:
     ]
 
 
+def public(env: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in env.items() if name not in SECRET_ENV_NAMES}
+
+
 def job_envs(spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> dict[str, str]:
     return {**spec.envs, **env, **JobEnv(spec_json=spec.model_dump_json(), run_name=run_name).to_env()}
 
@@ -81,9 +85,10 @@ def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[s
         setup=setup,
         file_mounts=file_mounts,
         run=RUN if with_run else None,
-        envs=job_envs(spec, run_name or "<flow run name>", env or {}) if with_run else dict(spec.envs),
+        envs=job_envs(spec, run_name or "<flow run name>", public(env or {})) if with_run else dict(spec.envs),
         # Values come from this machine's environment and never appear in logs, MLflow or `gpuflow plan`.
-        secrets={name: os.environ.get(name, "") for name in job_secrets(spec)} or None,
+        secrets={**{name: os.environ.get(name, "") for name in job_secrets(spec)},
+                 **{name: value for name, value in (env or {}).items() if name in SECRET_ENV_NAMES}} or None,
     )
     task.set_resources(resources_for(spec))
     return task

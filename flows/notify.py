@@ -1,0 +1,138 @@
+"""The run's messages through Prefect's notification blocks: the webhook a spec names (`notify.block`), the flow's
+end and recovery messages, the reaper's, and `gpuflow notify add` to make a block once for the team.
+
+    gpuflow notify add team-alerts https://hooks.slack.com/services/T/B/X --format slack
+
+Sending is cluster/run/notify.py's (the job's guard sends too, with no Prefect)."""
+
+from __future__ import annotations
+
+from mlflow import MlflowClient
+
+from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.run.notify import Event, for_the_job, send, send_once
+from gpuflow.cluster.run.record import run_url
+from gpuflow.cluster.spec import ExperimentSpec, SpecError
+
+FORMATS = {  # what a message's JSON looks like, by `gpuflow notify add --format` (Prefect's placeholders only)
+    "json": {"subject": "{{subject}}", "body": "{{body}}", "text": "{{subject}}\n{{body}}"},
+    "slack": {"text": "*{{subject}}*\n{{body}}"},
+}
+
+
+def webhook_of(block_name: str) -> dict:
+    """The Custom Webhook block's settings, secrets included, as cluster/run/notify.py sends them."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    block = CustomWebhookNotificationBlock.load(block_name)
+    return {"name": block.name, "url": block.url, "method": block.method, "params": block.params,
+            "json_data": block.json_data, "form_data": block.form_data, "headers": block.headers,
+            "values": block.secrets.get_secret_value()}
+
+
+def webhook_for(spec: ExperimentSpec) -> dict | None:
+    """The spec's webhook, or None; a block that cannot be loaded refuses the run before anything starts."""
+    if not spec.notify:
+        return None
+    try:
+        return webhook_of(spec.notify.block)
+    except Exception as exc:
+        raise SpecError([f"notify.block: {spec.notify.block!r} cannot be loaded as a Prefect Custom Webhook block "
+                         f"({type(exc).__name__}); make it with `gpuflow notify add {spec.notify.block} URL` "
+                         "against this Prefect API"]) from None
+
+
+def prefect_link(flow_run_id, ui_url: str | None) -> str:
+    """The flow run's page; a run on Prefect's temporary API has none, and its id says which run it was."""
+    return ui_url or f"flow run {flow_run_id} (Prefect's temporary API: no UI)"
+
+
+def job_notify_json(spec: ExperimentSpec, webhook: dict | None, flow_run: dict, run_id: str) -> str | None:
+    if webhook is None:
+        return None
+    return for_the_job(webhook, flow_run["name"], run_url(spec, run_id), prefect_link(flow_run["id"], flow_run["url"]))
+
+
+def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):
+    """The flow run's MLflow run (not a sweep's trials), or None."""
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    runs = client.search_runs([experiment.experiment_id], f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'") \
+        if experiment else []
+    return next((run for run in runs if "mlflow.parentRunId" not in run.data.tags), None)
+
+
+def end_event(spec: ExperimentSpec, run, name: str, state, prefect_url: str | None) -> Event:
+    stopped_by = run.data.tags.get(STOPPED_BY_TAG) if run else None
+    kind = "completed" if state.is_completed() else "crashed" if state.is_crashed() else \
+        (stopped_by if stopped_by == "orphaned" else "stopped") if stopped_by else "failed"
+    reason = (run.data.tags.get(STOP_DETAIL_TAG) if run and stopped_by else None) or state.message or state.name
+    if stopped_by and stopped_by not in reason:
+        reason = f"stopped_by={stopped_by}: {reason}"
+    return Event(kind, name, reason, run.data.metrics.get("cost_usd") if run else None,
+                 run_url(spec, run.info.run_id) if run else None, prefect_url)
+
+
+def notify_end(flow, flow_run, state) -> None:
+    """A flow hook (completion, failure, crash): the run's end, said once, to the spec's webhook."""
+    from gpuflow.flows.run_info import flow_run_ui_url, spec_from
+
+    try:
+        spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
+        if not spec.notify or (state.is_completed() and not spec.notify.completed) or state.is_cancelled():
+            return
+        webhook = webhook_of(spec.notify.block)
+        client = MlflowClient(spec.tracking_uri)
+        run = main_run(client, spec, str(flow_run.id))
+        event = end_event(spec, run, flow_run.name, state, prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)))
+        failure = send_once(client, run.info.run_id, webhook, event) if run else send(webhook, event)
+    except Exception as exc:  # a hook must not change the run's outcome
+        failure = f"notification not sent: {type(exc).__name__}"
+    if failure:
+        print(f"gpuflow: {failure}")
+
+
+def notify_recovered(spec: ExperimentSpec, webhook: dict | None, flow_run: dict, run_id: str, lost: str,
+                     cost_usd: float, recovery: int) -> str | None:
+    if webhook is None:
+        return None
+    return send(webhook, Event("recovered", flow_run["name"], f"{lost}; relaunched, resuming from the last "
+                               f"checkpoint (recovery {recovery} of at most {spec.compute.max_recoveries})",
+                               cost_usd, run_url(spec, run_id), prefect_link(flow_run["id"], flow_run["url"])))
+
+
+def notify_reaped(flow_run_ids: set[str], tracking_uris: list[str], log=print) -> None:
+    """The reaper's messages for the dead runs it closed or marked Crashed, unless their job already said so."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from gpuflow.flows.run_info import flow_run_ui_url, spec_from
+
+    with get_client(sync_client=True) as prefect:
+        for flow_run_id in flow_run_ids:
+            try:
+                flow_run = prefect.read_flow_run(UUID(flow_run_id))
+                spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
+                if not spec.notify or spec.tracking_uri not in tracking_uris:
+                    continue
+                client = MlflowClient(spec.tracking_uri)
+                run = main_run(client, spec, flow_run_id)
+                event = end_event(spec, run, flow_run.name, Crashed(message="its process died: found by the reaper"),
+                                  prefect_link(flow_run_id, flow_run_ui_url(flow_run_id)))
+                failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event) if run else None
+            except Exception as exc:  # one run's message must not stop the others'
+                failure = f"notification not sent: {type(exc).__name__}"
+            if failure:
+                log(f"reaper: flow run {flow_run_id}: {failure}")
+
+
+def add_webhook(name: str, url: str, format: str = "json") -> str:
+    """`gpuflow notify add`: saves a Custom Webhook block in Prefect (its secrets encrypted there, masked in its
+    UI and events)."""
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    # the URL among the block's secrets: a block's plain fields are shown in Prefect's UI and its events
+    CustomWebhookNotificationBlock(name=name, url="{{webhook_url}}", secrets={"webhook_url": url},
+                                   json_data=FORMATS[format]).save(name, overwrite=True)
+    return f"notify block {name!r} saved ({format} messages); name it in a spec: notify: {{block: {name}}}"
