@@ -60,6 +60,12 @@ class JobEnv:
         return cls(**values)
 
 
+def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """A job's environment as (what may be shown, the secrets among it)."""
+    return ({name: value for name, value in env.items() if name not in SECRET_ENV_NAMES},
+            {name: value for name, value in env.items() if name in SECRET_ENV_NAMES})
+
+
 # `gpuflow serve --set ...`: the overrides reach the flow runs that serve starts, as JSON in their environment.
 SERVE_OVERRIDES_ENV = "GPUFLOW_SERVE_OVERRIDES"
 

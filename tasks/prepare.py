@@ -12,8 +12,8 @@ from gpuflow.cluster.cost.budget import check_budget
 def validate(spec: ExperimentSpec) -> ExperimentSpec:
     """Fails with every problem listed (field, value, fix) before anything is started or billed."""
     spec = validate_spec(spec)
-    ready_local_store(spec.tracking_uri)  # runs started at once on a fresh store must not all create it
     estimate = check_budget(spec, runtime.flow_run.id)  # reserves, then refuses here, before any cluster exists
+    ready_local_store(spec.tracking_uri)  # runs started at once on a fresh store must not all create it
     get_run_logger().info(
         f"spec {spec.name!r} is valid: backend={spec.compute.backend} nodes={spec.compute.num_nodes} "
         f"workers={spec.compute.num_workers} precision={spec.precision}; "

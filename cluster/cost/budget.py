@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.cost.pricing import (BudgetExceeded, Estimate, check_daily_budget, check_run_budget,
                                          daily_budget_usd, hourly_cost)
+from gpuflow.cluster.run.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
 
@@ -133,6 +134,7 @@ def check_budget(spec: ExperimentSpec, flow_run_id: str | None = None) -> Estima
     check_run_budget(spec, estimate)
     budget = daily_budget_usd()
     if budget is not None:
+        ready_local_store(spec.tracking_uri)  # read (and written) by runs that start together
         if flow_run_id:
             reserve_within_budget(spec, estimate, budget, str(flow_run_id))
         else:

@@ -13,12 +13,13 @@ leaves UP on purpose, is downed like any other. The spec → sky.Task mapping is
 from __future__ import annotations
 
 import io
+import os
 import secrets
 import time
 from typing import Callable
 
 from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job
-from gpuflow.cluster.protocol import SECRET_ENV_NAMES, JobEnv
+from gpuflow.cluster.protocol import JobEnv, split_secrets
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
 
 RUN = "python -m gpuflow.cluster.backends.skypilot.node"  # the whole job, see cluster/backends/skypilot/node.py
@@ -60,10 +61,6 @@ def resources_for(spec: ExperimentSpec) -> list:
     ]
 
 
-def public(env: dict[str, str]) -> dict[str, str]:
-    return {name: value for name, value in env.items() if name not in SECRET_ENV_NAMES}
-
-
 def job_envs(spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> dict[str, str]:
     return {**spec.envs, **env, **JobEnv(spec_json=spec.model_dump_json(), run_name=run_name).to_env()}
 
@@ -71,11 +68,10 @@ def job_envs(spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> dict[s
 def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[str, str] | None = None,
                with_setup: bool = True, with_run: bool = True):
     """The sky.Task of an experiment: setup installs the project, run starts Ray and the job on rank 0."""
-    import os
-
     import sky
 
     setup, file_mounts = None, None
+    public, hidden = split_secrets(env or {})
     if with_setup:
         setup, file_mounts = (spec.setup, None) if spec.setup else default_setup()  # a user's setup replaces ours
     task = sky.Task(
@@ -85,10 +81,9 @@ def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[s
         setup=setup,
         file_mounts=file_mounts,
         run=RUN if with_run else None,
-        envs=job_envs(spec, run_name or "<flow run name>", public(env or {})) if with_run else dict(spec.envs),
+        envs=job_envs(spec, run_name or "<flow run name>", public) if with_run else dict(spec.envs),
         # Values come from this machine's environment and never appear in logs, MLflow or `gpuflow plan`.
-        secrets={**{name: os.environ.get(name, "") for name in job_secrets(spec)},
-                 **{name: value for name, value in (env or {}).items() if name in SECRET_ENV_NAMES}} or None,
+        secrets={**{name: os.environ.get(name, "") for name in job_secrets(spec)}, **hidden} or None,
     )
     task.set_resources(resources_for(spec))
     return task
