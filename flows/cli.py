@@ -18,7 +18,7 @@ import os
 import sys
 
 from gpuflow.cluster.spec import SpecError, load_spec, validate_spec
-from gpuflow.flows.run_command import run
+from gpuflow.flows.run_command import run, temporary_api_launched
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -115,6 +115,13 @@ def validate(spec, path: str) -> int:
     from gpuflow.flows.cost_command import priced_within_budget
 
     validate_spec(spec)
+    if spec.notify:  # the block lives in Prefect: the API `gpuflow run` would use
+        from gpuflow.flows.notify import webhook_for
+
+        api = temporary_api_launched()
+        if api:
+            api.ready()
+        webhook_for(spec)
     price = priced_within_budget(spec, path)
     if price is None:
         return 2

@@ -66,8 +66,8 @@ def end_event(spec: ExperimentSpec, run, name: str, state, prefect_url: str | No
     kind = "completed" if state.is_completed() else "crashed" if state.is_crashed() else \
         (stopped_by if stopped_by == "orphaned" else "stopped") if stopped_by else "failed"
     reason = (run.data.tags.get(STOP_DETAIL_TAG) if run and stopped_by else None) or state.message or state.name
-    if stopped_by and stopped_by not in reason:
-        reason = f"stopped_by={stopped_by}: {reason}"
+    if stopped_by:  # the flow's own stop: "Flow run encountered an exception: RunStopped: stopped by budget: ..."
+        reason = f"stopped_by={stopped_by}: {reason.split('RunStopped: ', 1)[-1]}"
     return Event(kind, name, reason, run.data.metrics.get("cost_usd") if run else None,
                  run_url(spec, run.info.run_id) if run else None, prefect_url)
 

@@ -68,3 +68,11 @@ def test_a_spec_naming_a_missing_block_is_refused_before_anything_starts(prefect
     assert state.is_failed() and "notify.block: 'nobody-made-this'" in state.message, state.message
     assert "gpuflow notify add nobody-made-this URL" in state.message
     assert not (gpuflow_home / "clusters").exists() or not any((gpuflow_home / "clusters").iterdir())
+
+
+def test_validate_refuses_a_missing_block_naming_the_field(prefect_server, capsys):
+    from tests.conftest import REPO
+
+    code = gpuflow(["validate", str(REPO / "experiments" / "digits.yaml"), "--set", "notify.block=no-such-block"])
+    err = capsys.readouterr().err
+    assert code == 2 and "notify.block: 'no-such-block' cannot be loaded" in err, err
