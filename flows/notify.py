@@ -78,8 +78,11 @@ def notify_end(flow, flow_run, state) -> None:
 
     try:
         spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
-        if not spec.notify or (state.is_completed() and not spec.notify.completed) or state.is_cancelled():
-            return
+    except Exception:  # a spec that does not load names no webhook either: its refusal is the run's message
+        return
+    if not spec.notify or (state.is_completed() and not spec.notify.completed) or state.is_cancelled():
+        return
+    try:
         webhook = webhook_of(spec.notify.block)
         client = MlflowClient(spec.tracking_uri)
         run = main_run(client, spec, str(flow_run.id))
