@@ -98,14 +98,19 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
 def assert_a_clean_console(out: str) -> None:
     """What a person reads of a 2-epoch run: a line per epoch and the end of training in readable metrics; not the
     job's result JSON, Ray's or MLflow's own lines, nor raw metric dicts. The log file keeps every line."""
-    assert [line for line in out.splitlines() if line.startswith("epoch 1/2 ")] and "\nepoch 2/2 " in out, out
+    epoch_lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in epoch_lines] == ["1/2", "2/2"], out  # one short line per epoch, in a pipe
+    for line in epoch_lines:
+        assert len(line) <= 120 and "val_accuracy " in line and " s/epoch" in line and "$" in line, line
+    for hidden in ("perf/", "TrainController", "RayTrainWorker", "[gpuflow] epoch", "\r"):
+        assert not any(hidden in line for line in out.splitlines() if "metrics      " not in line), hidden
     [finished] = [line for line in out.splitlines() if "training finished in" in line]
     assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
     for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group"):
         assert hidden not in out, hidden
     log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
     kept = Path(log_file).read_text()
-    assert "[gpuflow] result " in kept and "Started training worker group" in kept
+    assert "[gpuflow] result " in kept and "Started training worker group" in kept and "[gpuflow] epoch 1: " in kept
 
 
 def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, digits_spec, gpuflow_home):
