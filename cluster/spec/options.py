@@ -114,3 +114,10 @@ def options_problems(compute) -> list[tuple[str, str]]:
         problems.append(("compute.spot_fallback_after", "no option uses spot, so there is nothing to fall back "
                          "from; set use_spot: true (on compute or an option), or remove spot_fallback_after"))
     return problems
+
+
+def on_demand_spec(spec):
+    """The spec of the spot fallback: every option (and compute.use_spot) on-demand."""
+    compute = spec.compute
+    options = compute.options and [option.model_copy(update={"use_spot": False}) for option in compute.options]
+    return spec.model_copy(update={"compute": compute.model_copy(update={"use_spot": False, "options": options})})
