@@ -3,13 +3,14 @@ capacity, and the spot → on-demand fallback; the whole flow on the SkyPilot do
 Prices come from the test catalog (aws L4: $0.2628/h spot, $0.8048/h on-demand) or from the options' own rates."""
 
 import pytest
+import yaml
 from prefect.client.orchestration import get_client
 
 from gpuflow.cluster.backends.skypilot import SkyPilotBackend
 from gpuflow.cluster.cost.spend import run_costs
-from gpuflow.cluster.spec import parse_spec
+from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
-from tests.conftest import A_LOOP
+from tests.conftest import A_LOOP, REPO
 from tests.sky_double import FakeSky
 from tests.test_cost import sky_catalog  # noqa: F401  (a fixture)
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
@@ -91,3 +92,48 @@ def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_coste
     [row] = [row for row in run_costs(f"sqlite:///{client.tracking_uri.split('///')[-1]}", 0) if row.run_id == run_id]
     assert row.cost_usd == pytest.approx(sum(m.value for m in costs))  # `gpuflow cost` adds the attempts up
     assert left == []
+
+
+def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estimate(tmp_path, capsys, gpuflow_home,
+                                                                                     monkeypatch):
+    from gpuflow.flows.cli import main
+
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))  # stores on this machine count as shared
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({**A_LOOP, "workdir": str(REPO),
+        "compute": {"backend": "skypilot", "spot_fallback_after": 2, "options": [
+            {"infra": "slurm/lab/gpu", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
+            {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0}]},
+        "limits": {"max_runtime_minutes": 30}, "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")}}))
+    assert main(["plan", str(spec)]) == 0
+    shown = capsys.readouterr().out
+    first = shown.index("# option 1: slurm/lab/gpu A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
+    second = shown.index("# option 2: k8s/my-context H100:1 spot: 1 × node (H100:1, spot): $4/h")
+    fallback = shown.index("# option 2 (spot fallback): k8s/my-context H100:1 on-demand")
+    assert first < second < fallback
+    assert "[compute.options.0.hourly_rate_usd]" in shown
+    assert "# budget estimate (the dearest option that may launch): 1 × node (H100:1, spot" in shown
+    assert "at most $2.00 in limits.max_runtime_minutes=30" in shown
+    assert "tries the options in order" in shown
+
+
+@pytest.mark.parametrize("compute, field, fix", [
+    ({"options": [{"infra": "aws", "zone": "us-east-1a"}]}, "compute.options.0.zone", "unknown field"),
+    ({"options": []}, "compute.options", "list at least one option"),
+    ({"region": "us-east-1", "options": [{"cloud": "aws", "region": "us-west-2", "accelerators": "H100:1"}]},
+     "compute.options.0.region", "remove compute.region"),
+    ({"accelerators": ["H100:1", "A100:1"], "options": [{"infra": "aws"}]}, "compute.accelerators",
+     "give each accelerator its own option"),
+    ({"options": [{"infra": "aws/us-east-1", "cloud": "aws", "accelerators": "H100:1"}]}, "compute.options.0",
+     "use one"),
+    ({"options": [{"infra": "aws", "accelerators": "H100 x8"}]}, "compute.options.0.accelerators", "'H100:8'"),
+    ({"accelerators": "H100:1", "spot_fallback_after": 2}, "compute.spot_fallback_after", "use_spot: true"),
+    ({"backend": "local", "options": [{"infra": "aws"}]}, "compute.options", "compute.backend: skypilot"),
+])
+def test_bad_options_are_refused_naming_the_field_and_the_fix(compute, field, fix):
+    with pytest.raises(SpecError) as error:
+        parse_spec({**A_LOOP, "compute": {"backend": "skypilot", **compute},
+                    "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    assert field in str(error.value) and fix in str(error.value), str(error.value)
