@@ -48,8 +48,8 @@ class Capacity:
                 self.life.not_billed_until(time.time())  # no cluster exists: the wait is not billed
                 if self.life.stopped:
                     raise
-                if exc.spot:
-                    self.spot_lost(f"no spot capacity ({len(exc.reasons)} option(s))")
+                if exc.spot and self.spot_lost(f"no spot capacity ({len(exc.reasons)} option(s))"):
+                    continue  # on-demand now: try at once
                 waited = time.monotonic() - started
                 if waited >= limit_s:
                     raise CapacityTimeout(
@@ -84,19 +84,20 @@ class Capacity:
         if text:
             self.say(f"launched option {text}, metered at ${self.life.hourly_usd():.4g}/h")
 
-    def spot_lost(self, why: str) -> None:
-        """A spot cluster lost (or no spot capacity): past compute.spot_fallback_after, go on-demand."""
+    def spot_lost(self, why: str) -> bool:
+        """A spot cluster lost (or no spot capacity): past compute.spot_fallback_after, go on-demand (True)."""
         after = self.spec.compute.spot_fallback_after
         if self.on_demand or after is None:
-            return
+            return False
         self.spot_losses += 1
         if self.spot_losses < after:
-            return
+            return False
         price = hourly_cost(on_demand_spec(self.spec))
         self.check_budget(price.hourly_usd)
         self.on_demand = True
         self.say(f"{why}: {self.spot_losses} spot loss(es) of compute.spot_fallback_after={after}; relaunching "
                  f"on-demand at up to ${price.hourly_usd:.4g}/h")
+        return True
 
     def check_budget(self, hourly_usd: float) -> None:
         """Stops the run (stopped_by=budget, checkpoints kept) when the on-demand price could take it past

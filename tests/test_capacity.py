@@ -2,6 +2,8 @@
 capacity, and the spot → on-demand fallback; the whole flow on the SkyPilot double, which fails as SkyPilot does.
 Prices come from the test catalog (aws L4: $0.2628/h spot, $0.8048/h on-demand) or from the options' own rates."""
 
+import shutil
+
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
@@ -12,11 +14,19 @@ from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
 from tests.conftest import A_LOOP, REPO
 from tests.sky_double import FakeSky
-from tests.test_cost import sky_catalog  # noqa: F401  (a fixture)
+from tests.test_cost import CATALOG, point_skypilot_at
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
 TWO_OPTIONS = [{"infra": "aws", "accelerators": "H100:1", "hourly_rate_usd": 9.0},
                {"infra": "lambda", "accelerators": "A100:1", "hourly_rate_usd": 3.0}]
+
+
+@pytest.fixture
+def sky_prices(tmp_path, monkeypatch):
+    """SkyPilot's price catalog, the test's copy (tests/data/skypilot-catalog)."""
+    root = tmp_path / "sky-runtime"
+    shutil.copytree(CATALOG / "v8", root / ".sky" / "catalogs" / "v8")
+    point_skypilot_at(root, monkeypatch)
 
 
 @pytest.fixture
@@ -76,7 +86,7 @@ def test_no_capacity_anywhere_waits_the_bound_then_fails_naming_each_option(capa
     assert left == []
 
 
-def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_costed(capacity_flow, sky_catalog):
+def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_costed(capacity_flow, sky_prices):
     state, client, mlflow_run, logs, left = capacity_flow(
         {"accelerators": "L4:1", "infra": "aws", "use_spot": True, "spot_fallback_after": 2, "max_recoveries": 3},
         preempt_spot=2, job_s=1.0)
@@ -137,3 +147,30 @@ def test_bad_options_are_refused_naming_the_field_and_the_fix(compute, field, fi
         parse_spec({**A_LOOP, "compute": {"backend": "skypilot", **compute},
                     "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
     assert field in str(error.value) and fix in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("max_cost_usd, affordable", [(5.0, True), (0.5, False)])
+def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, max_cost_usd, affordable):
+    """After compute.spot_fallback_after losses the relaunch goes on-demand, if spent + its price for the rest of
+    limits.max_runtime_minutes fits limits.max_cost_usd; else the run stops as budget (its checkpoints kept)."""
+    from gpuflow.cluster.cost.pricing import hourly_cost
+    from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+    from gpuflow.flows.capacity import Capacity
+
+    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "L4:1", "infra": "aws",
+                                             "use_spot": True, "spot_fallback_after": 2},
+                       "limits": {"max_runtime_minutes": 60, "max_cost_usd": max_cost_usd},
+                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    life = Lifecycle("gpuflow-x", down=lambda name: True, price=hourly_cost(spec), log=lambda line: None)
+    life.job_started()
+    said = []
+    capacity = Capacity(spec, "flow-run", life, record=None, say=said.append, set_state=lambda name, message: None)
+    assert capacity.spot_lost("preempted") is False and capacity.launch_spec.compute.use_spot  # 1 of 2
+    if affordable:
+        assert capacity.spot_lost("preempted") is True
+        assert not capacity.launch_spec.compute.use_spot and "relaunching on-demand at up to $0.8048/h" in said[-1]
+    else:
+        with pytest.raises(RunStopped) as stopped:
+            capacity.spot_lost("preempted")
+        assert stopped.value.reason == life.stop_reason == "budget"
+        assert "max_cost_usd=0.50" in str(stopped.value) and "checkpoints are kept" in str(stopped.value)

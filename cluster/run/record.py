@@ -115,7 +115,7 @@ class RunRecord:
 
     def launched(self, attempt: int, info: dict, price) -> None:
         """Which option launched (its index and description, where it is) and the price it is metered at."""
-        if not self.run_id:
+        if not self.run_id or "launched" not in info:  # a local cluster, or one SkyPilot did not describe
             return
         tags = {"gpuflow.option": f"{info['option']}: {info['option_text']}" if info.get("option") else
                 info.get("option_text", "unmatched"), "spot": str(price.use_spot).lower(),
