@@ -237,7 +237,8 @@ def describe(spec) -> str:
 
 def plan(spec) -> int:
     """Prints what would be launched and billed; launches nothing."""
-    from gpuflow.cluster.cost.pricing import hourly_cost
+    from gpuflow.cluster.cost.pricing import hourly_cost, option_prices
+    from gpuflow.cluster.spec.options import compute_options
 
     validate_spec(spec)
     print(f"# {describe(spec)}")
@@ -250,11 +251,16 @@ def plan(spec) -> int:
 
     price = None
     try:
+        for option, estimate in option_prices(spec):
+            print(f"# option {option.index}{' (spot fallback)' if option not in compute_options(spec.compute) else ''}"
+                  f": {option.describe()}: {estimate.describe()}")
         price = hourly_cost(spec)
-        print(f"# price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} "
-              f"in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
+        print(f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
+              f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
     except Exception as exc:  # a plan is still worth showing without a price
         print(f"# price unknown: {exc}")
+    print(f"# SkyPilot tries the options {'cheapest first (compute.any_of)' if spec.compute.any_of else 'in order'}; "
+          f"with no capacity anywhere the run waits up to limits.max_queue_minutes={spec.limits.max_queue_minutes:g}")
     for line in sweep_lines(spec, price):
         print(f"# {line}")
     print(f"# launched with autostop after {spec.limits.idle_minutes_to_autostop} idle min and down=True (autodown)")

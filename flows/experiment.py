@@ -23,6 +23,7 @@ from gpuflow.cluster.run.monitor import (LOSS_SETTLE_S, JobFailed, TrainResult, 
 from gpuflow.cluster.run.record import RunRecord, close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
+from gpuflow.flows.capacity import Capacity
 from gpuflow.flows.notify import job_notify_json, notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
@@ -66,7 +67,7 @@ def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle, flow_run: 
 
 
 def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecord, life: Lifecycle,
-                          backend, webhook: dict | None) -> tuple[str, ClusterHandle]:
+                          backend, webhook: dict | None, capacity: Capacity) -> tuple[str, ClusterHandle]:
     """Stages the data, opens the MLflow run and provisions the cluster, side by side: they have no order between
     them, but where the job starts with the cluster (SkyPilot: setup and training are one job), its data and MLflow
     run must exist before the launch. Returns the MLflow run id and the cluster."""
@@ -75,18 +76,21 @@ def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecor
     if backend.starts_job_at_launch:
         data.result()
         record.opened(mlflow_run.result(), life.price)
-    job = job_for(spec, record, life, flow_run, webhook) if record.run_id else None
-    cluster = provision.submit(spec, life.cluster_name, job)
+        # the data and the MLflow run exist: launch on the first option with capacity, waiting for one if need be
+        handle = capacity.provision(life.cluster_name, job_for(spec, record, life, flow_run, webhook))
+        record.phases["provision_seconds"] = life.launched_at - life.requested_at
+        return record.run_id, handle
+    cluster = provision.submit(spec, life.cluster_name, None)
     life.launching(cluster)
-    run_id = record.run_id or record.opened(mlflow_run.result(), life.price)
+    run_id = record.opened(mlflow_run.result(), life.price)
     data.result()
     handle = cluster.result()
-    life.launched(handle.info.get("hourly_cost_usd"))
+    capacity.launched(handle)
     record.phases["provision_seconds"] = life.launched_at - life.requested_at
     return run_id, handle
 
 
-def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
+def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle, capacity: Capacity,
                         stop_checks: list[Check] = (),
                         recovered: Callable[[str, int], object] = lambda lost, n: None) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
@@ -108,8 +112,13 @@ def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, l
                 raise RunStopped("preempted", detail) from None
             get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
                                      f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
-            life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1))  # downs the lost one
-            handle = provision(spec, life.cluster_name, job)
+            if handle.info.get("launched", {}).get("spot") == "true":
+                capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
+            # downs the lost one; the next is priced at the dearest option it may get, until it launches
+            life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1),
+                             hourly_cost(capacity.launch_spec))
+            capacity.record.relaunched(life.attempts)
+            handle = capacity.provision(life.cluster_name, job)
             recovered(lost, recovery + 1)
     raise AssertionError("unreachable")
 
@@ -147,10 +156,12 @@ def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | Non
     if queued_s is not None:  # it held a quota
         record.phases["queue_seconds"] = queued_s
     backend = get_backend(spec.compute.backend)
-    life = Lifecycle(cluster_name, backend.down, hourly_cost(spec), record.close, logger.info)
+    life = Lifecycle(cluster_name, backend.down, hourly_cost(spec),
+                     lambda outcome, bill: record.close(outcome, bill, life.all_attempts()), logger.info)
+    capacity = Capacity(spec, flow_run["id"], life, record, logger.info)
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
     with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
-        run_id, handle = prepare_and_provision(spec, flow_run, record, life, backend, webhook)
+        run_id, handle = prepare_and_provision(spec, flow_run, record, life, backend, webhook, capacity)
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
         stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run_id)]
 
@@ -159,8 +170,8 @@ def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | Non
             if failure:
                 logger.warning(failure)
 
-        result = train_with_recovery(spec, handle, job_for(spec, record, life, flow_run, webhook), life, stop_checks,
-                                     recovered)
+        result = train_with_recovery(spec, handle, job_for(spec, record, life, flow_run, webhook), life, capacity,
+                                     stop_checks, recovered)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: it goes down while the model is registered, which needs only MLflow.

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import Callable
 
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec.options import compute_options
 
 LIMIT_PREFIX = "gpuflow-quota-"
 POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_info.py)
@@ -61,11 +62,12 @@ class Need:
 def need_of(spec: ExperimentSpec) -> Need:
     """What the run's cluster holds: its GPUs, or on the local backend (no GPUs) its workers."""
     compute = spec.compute
-    first = compute.accelerators[0] if isinstance(compute.accelerators, list) else compute.accelerators
+    option = compute_options(compute)[0]  # the first place to run (its accelerator, its cloud) names the pool
+    first = option.accelerators
     if compute.backend == "local" or not first:
         return Need(compute.quota or compute.backend, compute.num_workers, "worker")
     name, _, count = first.partition(":")
-    where = compute.cloud or (compute.infra or "").split("/")[0] or "any"
+    where = option.cloud or (option.infra or "").split("/")[0] or "any"
     return Need(compute.quota or f"{where}-{name}".lower(), compute.num_nodes * int(count or 1), "GPU")
 
 

@@ -25,7 +25,7 @@ def worth_retrying(task, task_run, state) -> bool:
     try:
         state.result()
     except Exception as exc:  # SkyPilot's classes, by name: tasks/ does not import the SDK
-        return type(exc).__name__ not in ("CommandError", "RequestCancelled")
+        return type(exc).__name__ not in ("CommandError", "RequestCancelled", "NoCapacity")  # NoCapacity: flows/capacity.py waits
     return True
 
 

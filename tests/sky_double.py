@@ -5,6 +5,12 @@ time and can be cancelled (`api_cancel`) while in flight; `launch` submits setup
 returns its id at once; a failed setup ends that job FAILED_SETUP and leaves the cluster UP (SkyPilot does
 this on purpose, even with down=True); `down` of an unknown cluster raises
 ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job; `down_failures` makes deletions fail.
+
+Capacity as SkyPilot fails over: the task's resources are tried in order (a list; a set cheapest first, here in
+its own order), each one `no_capacity` names (an accelerator, an infra's cloud, or "spot") is skipped, and the
+first that remains launches (the handle's `launched_resources` says which); when none remains, SkyPilot's
+ResourcesUnavailableError, one block per resource tried and its failover_history. `preempt_spot` spot clusters
+are preempted mid-job: the cluster vanishes, as a forced status refresh then says.
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ class Request:
 
 class FakeSky:
     exceptions = sky.exceptions
+    StatusRefreshMode = sky.StatusRefreshMode
 
     def __init__(self, scenario: str = "ok", launch_s: float = 0.5, job_s: float = 0.5, job_log: list[str] = (),
-                 down_failures: int = 0):
+                 down_failures: int = 0, no_capacity=(), preempt_spot: int = 0):
         self.scenario, self.launch_s, self.job_s = scenario, launch_s, job_s
         self.down_failures = down_failures  # a cloud API that refuses the next N deletions, as in an outage
         self.job_log = list(job_log) or ["[gpuflow] epoch 0: train_loss=1.0 val_accuracy=0.9"]
+        self.no_capacity = no_capacity  # words: a resource naming any of them has none (until changed)
+        self.preempt_spot = preempt_spot
         self.clusters: dict[str, dict] = {}
         self.requests: dict[str, Request] = {}
         self.calls: list[tuple] = []
@@ -109,16 +118,37 @@ class FakeSky:
                 request.lines.append("Failed to acquire resources in all zones")
                 raise sky.exceptions.ResourcesUnavailableError(
                     f"Failed to provision all possible launchable resources. Relax the task's resource requirements: {task.num_nodes}x {list(task.resources)}")
+            launched = self._first_with_capacity(task, request)
             with self._lock:
                 self.clusters[cluster_name] = {"name": cluster_name, "status": sky.ClusterStatus.UP,
                                                "launched_at": int(time.time()), "autostop": idle_minutes_to_autostop,
-                                               "to_down": down, "jobs": {}}
+                                               "to_down": down, "jobs": {}, "spot": bool(launched.use_spot)}
             request.lines.append(f"Cluster {cluster_name} is up")
             job_id = self._add_job(cluster_name, setup=task.setup is not None, run=task.run is not None)
             request.lines.append(f"Job submitted, ID: {job_id}")
-            return job_id, SimpleNamespace(cluster_name=cluster_name)
+            return job_id, SimpleNamespace(cluster_name=cluster_name, launched_resources=launched,
+                                           launched_nodes=task.num_nodes)
 
         return self._submit("launch", cluster_name, run, self.launch_s)
+
+    def _first_with_capacity(self, task, request):
+        tried, history = {}, []
+        for resources in task.resources:
+            words = {str(resources.cloud).lower(), *(k.lower() for k in resources.accelerators or {}),
+                     *(["spot"] if resources.use_spot else [])}
+            if not words & {word.lower() for word in self.no_capacity}:
+                return resources
+            error = sky.exceptions.ResourcesUnavailableError(
+                f"Failed to acquire resources in all zones in {resources.region or 'every region'} for "
+                f"{resources.accelerators}. Try changing resource requirements or use another region.")
+            tried[resources], history = error, [*history, error]
+            request.lines.append(f"Failed to provision {resources}: trying other potential resources.")
+        blocks = "".join(  # SkyPilot's own layout (cloud_vm_ray_backend._format_provision_failure_blocks)
+            f"\u2717 {r.infra.formatted_str()} \u2014 {r.accelerators}{' [Spot]' if r.use_spot else ''}\n  {e}\n\n"
+            for r, e in tried.items())
+        raise sky.exceptions.ResourcesUnavailableError(
+            "Reasons for provision failures (for details, please check the log above):\n"
+            f"Provision failures (tried {len(tried)} infra):\n\n{blocks}", failover_history=history)
 
     def exec(self, task, cluster_name=None, **_):
         self.calls.append(("exec", cluster_name, task.to_yaml_config()))
@@ -146,7 +176,11 @@ class FakeSky:
         return job_id
 
     def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **_):
-        job = self._cluster(cluster_name)["jobs"][job_id]
+        cluster = self._cluster(cluster_name)
+        job = cluster["jobs"][job_id]
+        if cluster["spot"] and self.preempt_spot > 0:  # the cloud takes the nodes back mid-job
+            self.preempt_spot -= 1
+            threading.Timer(self.job_s / 2, lambda: self.clusters.pop(cluster_name, None)).start()
         while time.time() < job["finish_at"] and cluster_name in self.clusters:
             time.sleep(0.01)
         for line in job["log"]:
@@ -162,7 +196,8 @@ class FakeSky:
         return self._submit("job_status", cluster_name, run, 0)
 
     def status(self, cluster_names=None, **_):
-        return self._submit("status", "", lambda r: [dict(c) for c in self.clusters.values()], 0)
+        return self._submit("status", "", lambda r: [dict(c) for c in self.clusters.values()
+                                                     if cluster_names is None or c["name"] in cluster_names], 0)
 
     def down(self, cluster_name, **_):
         self.calls.append(("down", cluster_name))

@@ -42,6 +42,9 @@ def test_a_run_needs_its_clusters_gpus_of_its_pool():
     named = parse_spec({"train": loop, "compute": {"backend": "skypilot", "accelerators": ["A100:4", "H100:1"],
                                                    "infra": "slurm/skyci", "quota": "team-a100"}, **remote})
     assert (need_of(named).pool, need_of(named).slots) == ("team-a100", 4)
+    options = parse_spec({"train": loop, "compute": {"backend": "skypilot", "options": [  # the first option's pool
+        {"infra": "k8s/ctx", "accelerators": "L4:2"}, {"cloud": "aws", "accelerators": "H100:1"}]}, **remote})
+    assert (need_of(options).pool, need_of(options).slots) == ("k8s-l4", 2)
     assert lease_seconds(cloud) == 150 and lease_seconds(parse_spec(
         {"train": loop, "limits": {"orphan_grace_minutes": 0.2}})) == 60  # Prefect's shortest lease
 

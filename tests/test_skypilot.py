@@ -9,7 +9,7 @@ import pytest
 import sky
 import yaml
 
-from gpuflow.cluster.backends import Job, cluster_name_for
+from gpuflow.cluster.backends import Job, NoCapacity, cluster_name_for
 from gpuflow.cluster.backends.skypilot import (
     DEFAULT_SETUP, RUN, WHEEL_MOUNT, SkyPilotBackend, build_task, resources_for, task_yaml,
 )
@@ -123,7 +123,7 @@ def test_plan_never_shows_secrets(monkeypatch):
 
 def test_capacity_error_leaves_nothing():
     fake = FakeSky("capacity")
-    with pytest.raises(sky.exceptions.ResourcesUnavailableError, match="Relax"):
+    with pytest.raises(NoCapacity, match="Relax"):  # SkyPilot's ResourcesUnavailableError, each option's reason
         SkyPilotBackend(fake).launch(gpu_spec(), NAME, on_line=lambda line: None)
     assert fake.clusters == {}
 
@@ -191,7 +191,8 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
         monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
         spec = parse_spec({**A_LOOP,
             "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},
-            "limits": {"hourly_rate_usd": 2.5},  # no price catalog offline: price it as a user may
+            # no price catalog offline: price it as a user may; a short wait for capacity
+            "limits": {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05},
             "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
             "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
             "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),

@@ -3,10 +3,11 @@
 
     .venv/bin/python -m pytest --full -m slurm -s        # -s prints each run's phase timings
 
-A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains, a
-setup that fails, a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost
-allocation (relaunch, resume). A failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the
-local backend (tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
+A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains, one
+whose first compute option this cluster cannot satisfy (SkyPilot's own failover), a setup that fails, a cancel
+mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation (relaunch, resume). A
+failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
+(tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
 """
 
 from __future__ import annotations
@@ -303,3 +304,21 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
           f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
           f"{time.monotonic() - lost_at:.0f}s after the scancel")
     report("scancel", run, mlflow_run.data.metrics)
+
+
+def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    """compute.options: GPUs this (CPU-only) Slurm cluster does not have, then its CPUs. SkyPilot fails over (the
+    ordered list of resources), the run trains on the second and its MLflow run says which option launched. (Not a
+    missing partition: SkyPilot 0.14's Slurm provisioning loop lists the cluster's partitions whichever was asked for,
+    so such an option may still launch.)"""
+    options = f'[{{infra: "{slurm_infra.infra}", accelerators: "H100:1"}}, {{infra: "{slurm_infra.infra}"}}]'
+    run = gpuflow_on_slurm("compute.use_gpu=false", f"compute.options={options}", epochs=1)
+    assert run.wait() == 0, run.output[-6000:]
+    assert f"launched option 2: {slurm_infra.infra} CPU on-demand" in run.output
+    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    tags = mlflow_run.data.tags
+    assert mlflow_run.info.status == "FINISHED"
+    assert tags["gpuflow.option"] == f"2: {slurm_infra.infra} CPU on-demand"
+    assert tags["gpuflow.launched.region"] == slurm_infra.infra.split("/")[1]
+    assert_nothing_left(slurm_infra, run.cluster)
+    report("second option", run, mlflow_run.data.metrics)

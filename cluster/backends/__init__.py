@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-from gpuflow.cluster.backends.base import (CLUSTER_PREFIX, HEAD_NODE_RESOURCES, TRIAL_DRIVER_RESOURCE, Backend,
+from gpuflow.cluster.backends.base import (CLUSTER_PREFIX, HEAD_NODE_RESOURCES, TRIAL_DRIVER_RESOURCE, Backend, NoCapacity,
                                            ClusterHandle, ClusterStatus, Job, cluster_name_for, cluster_names_for,
                                            flow_run_id_of, train_run_name)
 
-__all__ = ["CLUSTER_PREFIX", "HEAD_NODE_RESOURCES", "TRIAL_DRIVER_RESOURCE", "Backend", "ClusterHandle",
+__all__ = ["CLUSTER_PREFIX", "HEAD_NODE_RESOURCES", "TRIAL_DRIVER_RESOURCE", "Backend", "NoCapacity", "ClusterHandle",
            "ClusterStatus", "Job", "cluster_name_for", "cluster_names_for", "flow_run_id_of", "get_backend",
            "train_run_name"]
 

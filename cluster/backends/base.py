@@ -94,3 +94,12 @@ def flow_run_id_of(cluster_name: str) -> str | None:
         return None
     h = match.group(1)
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class NoCapacity(RuntimeError):
+    """No option had capacity (SkyPilot tried them all): `reasons` holds (option, why) for each, `spot` whether
+    every option that failed was spot (a spot capacity error counts toward compute.spot_fallback_after)."""
+
+    def __init__(self, message: str, reasons: list[tuple[str, str]], spot: bool = False):
+        super().__init__(message)
+        self.reasons, self.spot = reasons, spot

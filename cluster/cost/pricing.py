@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
 from gpuflow.cluster.spec import ExperimentSpec, billed_sweep_minutes
+from gpuflow.cluster.spec.options import Option, compute_options
 
 
 
@@ -68,38 +69,55 @@ class Estimate:
 
 
 UNPRICED_INFRA = {"slurm", "kubernetes", "k8s", "ssh"}
+USER_RATE = "hourly_rate_usd"  # the end of every source that is the user's own rate: what launched does not change it
 
 
 def hourly_cost(spec: ExperimentSpec) -> Estimate:
-    """The cluster's price per hour: limits.hourly_rate_usd when set, else SkyPilot's catalog (skypilot backend)."""
+    """The price the budget uses: the dearest option that may launch (the spot fallback's on-demand ones too).
+    SkyPilot tries the options in order, or picks among them: any may be what launches, so the run is checked
+    against the dearest, then metered at the price of what launched (cluster/run/lifecycle.py)."""
+    return max((estimate for _, estimate in option_prices(spec)), key=lambda estimate: estimate.hourly_usd)
+
+
+def options_that_may_launch(spec: ExperimentSpec) -> list[Option]:
+    options = compute_options(spec.compute)
+    if spec.compute.spot_fallback_after is not None:
+        options += [o for o in compute_options(spec.compute, on_demand=True) if o not in options]
+    return options
+
+
+def option_prices(spec: ExperimentSpec, options: list[Option] | None = None) -> list[tuple[Option, Estimate]]:
+    return [(option, option_price(spec, option)) for option in options or options_that_may_launch(spec)]
+
+
+def option_price(spec: ExperimentSpec, option: Option) -> Estimate:
+    """One option's hourly price: its own hourly_rate_usd, else limits.hourly_rate_usd, else SkyPilot's catalog."""
     compute, nodes = spec.compute, spec.compute.num_nodes
-    gpus = gpus_per_node(compute.accelerators)
-    if spec.limits.hourly_rate_usd is not None:
-        rate = spec.limits.hourly_rate_usd
-        return Estimate(rate, rate / nodes, nodes, compute.use_spot, "limits.hourly_rate_usd",
-                        accelerators=first_accelerator(compute.accelerators), gpus_per_node=gpus)
+    gpus = gpus_per_node(option.accelerators)
+    rate, source = option.hourly_rate_usd, f"{option.field}.{USER_RATE}"
+    if rate is None:
+        rate, source = spec.limits.hourly_rate_usd, f"limits.{USER_RATE}"
+    if rate is not None:
+        return Estimate(rate, rate / nodes, nodes, option.use_spot, source, accelerators=option.accelerators,
+                        gpus_per_node=gpus)
     if compute.backend == "local":
         return Estimate(0.0, 0.0, nodes, False, "free")
-    cloud, region = cloud_and_region(spec)
+    cloud, region = cloud_and_region(option)
     if cloud in UNPRICED_INFRA:  # machines the user already has: SkyPilot prices them at 0 and has no catalog
-        return Estimate(0.0, 0.0, nodes, False, f"{cloud} (no price catalog: set limits.hourly_rate_usd)", cloud=cloud,
-                        accelerators=first_accelerator(compute.accelerators), gpus_per_node=gpus)
+        return Estimate(0.0, 0.0, nodes, option.use_spot,
+                        f"{cloud} (no price catalog: set {option.field}.{USER_RATE} or limits.{USER_RATE})",
+                        cloud=cloud, region=region, accelerators=option.accelerators, gpus_per_node=gpus)
     clouds = [cloud] if cloud else catalog_clouds()
-    # For one accelerator SkyPilot's optimizer picks the cheapest cloud; a list of accelerators it tries in the
-    # listed order, not cheapest first. So the budget is checked against the dearest option, and the run is
-    # metered at the price of what launched (cluster/run/lifecycle.py).
-    per_option = []
-    for accelerator in accelerator_options(compute.accelerators):
-        priced = [option for option in (catalog_price(spec, c, region, accelerator) for c in clouds) if option]
-        if priced:
-            per_option.append(min(priced, key=lambda estimate: estimate.hourly_usd))
-    if not per_option:
+    # For one option SkyPilot's optimizer picks the cheapest cloud that offers it.
+    priced = [estimate for estimate in (catalog_price(spec, c, region, option.accelerators, option.use_spot)
+                                        for c in clouds) if estimate]
+    if not priced:
         raise PriceUnknown(
-            f"compute.accelerators: no instance with {compute.accelerators or 'CPU only'} "
-            f"({'spot' if compute.use_spot else 'on-demand'}) in the SkyPilot catalog for "
-            f"{cloud or ', '.join(clouds)}{'/' + region if region else ''}; "
-            "check the accelerator name and count (`sky show-gpus`), or set limits.hourly_rate_usd")
-    return max(per_option, key=lambda estimate: estimate.hourly_usd)
+            f"{'compute.accelerators' if option.field == 'compute' else option.field}: no instance with "
+            f"{option.accelerators or 'CPU only'} ({'spot' if option.use_spot else 'on-demand'}) in the SkyPilot "
+            f"catalog for {cloud or ', '.join(clouds)}{'/' + region if region else ''}; check the accelerator name "
+            f"and count (`sky show-gpus`), or set {option.field}.{USER_RATE} or limits.{USER_RATE}")
+    return min(priced, key=lambda estimate: estimate.hourly_usd)
 
 
 def launched_price(estimate: Estimate, hourly_usd: float) -> Estimate:
@@ -108,7 +126,8 @@ def launched_price(estimate: Estimate, hourly_usd: float) -> Estimate:
                    source="launched")
 
 
-def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelerator: str | None) -> Estimate | None:
+def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelerator: str | None,
+                  use_spot: bool) -> Estimate | None:
     """One cloud's cheapest instance for one accelerator option, priced with SkyPilot's own catalog functions."""
     import sky.catalog
     from sky.utils import registry
@@ -121,21 +140,21 @@ def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelera
         if accelerator:
             name, count = split_accelerator(accelerator)
             instance_types, _ = sky.catalog.get_instance_type_for_accelerator(
-                name, count, use_spot=compute.use_spot, region=region, clouds=cloud)
+                name, count, use_spot=use_spot, region=region, clouds=cloud)
             if not instance_types:
                 return None
             instance_type, accelerators = instance_types[0], {name: count}
         else:
-            instance_type = sky.catalog.get_default_instance_type(region=region, use_spot=compute.use_spot, clouds=cloud)
+            instance_type = sky.catalog.get_default_instance_type(region=region, use_spot=use_spot, clouds=cloud)
             if not instance_type:
                 return None
         # GCP bills attached GPUs apart from the VM; other clouds return 0 for the accelerator part.
-        per_node = cloud_object.instance_type_to_hourly_cost(instance_type, compute.use_spot, region, None)
+        per_node = cloud_object.instance_type_to_hourly_cost(instance_type, use_spot, region, None)
         if accelerators:
-            per_node += cloud_object.accelerators_to_hourly_cost(accelerators, compute.use_spot, region, None)
+            per_node += cloud_object.accelerators_to_hourly_cost(accelerators, use_spot, region, None)
     except (ValueError, AssertionError):  # not offered there (e.g. spot on a cloud without spot)
         return None
-    return Estimate(per_node * compute.num_nodes, per_node, compute.num_nodes, compute.use_spot, "catalog",
+    return Estimate(per_node * compute.num_nodes, per_node, compute.num_nodes, use_spot, "catalog",
                     cloud=cloud, region=region, instance_type=instance_type, accelerators=accelerator,
                     gpus_per_node=gpus_per_node(accelerator))
 
@@ -169,13 +188,12 @@ def missing_message(path: Path) -> str:
             "or set limits.hourly_rate_usd to price the cluster yourself")
 
 
-def cloud_and_region(spec: ExperimentSpec) -> tuple[str | None, str | None]:
-    """compute.infra ('aws/us-east-1') or compute.cloud + compute.region."""
-    compute = spec.compute
-    if compute.infra:
-        cloud, _, rest = compute.infra.partition("/")
+def cloud_and_region(where) -> tuple[str | None, str | None]:
+    """An option's (or compute's) infra ('aws/us-east-1'), or its cloud + region."""
+    if where.infra:
+        cloud, _, rest = where.infra.partition("/")
         return cloud.lower(), (rest.split("/")[0] or None) if rest else None
-    return (compute.cloud.lower() if compute.cloud else None), compute.region
+    return (where.cloud.lower() if where.cloud else None), where.region
 
 
 def accelerator_options(accelerators: str | list[str] | None) -> list[str | None]:

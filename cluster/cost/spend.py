@@ -18,6 +18,10 @@ from gpuflow.cluster.protocol import BACKEND_TAG, FLOW_RUN_TAG, HOURLY_METRIC, S
 COST_METRICS = ("cost_usd", "gpu_hours", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown")
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# A run relaunched (a lost spot cluster, the on-demand fallback) logs what its earlier clusters cost and when the
+# current one was requested: a run still going is priced as those plus the current price since then.
+SPENT_BEFORE_METRIC = "spent_before_attempt_usd"
+ATTEMPT_STARTED_TAG = "gpuflow.attempt_started_at"
 
 
 @dataclass
@@ -58,7 +62,8 @@ def row_of(run, experiments: dict[str, str]) -> RunCost:
     estimated = "cost_usd" not in metrics
     if estimated:
         ended_s = info.end_time / 1000 if info.end_time else time.time()
-        cost = metrics.get(HOURLY_METRIC, 0.0) * max(0.0, ended_s - info.start_time / 1000) / 3600
+        since_s = float(tags.get(ATTEMPT_STARTED_TAG, 0)) if SPENT_BEFORE_METRIC in metrics else info.start_time / 1000
+        cost = metrics.get(SPENT_BEFORE_METRIC, 0.0) + metrics.get(HOURLY_METRIC, 0.0) * max(0.0, ended_s - since_s) / 3600
     else:
         cost = metrics["cost_usd"]
     return RunCost(info.run_id, experiments.get(info.experiment_id, info.experiment_id), info.run_name or "",

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gpuflow.cluster.cost.pricing import Estimate, launched_price
+from gpuflow.cluster.cost.pricing import USER_RATE, Estimate, launched_price
 from gpuflow.cluster.protocol import STATUS_FOR_STOP
 
 TEARDOWN_DELAYS_S = (1, 5)
@@ -59,19 +59,26 @@ class Lifecycle:
         self.recovery_seconds: list[float] = []  # each loss noticed → first resumed epoch
         self._last_epoch_at: float | None = None
         self._lost_at: float | None = None
+        self.attempts: list[dict] = []  # each cluster before the current one: its option, price, seconds, cost
+        self.option = "planned"  # the current cluster's option, once it launched: "2: slurm/lab A100:1 on-demand"
+        self._attempt_started: float | None = None  # the current cluster's provision request (None: requested_at)
+        self.ended_at: float | None = None
         self.stop_reason: str | None = None
         self.stop_detail = ""
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
 
     # -- during the run ----------------------------------------------------------------------------
     def launching(self, future) -> None:
         """A launch in flight: the end waits for it, so that a launch outrunning the teardown cannot outlive the run."""
         self._launches.append(future)
 
-    def launched(self, hourly_usd: float | None = None) -> None:
-        """The cluster is up; meter it at the price of what launched, where the backend knows it."""
-        self.launched_at = time.time()
-        if hourly_usd is not None and self.price.source != "limits.hourly_rate_usd":
+    def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
+        """The cluster is up; meter it at the price of the option that launched (`price`), or at what the backend
+        says it costs, unless the user priced it."""
+        self.launched_at = self.launched_at or time.time()
+        self.price, self.option = price or self.price, option or self.option
+        if hourly_usd is not None and not self.price.source.endswith(USER_RATE):
             self.price = launched_price(self.price, hourly_usd)
 
     def job_started(self) -> None:
@@ -103,10 +110,18 @@ class Lifecycle:
         except Exception:  # the relaunch, or the teardown at the end, downs it again
             pass
 
-    def relaunching(self, cluster_name: str) -> None:
-        """The lost cluster is downed; from now on the run's cluster is the relaunched one."""
+    def relaunching(self, cluster_name: str, price: Estimate | None = None) -> dict:
+        """The lost cluster is downed; from now on the run's cluster is the relaunched one, metered at `price` until
+        it launches. Returns the attempt that ended: its option, price and cost."""
         self.down(self.cluster_name)
-        self.cluster_name = cluster_name
+        now = time.time()
+        started = self._attempt_started or self.requested_at
+        self.attempts.append({"option": self.option, "hourly_usd": self.price.hourly_usd, "seconds": now - started,
+                              "cost_usd": self.price.cost_usd(now - started),
+                              "gpu_hours": (now - started) / 3600 * self.price.gpus_per_node * self.price.num_nodes})
+        self.cluster_name, self._attempt_started, self.option = cluster_name, now, "planned"
+        self.price = price or self.price
+        return self.attempts[-1]
 
     def output(self) -> None:
         self.last_output_at = time.time()
@@ -118,12 +133,21 @@ class Lifecycle:
                 return False
             self.stop_reason, self.stop_detail = reason, detail
             self.teardown_requested_at = time.time()
+        self._stopped.set()
         self.log(f"{detail}: tearing down cluster {self.cluster_name}")
         try:
             self.down(self.cluster_name)
         except Exception:  # the teardown at the end retries, and says why if it still fails
             pass
         return True
+
+    def not_billed_until(self, when: float) -> None:
+        """No cluster existed until `when` (a launch that found no capacity): the bill of this attempt starts there."""
+        self._attempt_started = when
+
+    def stopped_wait(self, seconds: float) -> bool:
+        """Sleeps `seconds`, or less if the run is stopped meanwhile; True when it was."""
+        return self._stopped.wait(seconds)
 
     @property
     def stopped(self) -> bool:
@@ -173,12 +197,12 @@ class Lifecycle:
 
     def bill(self, ended: float | None = None) -> dict[str, float]:
         """The run's cost: the cluster counts from the provision request to the end of teardown."""
-        cluster_seconds = max(0.0, (ended or time.time()) - self.requested_at)
-        price = self.price
-        metrics = {
-            "cost_usd": price.cost_usd(cluster_seconds),
-            "cluster_hours": cluster_seconds / 3600,
-            "gpu_hours": cluster_seconds / 3600 * price.gpus_per_node * price.num_nodes,
+        ended = ended or time.time()
+        price, current_s = self.price, max(0.0, ended - (self._attempt_started or self.requested_at))
+        metrics = {  # each cluster of the run at its own price: the ones before, and the current one
+            "cost_usd": sum(a["cost_usd"] for a in self.attempts) + price.cost_usd(current_s),
+            "cluster_hours": (sum(a["seconds"] for a in self.attempts) + current_s) / 3600,
+            "gpu_hours": sum(a["gpu_hours"] for a in self.attempts) + current_s / 3600 * price.gpus_per_node * price.num_nodes,
             "hourly_cost_usd": price.hourly_usd,
         }
         if self.launched_at:
@@ -193,6 +217,13 @@ class Lifecycle:
                 metrics["recovery_seconds"] = max(self.recovery_seconds)
         return metrics
 
+    def all_attempts(self, ended: float | None = None) -> list[dict]:
+        """Every cluster of the run, the current one last, each with its option, price and cost."""
+        ended = ended or self.ended_at or time.time()
+        seconds = max(0.0, ended - (self._attempt_started or self.requested_at))
+        return [*self.attempts, {"option": self.option, "hourly_usd": self.price.hourly_usd, "seconds": seconds,
+                                 "cost_usd": self.price.cost_usd(seconds)}]
+
     def __enter__(self) -> Lifecycle:
         return self
 
@@ -203,8 +234,9 @@ class Lifecycle:
         except TeardownFailed as exc:
             teardown_failure = exc
         outcome = self.outcome(error)
+        self.ended_at = time.time()  # the bill and each attempt's cost end at the same instant
         if self.close:
-            self.close(outcome, self.bill())
+            self.close(outcome, self.bill(self.ended_at))
         if teardown_failure:
             raise teardown_failure from error
         if self.stop_reason == "cancelled":

@@ -13,7 +13,7 @@ from mlflow.entities import Metric, Param, RunInfo, RunTag
 
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
-from gpuflow.cluster.cost.spend import HOURLY_METRIC
+from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
 from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
@@ -113,8 +113,30 @@ class RunRecord:
         self._lease.start()
         return run_id
 
-    def close(self, outcome: Outcome, bill: dict[str, float]) -> None:
+    def launched(self, attempt: int, info: dict, price) -> None:
+        """Which option launched (its index and description, where it is) and the price it is metered at."""
+        if not self.run_id or "launched" not in info:  # a local cluster, or one SkyPilot did not describe
+            return
+        tags = {"gpuflow.option": f"{info['option']}: {info['option_text']}" if info.get("option") else
+                info.get("option_text", "unmatched"), "spot": str(price.use_spot).lower(),
+                "gpuflow.price_source": price.source,
+                **{f"gpuflow.launched.{key}": value for key, value in info.get("launched", {}).items()}}
+        now = int(time.time() * 1000)
+        client_for(self.spec).log_batch(self.run_id, metrics=[Metric(HOURLY_METRIC, price.hourly_usd, now, attempt)],
+                                        tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
+
+    def relaunched(self, attempts: list[dict]) -> None:
+        """A cluster ended and another is requested: what was spent so far, so a run still going is priced right."""
+        if self.run_id:
+            now = int(time.time() * 1000)
+            client_for(self.spec).log_batch(self.run_id, metrics=[
+                Metric(SPENT_BEFORE_METRIC, sum(a["cost_usd"] for a in attempts), now, len(attempts))],
+                tags=[RunTag(ATTEMPT_STARTED_TAG, f"{time.time():.3f}")], synchronous=True)
+
+    def close(self, outcome: Outcome, bill: dict[str, float], attempts: list[dict] = ()) -> None:
         """Ends the run; the lease stops only after, so the job never sees a live run without one."""
+        if self.run_id and attempts:
+            self.log_attempts(attempts)
         if self.run_id:
             metrics = {**{f"gpuflow.{key}": value for key, value in self.phases.items()}, **bill}
             tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
@@ -128,6 +150,19 @@ class RunRecord:
         settle_budget(self.spec, self.flow_run_id)  # the daily-budget reservation gives way to the cost just logged
         if self._lease:
             self._lease.finish()
+
+
+    def log_attempts(self, attempts: list[dict]) -> None:
+        """Each cluster of the run (attempt 1, 2, ...): its price and cost as metrics by step, its option as a tag."""
+        now = int(time.time() * 1000)
+        metrics = [Metric(name, float(attempt[key]), now, number) for number, attempt in enumerate(attempts, 1)
+                   for name, key in (("attempt_cost_usd", "cost_usd"), ("attempt_hourly_usd", "hourly_usd"))]
+        tags = [RunTag(f"gpuflow.attempt.{number}", f"{a['option']}: ${a['hourly_usd']:.4g}/h, {a['seconds']:.0f} s, "
+                       f"${a['cost_usd']:.4f}") for number, a in enumerate(attempts, 1)]
+        try:
+            client_for(self.spec).log_batch(self.run_id, metrics=metrics, tags=tags, synchronous=True)
+        except Exception as exc:  # the close that follows says whether MLflow is reachable
+            self.warn(f"could not log the attempts' costs: {type(exc).__name__}: {exc}")
 
 
 def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) -> list[str]:

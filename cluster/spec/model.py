@@ -15,12 +15,13 @@ from gpuflow.cluster.config import default_tracking_uri, state_dir
 from gpuflow.cluster.spec import fields as checks
 from gpuflow.cluster.spec.fields import (Amount, Count, Entrypoint, EnvName, StorageUri, Strict, Text, no_problem,
                                          absolute_uri, is_remote_uri)
+from gpuflow.cluster.spec.limits import LimitsSpec, ProfileSpec
 from gpuflow.cluster.spec.notifying import NotifySpec
+from gpuflow.cluster.spec.options import ACCELERATOR, ComputeOption, options_problems
 from gpuflow.cluster.spec.sweep import SweepSpec, sweep_problems
 
 ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,39}$")
-ACCELERATOR = re.compile(r"^[A-Za-z0-9-]+(:\d+(\.\d+)?)?$")
 
 
 class TrainSpec(Strict):
@@ -97,6 +98,15 @@ class ComputeSpec(Strict):
         description="Times a lost cluster (spot preemption, a node gone) is relaunched and training resumed from "
         "the last checkpoint, in the same MLflow run; past it the run ends FAILED with stopped_by=preempted.",
     )
+    options: Annotated[list[ComputeOption], Field(max_length=32)] | None = Field(
+        None, description="Places to run in order of preference (SkyPilot fails over from one to the next), each "
+        "with any of infra, cloud, region, accelerators, use_spot, hourly_rate_usd; the fields above are their "
+        "defaults. Unset: the fields above say the one place.")
+    any_of: StrictBool = Field(False, description="Let SkyPilot pick the cheapest option that has capacity, "
+                               "instead of trying them in the listed order.")
+    spot_fallback_after: Count(1, 100) | None = Field(
+        None, description="After this many losses of a spot cluster (preemptions, or no spot capacity), relaunch "
+        "on-demand, once the budget allows its price. Unset: stay on spot.")
     worker_restarts: Count(0, 100) = Field(
         0,
         description="Times Ray Train restarts a crashed worker group from the last checkpoint on a cluster that is "
@@ -121,14 +131,19 @@ class ComputeSpec(Strict):
                 )
             object.__setattr__(self, "workers_per_node", self.num_workers // self.num_nodes)
         object.__setattr__(self, "num_workers", self.num_nodes * self.workers_per_node)
+        problems = options_problems(self)
+        if problems:  # one error per problem, each at its own field
+            raise ValidationError.from_exception_data("ComputeSpec", [
+                {"type": "value_error", "loc": tuple(field.split(".")[1:]), "input": None, "ctx": {"error": problem}}
+                for field, problem in problems])
         if self.use_gpu is None:
-            object.__setattr__(self, "use_gpu", bool(self.accelerators))
+            object.__setattr__(self, "use_gpu", bool(self.accelerators or any(o.accelerators for o in self.options or [])))
         if self.backend == "local" and (self.accelerators or self.use_gpu or self.use_spot):
             raise ValueError(
                 "the local backend trains on this machine's CPU; remove accelerators/use_gpu/use_spot "
                 "or set compute.backend: skypilot"
             )
-        if self.use_gpu and not self.accelerators:
+        if self.use_gpu and not (self.accelerators or self.options and all(o.accelerators for o in self.options)):
             raise ValueError("use_gpu is true but no accelerators are requested; set compute.accelerators, e.g. 'H100:1'")
         return self
 
@@ -142,31 +157,6 @@ class TrackingSpec(Strict):
 class StorageSpec(Strict):
     checkpoints: StorageUri | None = Field(None, description="Checkpoint folder or URI (s3://, gs://, ...); defaults to .gpuflow/checkpoints.")
     num_to_keep: Count(1, 100_000) | None = Field(None, description="Keep only the newest N checkpoints; all when unset.")
-
-
-class LimitsSpec(Strict):
-    max_runtime_minutes: Amount(le=43_200) = Field(60, description="Stop the job and tear down after this long (at most 30 days).")
-    max_cost_usd: Amount(le=10_000_000) | None = Field(None, description="Refuse or stop the run above this cost.")
-    idle_minutes_to_autostop: Count(1, 10_080) = Field(10, description="A cloud cluster deletes itself after this many idle minutes.")
-    hourly_rate_usd: Amount(le=100_000, ge=0) | None = Field(None, description="Price of the cluster per hour when no catalog knows it (e.g. local).")
-    min_gpu_utilization: Amount(le=100) | None = Field(None, description="Stop when GPU use stays below this percent.")
-    idle_gpu_minutes: Amount(le=10_080) = Field(10, description="How long GPU use may stay under min_gpu_utilization.")
-    hung_minutes: Amount(le=10_080) | None = Field(
-        None,
-        description="Stop the run (stopped_by=hung, each worker's stack saved to MLflow) when the loop has not "
-        "reported for this long, counted from its first report. Unset: 5x the longest gap between its reports, at "
-        "least 10 min, once it has reported twice.")
-    max_queue_minutes: Amount(le=10_080) = Field(60, description="Wait at most this long for the team's GPU quota, then fail (nothing started).")
-    orphan_grace_minutes: Amount(le=60) = Field(
-        2,
-        description="The job stops itself (checkpoints kept, MLflow run FAILED, stopped_by=orphaned) when the flow "
-        "has not renewed its lease for this long: the flow process was killed, frozen or cut off.",
-    )
-
-
-class ProfileSpec(Strict):
-    steps: Count(1, 1000) = Field(20, description="Training steps rank 0 records with torch.profiler (CPU and CUDA).")
-    after: Count(0, 1_000_000) = Field(5, description="Steps to skip first, so that the trace shows warm steps, not start-up.")
 
 
 class ExperimentSpec(Strict):

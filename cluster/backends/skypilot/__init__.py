@@ -19,6 +19,7 @@ import time
 from typing import Callable
 
 from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.backends.skypilot.options import launched_facts, no_capacity, resources_for
 from gpuflow.cluster.protocol import JobEnv, split_secrets
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
 
@@ -41,24 +42,6 @@ def default_setup() -> tuple[str, dict[str, str]]:
 
     wheel = build_wheel(state_dir() / "wheel")
     return DEFAULT_SETUP.format(wheel=wheel.name), {WHEEL_MOUNT: str(wheel.parent)}
-
-
-def resources_for(spec: ExperimentSpec) -> list:
-    """One sky.Resources per acceptable accelerator, in order of preference."""
-    import sky
-
-    compute = spec.compute
-    accelerators = compute.accelerators if isinstance(compute.accelerators, list) else [compute.accelerators]
-    return [
-        sky.Resources(
-            infra=compute.infra, cloud=sky.CLOUD_REGISTRY.from_str(compute.cloud) if compute.cloud else None,
-            region=compute.region, accelerators=accelerator, use_spot=compute.use_spot,
-            cpus=f"{compute.workers_per_node * compute.cpus_per_worker:g}+", memory=compute.memory_gb_per_node,
-            disk_size=compute.disk_size_gb, max_hourly_cost=compute.max_hourly_cost_usd,
-            labels={"gpuflow": "true"},
-        )
-        for accelerator in accelerators
-    ]
 
 
 def job_envs(spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> dict[str, str]:
@@ -213,8 +196,12 @@ class SkyPilotBackend:
             build_task(spec, with_run=False)
         request_id = self.sky.launch(task, cluster_name=cluster_name,
                                      idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True)
-        job_id, launched = self._wait(request_id, on_line)
-        info = {"request_id": str(request_id), "hourly_cost_usd": launched_hourly_usd(launched)}
+        try:
+            job_id, launched = self._wait(request_id, on_line)
+        except self.sky.exceptions.ResourcesUnavailableError as exc:  # SkyPilot tried every option
+            raise no_capacity(spec, exc) from exc
+        info = {"request_id": str(request_id), "hourly_cost_usd": launched_hourly_usd(launched),
+                **launched_facts(spec, getattr(launched, "launched_resources", None))}
         if job is not None:
             # One job, not a setup job then a training job: `exec` would add a request and a job start (~18 s).
             on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "

@@ -1,0 +1,135 @@
+"""Getting a cluster when GPUs are scarce: SkyPilot fails over across the spec's options itself; when none has
+capacity, the run waits (not billed: no cluster exists) and tries again for up to limits.max_queue_minutes, its
+Prefect state saying what it waits for; after compute.spot_fallback_after spot losses it goes on-demand, once the
+budget allows the dearer price."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity
+from gpuflow.cluster.cost.pricing import hourly_cost, option_price
+from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+from gpuflow.cluster.run.record import RunRecord
+from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec.options import compute_options, on_demand_spec
+from gpuflow.tasks.compute import provision
+
+WAITING = "Waiting for capacity"  # the flow run's state while no option has capacity
+RETRY_S = 30.0  # between two tries of every option: SkyPilot's own failover already tried each
+
+
+class CapacityTimeout(RuntimeError):
+    """No option had capacity within limits.max_queue_minutes; the message lists each option and its reason."""
+
+
+class Capacity:
+    def __init__(self, spec: ExperimentSpec, flow_run_id: str, life: Lifecycle, record: RunRecord,
+                 say: Callable[[str], None], set_state: Callable[[str | None, str], None] | None = None):
+        self.spec, self.flow_run_id, self.life, self.record, self.say = spec, flow_run_id, life, record, say
+        self.set_state = set_state or prefect_state(flow_run_id)
+        self.spot_losses = 0
+        self.on_demand = False
+        self.attempt = 0
+
+    @property
+    def launch_spec(self) -> ExperimentSpec:
+        return on_demand_spec(self.spec) if self.on_demand else self.spec
+
+    def provision(self, cluster_name: str, job: Job | None) -> ClusterHandle:
+        """Launches on the first option with capacity, waiting for one for up to limits.max_queue_minutes."""
+        started, waited_said = time.monotonic(), False
+        limit_s = self.spec.limits.max_queue_minutes * 60
+        while True:
+            try:
+                handle = provision(self.launch_spec, cluster_name, job)
+            except NoCapacity as exc:
+                self.life.not_billed_until(time.time())  # no cluster exists: the wait is not billed
+                if self.life.stopped:
+                    raise
+                if exc.spot and self.spot_lost(f"no spot capacity ({len(exc.reasons)} option(s))"):
+                    continue  # on-demand now: try at once
+                waited = time.monotonic() - started
+                if waited >= limit_s:
+                    raise CapacityTimeout(
+                        f"limits.max_queue_minutes: no capacity for {waited / 60:.1f} min (limit "
+                        f"{self.spec.limits.max_queue_minutes:g}); nothing is running and nothing was billed. "
+                        + "; ".join(f"{what}: {why}" for what, why in exc.reasons)
+                        + ". Add options (compute.options), raise limits.max_queue_minutes, or run later") from None
+                message = (f"no option has capacity: waiting for one of {len(exc.reasons)} option(s), "
+                           f"{(limit_s - waited) / 60:.1f} min left of limits.max_queue_minutes")
+                self.say(message)
+                self.set_state(WAITING, message)
+                waited_said = True
+                self.life.stopped_wait(min(RETRY_S, max(0.0, limit_s - waited)))
+                if self.life.stopped:
+                    raise RunStopped(self.life.stop_reason, self.life.stop_detail) from None
+                continue
+            if waited_said:
+                self.set_state(None, f"capacity found after {(time.monotonic() - started) / 60:.1f} min")
+            self.launched(handle)
+            return handle
+
+    def launched(self, handle: ClusterHandle) -> None:
+        """Meters the cluster at the price of the option that launched, and records which it was."""
+        self.attempt += 1
+        info, price = handle.info, None
+        options = {o.index: o for o in compute_options(self.launch_spec.compute)}
+        if info.get("option") in options:
+            price = option_price(self.launch_spec, options[info["option"]])
+        text = f"{info['option']}: {info['option_text']}" if info.get("option") else None
+        self.life.launched(info.get("hourly_cost_usd"), price, text)
+        self.record.launched(self.attempt, info, self.life.price)
+        if text:
+            self.say(f"launched option {text}, metered at ${self.life.hourly_usd():.4g}/h")
+
+    def spot_lost(self, why: str) -> bool:
+        """A spot cluster lost (or no spot capacity): past compute.spot_fallback_after, go on-demand (True)."""
+        after = self.spec.compute.spot_fallback_after
+        if self.on_demand or after is None:
+            return False
+        self.spot_losses += 1
+        if self.spot_losses < after:
+            return False
+        price = hourly_cost(on_demand_spec(self.spec))
+        self.check_budget(price.hourly_usd)
+        self.on_demand = True
+        self.say(f"{why}: {self.spot_losses} spot loss(es) of compute.spot_fallback_after={after}; relaunching "
+                 f"on-demand at up to ${price.hourly_usd:.4g}/h")
+        return True
+
+    def check_budget(self, hourly_usd: float) -> None:
+        """Stops the run (stopped_by=budget, checkpoints kept) when the on-demand price could take it past
+        limits.max_cost_usd: what was spent, plus the new price for the rest of limits.max_runtime_minutes."""
+        limit = self.spec.limits.max_cost_usd
+        if limit is None:
+            return
+        spent = self.life.bill()["cost_usd"]
+        ran_s = time.time() - self.life.job_started_at if self.life.job_started_at else 0.0
+        left_h = max(0.0, self.spec.limits.max_runtime_minutes * 60 - ran_s) / 3600
+        worst = spent + hourly_usd * left_h
+        if worst > limit:
+            detail = (f"stopped by budget: on-demand at ${hourly_usd:.4g}/h for the {left_h * 60:.0f} min left could "
+                      f"cost ${worst:.2f} in all (${spent:.2f} spent), more than max_cost_usd={limit:.2f}; "
+                      "the checkpoints are kept")
+            self.life.stop("budget", detail)
+            raise RunStopped("budget", detail)
+
+
+def prefect_state(flow_run_id: str) -> Callable[[str | None, str], None]:
+    """Sets the flow run's state: RUNNING named `name` (or plain Running), with `message`; never forced, so a
+    cancel (Cancelling) refuses it and the cancel watcher stops the run."""
+    def set_state(name: str | None, message: str) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.objects import StateType
+        from prefect.states import State
+
+        try:
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(flow_run_id, State(type=StateType.RUNNING, name=name or "Running",
+                                                             message=message))
+        except Exception:  # the API blinked: the console line said it already
+            pass
+
+    return set_state

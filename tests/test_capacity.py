@@ -1,0 +1,176 @@
+"""When GPUs are scarce: the spec's options (SkyPilot fails over from one to the next), a bounded wait when none has
+capacity, and the spot → on-demand fallback; the whole flow on the SkyPilot double, which fails as SkyPilot does.
+Prices come from the test catalog (aws L4: $0.2628/h spot, $0.8048/h on-demand) or from the options' own rates."""
+
+import shutil
+
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+
+from gpuflow.cluster.backends.skypilot import SkyPilotBackend
+from gpuflow.cluster.cost.spend import run_costs
+from gpuflow.cluster.spec import SpecError, parse_spec
+from gpuflow.flows.experiment import run_experiment
+from tests.conftest import A_LOOP, REPO
+from tests.sky_double import FakeSky
+from tests.test_cost import CATALOG, point_skypilot_at
+from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+
+TWO_OPTIONS = [{"infra": "aws", "accelerators": "H100:1", "hourly_rate_usd": 9.0},
+               {"infra": "lambda", "accelerators": "A100:1", "hourly_rate_usd": 3.0}]
+
+
+@pytest.fixture
+def sky_prices(tmp_path, monkeypatch):
+    """SkyPilot's price catalog, the test's copy (tests/data/skypilot-catalog)."""
+    root = tmp_path / "sky-runtime"
+    shutil.copytree(CATALOG / "v8", root / ".sky" / "catalogs" / "v8")
+    point_skypilot_at(root, monkeypatch)
+
+
+@pytest.fixture
+def capacity_flow(monkeypatch, gpuflow_home, prefect_server):
+    """Runs the real flow on the SkyPilot double with the given compute and limits; stores on this machine count as
+    shared. Returns the flow's state, its MLflow run, its log and what SkyPilot still lists."""
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
+
+    def run(compute: dict, limits: dict = None, **double):
+        fake = FakeSky(**double)
+        monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
+        monkeypatch.setattr("gpuflow.flows.capacity.RETRY_S", 1.0)
+        spec = parse_spec({**A_LOOP,
+            "compute": {"backend": "skypilot", **compute},
+            "limits": {"max_queue_minutes": 0.1, **(limits or {})},
+            "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+            "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
+            "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),
+                     "generate": "experiments.digits:write_parquet"},
+        })
+        state = run_experiment(spec, return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        client, mlflow_run = mlflow_run_of(spec, flow_run_id)
+        return state, client, mlflow_run, flow_logs(flow_run_id), SkyPilotBackend(fake).status()
+
+    return run
+
+
+def test_the_first_option_without_capacity_the_second_launches_and_prices_the_run(capacity_flow):
+    state, _, mlflow_run, logs, left = capacity_flow({"options": TWO_OPTIONS}, no_capacity=["H100"])
+    assert state.is_completed(), state.message
+    tags, metrics = mlflow_run.data.tags, mlflow_run.data.metrics
+    assert mlflow_run.info.status == "FINISHED"
+    assert tags["gpuflow.option"] == "2: lambda A100:1 on-demand"
+    assert (tags["gpuflow.launched.accelerators"], tags["gpuflow.launched.spot"]) == ("A100:1", "false")
+    assert tags["gpuflow.price_source"] == "compute.options.1.hourly_rate_usd"
+    assert metrics["hourly_cost_usd"] == 3.0 and metrics["attempt_hourly_usd"] == 3.0  # metered as the second
+    assert metrics["cost_usd"] == pytest.approx(3.0 * metrics["cluster_hours"])
+    assert "launched option 2: lambda A100:1 on-demand" in logs
+    assert left == []
+
+
+def test_no_capacity_anywhere_waits_the_bound_then_fails_naming_each_option(capacity_flow):
+    state, _, mlflow_run, logs, left = capacity_flow({"options": TWO_OPTIONS}, no_capacity=["H100", "A100"])
+    assert state.is_failed()
+    message = state.message + logs
+    assert "limits.max_queue_minutes: no capacity for" in logs
+    for option in ("option 1 (aws H100:1 on-demand): Failed to acquire resources",
+                   "option 2 (lambda A100:1 on-demand): Failed to acquire resources"):
+        assert option in message
+    assert "waiting for one of 2 option(s)" in logs  # said in the console while it waited
+    with get_client(sync_client=True) as client:
+        names = [s.name for s in client.read_flow_run_states(state.state_details.flow_run_id)]
+    assert "Waiting for capacity" in names  # and in the Prefect state
+    assert mlflow_run.info.status == "FAILED"  # not stuck RUNNING
+    assert mlflow_run.data.metrics["cost_usd"] < 0.01  # the wait is not billed: no cluster existed
+    assert left == []
+
+
+def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_costed(capacity_flow, sky_prices):
+    state, client, mlflow_run, logs, left = capacity_flow(
+        {"accelerators": "L4:1", "infra": "aws", "use_spot": True, "spot_fallback_after": 2, "max_recoveries": 3},
+        preempt_spot=2, job_s=1.0)
+    assert state.is_completed(), state.message
+    run_id, metrics, tags = mlflow_run.info.run_id, mlflow_run.data.metrics, mlflow_run.data.tags
+    assert mlflow_run.info.status == "FINISHED" and metrics["recoveries"] == 2  # one MLflow run for all three
+    hourly = [m.value for m in sorted(client.get_metric_history(run_id, "attempt_hourly_usd"), key=lambda m: m.step)]
+    assert hourly == [pytest.approx(0.2628), pytest.approx(0.2628), pytest.approx(0.8048)]  # spot, spot, on-demand
+    costs = client.get_metric_history(run_id, "attempt_cost_usd")
+    assert len(costs) == 3 and metrics["cost_usd"] == pytest.approx(sum(m.value for m in costs))
+    assert tags["gpuflow.option"] == "1: aws L4:1 on-demand" and tags["spot"] == "false"
+    assert "relaunching on-demand" in logs
+    [row] = [row for row in run_costs(f"sqlite:///{client.tracking_uri.split('///')[-1]}", 0) if row.run_id == run_id]
+    assert row.cost_usd == pytest.approx(sum(m.value for m in costs))  # `gpuflow cost` adds the attempts up
+    assert left == []
+
+
+def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estimate(tmp_path, capsys, gpuflow_home,
+                                                                                     monkeypatch):
+    from gpuflow.flows.cli import main
+
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))  # stores on this machine count as shared
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({**A_LOOP, "workdir": str(REPO),
+        "compute": {"backend": "skypilot", "spot_fallback_after": 2, "options": [
+            {"infra": "slurm/lab/gpu", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
+            {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0}]},
+        "limits": {"max_runtime_minutes": 30}, "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")}}))
+    assert main(["plan", str(spec)]) == 0
+    shown = capsys.readouterr().out
+    first = shown.index("# option 1: slurm/lab/gpu A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
+    second = shown.index("# option 2: k8s/my-context H100:1 spot: 1 × node (H100:1, spot): $4/h")
+    fallback = shown.index("# option 2 (spot fallback): k8s/my-context H100:1 on-demand")
+    assert first < second < fallback
+    assert "[compute.options.0.hourly_rate_usd]" in shown
+    assert "# budget estimate (the dearest option that may launch): 1 × node (H100:1, spot" in shown
+    assert "at most $2.00 in limits.max_runtime_minutes=30" in shown
+    assert "tries the options in order" in shown
+
+
+@pytest.mark.parametrize("compute, field, fix", [
+    ({"options": [{"infra": "aws", "zone": "us-east-1a"}]}, "compute.options.0.zone", "unknown field"),
+    ({"options": []}, "compute.options", "list at least one option"),
+    ({"region": "us-east-1", "options": [{"cloud": "aws", "region": "us-west-2", "accelerators": "H100:1"}]},
+     "compute.options.0.region", "remove compute.region"),
+    ({"accelerators": ["H100:1", "A100:1"], "options": [{"infra": "aws"}]}, "compute.accelerators",
+     "give each accelerator its own option"),
+    ({"options": [{"infra": "aws/us-east-1", "cloud": "aws", "accelerators": "H100:1"}]}, "compute.options.0",
+     "use one"),
+    ({"options": [{"infra": "aws", "accelerators": "H100 x8"}]}, "compute.options.0.accelerators", "'H100:8'"),
+    ({"accelerators": "H100:1", "spot_fallback_after": 2}, "compute.spot_fallback_after", "use_spot: true"),
+    ({"backend": "local", "options": [{"infra": "aws"}]}, "compute.options", "compute.backend: skypilot"),
+])
+def test_bad_options_are_refused_naming_the_field_and_the_fix(compute, field, fix):
+    with pytest.raises(SpecError) as error:
+        parse_spec({**A_LOOP, "compute": {"backend": "skypilot", **compute},
+                    "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    assert field in str(error.value) and fix in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("max_cost_usd, affordable", [(5.0, True), (0.5, False)])
+def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, max_cost_usd, affordable):
+    """After compute.spot_fallback_after losses the relaunch goes on-demand, if spent + its price for the rest of
+    limits.max_runtime_minutes fits limits.max_cost_usd; else the run stops as budget (its checkpoints kept)."""
+    from gpuflow.cluster.cost.pricing import hourly_cost
+    from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+    from gpuflow.flows.capacity import Capacity
+
+    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "L4:1", "infra": "aws",
+                                             "use_spot": True, "spot_fallback_after": 2},
+                       "limits": {"max_runtime_minutes": 60, "max_cost_usd": max_cost_usd},
+                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    life = Lifecycle("gpuflow-x", down=lambda name: True, price=hourly_cost(spec), log=lambda line: None)
+    life.job_started()
+    said = []
+    capacity = Capacity(spec, "flow-run", life, record=None, say=said.append, set_state=lambda name, message: None)
+    assert capacity.spot_lost("preempted") is False and capacity.launch_spec.compute.use_spot  # 1 of 2
+    if affordable:
+        assert capacity.spot_lost("preempted") is True
+        assert not capacity.launch_spec.compute.use_spot and "relaunching on-demand at up to $0.8048/h" in said[-1]
+    else:
+        with pytest.raises(RunStopped) as stopped:
+            capacity.spot_lost("preempted")
+        assert stopped.value.reason == life.stop_reason == "budget"
+        assert "max_cost_usd=0.50" in str(stopped.value) and "checkpoints are kept" in str(stopped.value)
