@@ -10,6 +10,7 @@ from typing import Callable
 
 from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity
 from gpuflow.cluster.cost.pricing import hourly_cost, option_price
+from gpuflow.cluster.protocol import ENV_NAMES
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.record import RunRecord
 from gpuflow.cluster.spec import ExperimentSpec
@@ -42,6 +43,7 @@ class Capacity:
         started, waited_said = time.monotonic(), False
         limit_s = self.spec.limits.max_queue_minutes * 60
         while True:
+            tried_at = time.time()
             try:
                 handle = provision(self.launch_spec, cluster_name, job)
             except NoCapacity as exc:
@@ -65,6 +67,8 @@ class Capacity:
                 self.life.stopped_wait(min(RETRY_S, max(0.0, limit_s - waited)))
                 if self.life.stopped:
                     raise RunStopped(self.life.stop_reason, self.life.stop_detail) from None
+                self.life.not_billed_until(time.time())
+                job = billed_later(job, time.time() - tried_at)  # the job's own cost check skips the wait too
                 continue
             if waited_said:
                 self.set_state(None, f"capacity found after {(time.monotonic() - started) / 60:.1f} min")
@@ -115,6 +119,14 @@ class Capacity:
                       "the checkpoints are kept")
             self.life.stop("budget", detail)
             raise RunStopped("budget", detail)
+
+
+def billed_later(job: Job | None, seconds: float) -> Job | None:
+    """The job, its bill (what its guard's cost check counts from) starting `seconds` later."""
+    key = ENV_NAMES["requested_at"]
+    if job is None or key not in job.env:
+        return job
+    return Job(job.run_name, {**job.env, key: str(float(job.env[key]) + seconds)})
 
 
 def prefect_state(flow_run_id: str) -> Callable[[str | None, str], None]:
