@@ -66,7 +66,7 @@ class GpuflowRun:
             found = FLOW_RUN_URL.search(line)
             if found and not self.flow_run_id:
                 self.flow_run_id = found.group(1)
-            if line.startswith("epoch "):  # the console's line of an epoch
+            if line.startswith("epoch ") or "[gpuflow] epoch" in line:  # a run's epoch line; a sweep trial's
                 self.training.set()
 
     def wait_for_training(self):

@@ -20,7 +20,8 @@ _dump_files: list = []  # open for the worker's life: faulthandler writes to the
 
 
 def stacks_folder(run_id: str) -> Path:
-    return Path(tempfile.gettempdir()) / "gpuflow-stacks" / run_id
+    """This user's folder for a run's stack files (a Slurm job's user is not whoever made /tmp's other folders)."""
+    return Path(tempfile.gettempdir()) / f"gpuflow-stacks-{os.getuid()}" / run_id
 
 
 def with_stack_dumps(loop, run_id: str | None):
@@ -31,19 +32,30 @@ def with_stack_dumps(loop, run_id: str | None):
 
     @functools.wraps(loop)
     def train_loop(config):
+        path = registered_for_dumps(run_id)
+        try:
+            return loop(config) if takes_config else loop()
+        finally:
+            if path:
+                faulthandler.unregister(STACK_SIGNAL)
+                path.unlink(missing_ok=True)
+
+    return train_loop
+
+
+def registered_for_dumps(run_id: str) -> Path | None:
+    """Registers this worker's stack dump; None when it cannot (the loop trains anyway, only undumpable)."""
+    try:
         folder = stacks_folder(run_id)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{os.getpid()}.txt"
         dump = open(path, "w")
-        _dump_files.append(dump)
-        faulthandler.register(STACK_SIGNAL, file=dump, all_threads=True)
-        try:
-            return loop(config) if takes_config else loop()
-        finally:
-            faulthandler.unregister(STACK_SIGNAL)
-            path.unlink(missing_ok=True)
-
-    return train_loop
+    except OSError as exc:
+        print(f"[gpuflow] this worker's stacks cannot be dumped if it hangs: {exc}", flush=True)
+        return None
+    _dump_files.append(dump)
+    faulthandler.register(STACK_SIGNAL, file=dump, all_threads=True)
+    return path
 
 
 def dump_stacks_here(run_id: str, wait_s: float = 3.0) -> dict[str, str]:
