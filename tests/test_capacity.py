@@ -174,3 +174,15 @@ def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, 
             capacity.spot_lost("preempted")
         assert stopped.value.reason == life.stop_reason == "budget"
         assert "max_cost_usd=0.50" in str(stopped.value) and "checkpoints are kept" in str(stopped.value)
+
+
+def test_a_spec_with_options_reads_back_the_same_after_a_json_round_trip():
+    """The flow's spec reaches Prefect and the job as JSON: every field is then 'set', and must not contradict."""
+    from gpuflow.cluster.spec import ExperimentSpec, parse_spec
+
+    spec = parse_spec({"train": {"loop": "experiments.digits:train_loop"}, "tracking": {"uri": "http://mlflow:5000"},
+                       "storage": {"checkpoints": "s3://bucket/gpuflow"},
+                       "compute": {"backend": "skypilot", "options": [{"infra": "aws", "use_spot": True},
+                                                                      {"infra": "gcp"}]}})
+    again = ExperimentSpec.model_validate_json(spec.model_dump_json(), context={"on_cluster": True})
+    assert again == spec

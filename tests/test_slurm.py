@@ -307,12 +307,11 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
 
 
 def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(gpuflow_on_slurm, slurm_infra, mlflow_url):
-    """compute.options: GPUs this (CPU-only) Slurm cluster does not have, then its CPUs. SkyPilot fails over (the
-    ordered list of resources), the run trains on the second and its MLflow run says which option launched. (Not a
-    missing partition: SkyPilot 0.14's Slurm provisioning loop lists the cluster's partitions whichever was asked for,
-    so such an option may still launch.)"""
-    options = f'[{{infra: "{slurm_infra.infra}", accelerators: "H100:1"}}, {{infra: "{slurm_infra.infra}"}}]'
-    run = gpuflow_on_slurm("compute.use_gpu=false", f"compute.options={options}", epochs=1)
+    """compute.options: spot nodes, which a Slurm cluster has none of, then the cluster as it is. SkyPilot fails over
+    (the ordered list of resources), the run trains on the second and its MLflow run says which option launched.
+    (A partition that does not exist is refused by SkyPilot before any launch, not failed over.)"""
+    options = f'[{{infra: "{slurm_infra.infra}", use_spot: true}}, {{infra: "{slurm_infra.infra}"}}]'
+    run = gpuflow_on_slurm("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}", epochs=1)
     assert run.wait() == 0, run.output[-6000:]
     assert f"launched option 2: {slurm_infra.infra} CPU on-demand" in run.output
     _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)

@@ -103,8 +103,11 @@ def options_problems(compute) -> list[tuple[str, str]]:
                 problems.append((f"compute.options.{i}", "gives infra and cloud/region; use one: e.g. infra: "
                                  f"{option.cloud or 'aws'}/{option.region or 'us-east-1'}"))
             for name in PLACE_FIELDS:
+                # a single field left at its default is no contradiction: not "set" by the user, whatever a spec's
+                # JSON round trip (Prefect's parameters, the job's copy) says of the fields set
                 mine, default = getattr(option, name), getattr(compute, name)
-                if mine is not None and name in compute.model_fields_set and default is not None and mine != default:
+                if mine is not None and default not in (None, type(compute).model_fields[name].default) \
+                        and mine != default:
                     problems.append((f"compute.options.{i}.{name}", f"{mine!r} contradicts compute.{name}={default!r}; "
                                      f"remove compute.{name} (each option says its own) or make them agree"))
             if option.accelerators and not ACCELERATOR.match(option.accelerators):
