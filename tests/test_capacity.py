@@ -14,6 +14,7 @@ from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
 from tests.conftest import A_LOOP, REPO
 from tests.sky_double import FakeSky
+from tests.test_skypilot import spec_on_the_double
 from tests.test_cost import CATALOG, point_skypilot_at
 from tests.test_experiment_e2e import flow_logs, mlflow_run_of
 
@@ -39,14 +40,7 @@ def capacity_flow(monkeypatch, gpuflow_home, prefect_server):
         fake = FakeSky(**double)
         monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
         monkeypatch.setattr("gpuflow.flows.capacity.RETRY_S", 1.0)
-        spec = parse_spec({**A_LOOP,
-            "compute": {"backend": "skypilot", **compute},
-            "limits": {"max_queue_minutes": 0.1, **(limits or {})},
-            "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
-            "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
-            "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),
-                     "generate": "experiments.digits:write_parquet"},
-        })
+        spec = spec_on_the_double(gpuflow_home, compute, {"max_queue_minutes": 0.1, **(limits or {})})
         state = run_experiment(spec, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         client, mlflow_run = mlflow_run_of(spec, flow_run_id)

@@ -181,6 +181,18 @@ def _launch_error(backend):
         return exc
 
 
+def spec_on_the_double(gpuflow_home, compute: dict, limits: dict):
+    """A digits spec for the SkyPilot double: its stores and data under the test's gpuflow home."""
+    return parse_spec({**A_LOOP,
+        "compute": {"backend": "skypilot", **compute},
+        "limits": limits,
+        "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
+        "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),
+                 "generate": "experiments.digits:write_parquet"},
+    })
+
+
 @pytest.fixture
 def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     """Runs the real flow with the SkyPilot backend on the SDK double; stores on this machine count as shared."""
@@ -189,15 +201,9 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     def run(scenario, **double):
         fake = FakeSky(scenario, **double)
         monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
-        spec = parse_spec({**A_LOOP,
-            "compute": {"backend": "skypilot", "accelerators": "H100:1", "infra": "aws"},
-            # no price catalog offline: price it as a user may; a short wait for capacity
-            "limits": {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05},
-            "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
-            "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
-            "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),
-                     "generate": "experiments.digits:write_parquet"},
-        })
+        # no price catalog offline: price it as a user may; a short wait for capacity
+        spec = spec_on_the_double(gpuflow_home, {"accelerators": "H100:1", "infra": "aws"},
+                                  {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05})
         state = run_experiment(spec, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         _, mlflow_run = mlflow_run_of(spec, flow_run_id)
