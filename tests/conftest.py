@@ -150,6 +150,26 @@ def scheduled_run(served, second_serve_stopped):
 
 
 @pytest.fixture(scope="session")
+def tracked_sweep(prefect_server, mlflow_url, tmp_path_factory):
+    """One sweep (`tests/test_sweep.py`'s 2 × 2 grid with early stopping) tracked on the session's MLflow server,
+    in a gpuflow home of its own: read by test_sweep.py and by the browser's sweep test. A sweep is minutes of CPU."""
+    from types import SimpleNamespace
+
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.flows.experiment import run_experiment
+    from tests.test_sweep import tunable_sweep
+
+    home = tmp_path_factory.mktemp("sweep") / "gpuflow-home"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GPUFLOW_HOME", str(home))
+        spec = parse_spec({**tunable_sweep(), "tracking": {"uri": mlflow_url}})
+        started = time.monotonic()
+        state = run_experiment(spec, return_state=True)
+        print(f"sweep of 4 trials: {time.monotonic() - started:.1f}s")
+    return SimpleNamespace(spec=spec, state=state, home=home)
+
+
+@pytest.fixture(scope="session")
 def slurm_infra():
     """A one-node Slurm cluster on 127.0.0.1 that SkyPilot launches onto (infra slurm/skyci); see tests/infra/slurm.
 

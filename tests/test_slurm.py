@@ -284,8 +284,8 @@ def wait_for_value(get, timeout_s: float, what: str):
 def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_slurm, slurm_infra, mlflow_url):
     """`scancel` of the cluster's Slurm job is a real loss (SkyPilot submits with --no-requeue and wipes the node's
     home): the flow relaunches (as <name>-r1) and resumes from the checkpoints on the shared disk."""
-    epochs = 30  # the scancel comes at epoch 3 and kills the job at once: the rest is the resumed attempt
-    run = gpuflow_on_slurm(epochs=epochs)
+    epochs = 12  # the scancel comes at epoch 3 and kills the job at once: the rest is the resumed attempt
+    run = gpuflow_on_slurm(*PACED, epochs=epochs)
     run.wait_for("epoch 4/")
     [job] = harness.slurm_jobs(user=slurm_infra.ssh_user)
     subprocess.run(["scancel", job["id"]], check=True, timeout=60)

@@ -10,7 +10,6 @@ import yaml
 from mlflow import MlflowClient
 
 from gpuflow.cluster.spec import parse_spec
-from gpuflow.flows.experiment import run_experiment
 from tests.conftest import REPO, processes_of
 from tests.loops import TUNABLE_LOOP
 from tests.test_lifecycle import GpuflowRun, cancel, flow_run_state
@@ -34,11 +33,8 @@ def children_of(client, parent):
 
 
 @pytest.mark.full
-def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(prefect_server, gpuflow_home):
-    spec = parse_spec(tunable_sweep())
-    started = time.monotonic()
-    state = run_experiment(spec, return_state=True)
-    print(f"sweep of 4 trials: {time.monotonic() - started:.1f}s")
+def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(tracked_sweep):
+    spec, state = tracked_sweep.spec, tracked_sweep.state
     assert state.is_completed(), state.message
     client, parent = mlflow_run_of_parent(spec, state.state_details.flow_run_id)
     assert parent.info.status == "FINISHED"
@@ -68,7 +64,7 @@ def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(prefect_se
     assert version.run_id == best.info.run_id
     mlflow.set_tracking_uri(spec.tracking_uri)
     assert mlflow.pytorch.load_model(f"models:/{spec.name}/{version.version}") is not None
-    assert processes_of(gpuflow_home) == []
+    assert processes_of(tracked_sweep.home) == []
 
 
 def mlflow_run_of_parent(spec, flow_run_id):

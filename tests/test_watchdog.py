@@ -1,4 +1,5 @@
-"""The watchdog stops a real running job (local Ray) on budget and on timeout: run KILLED, tagged, checkpoint kept."""
+"""The watchdog stops a real running job (local Ray) on budget and on timeout (run KILLED, tagged, checkpoint kept),
+and the job's guard stops a loop that no longer reports (run FAILED, its workers' stacks saved)."""
 
 from pathlib import Path
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.full
 # test, whose three flows at once once made the first epoch here take over 130 s, runs before this one in the same
 # lane of the suite (tests/conftest.py), never beside it.
 LIMIT_MINUTES = 2.0
+HUNG_MINUTES = 0.75
 
 
 def long_job(spec, **limits):
@@ -63,35 +65,59 @@ def assert_stopped_and_clean(spec, state, reason):
     return run
 
 
-@pytest.mark.timeout(900)
-def test_budget_and_timeout_each_stop_a_running_job(prefect_server, digits_spec, gpuflow_home):
-    """Two flows at once (each limit waits minutes of wall time; side by side the test waits them out once)."""
+@pytest.fixture(scope="module")
+def stopped_flows(prefect_server, tmp_path_factory):
+    """Three flows at once, each stopped by a limit: budget, timeout and a hung loop. Each limit waits minutes of wall
+    time; side by side the tests wait them out once. The budget's run names a webhook block: its messages."""
     import threading
 
-    from gpuflow.flows.experiment import run_experiment
-
-    # $2 per second; the budget allows LIMIT_MINUTES of it: the estimate (rate × max runtime) passes, but the bill
-    # also counts provisioning, so the budget runs out before the job's own LIMIT_MINUTES do.
+    from gpuflow.cluster.spec import load_spec
     from gpuflow.cluster.spec.notifying import NotifySpec
+    from gpuflow.flows.experiment import run_experiment
     from gpuflow.flows.notify import add_webhook
-    from tests.servers import the_one_message, webhook_receiver
+    from tests.conftest import REPO
+    from tests.loops import HANGING_LOOP
+    from tests.servers import webhook_receiver
 
-    budget_spec = long_job(digits_spec, hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
-                           max_cost_usd=LIMIT_MINUTES * 120).model_copy(update={"notify": NotifySpec(block="budget")})
-    timeout_spec = long_job(digits_spec, max_runtime_minutes=LIMIT_MINUTES)
-    states = {}
-    flows = [threading.Thread(target=lambda name=name, spec=spec: states.update({name: run_experiment(spec, return_state=True)}))
-             for name, spec in (("budget", budget_spec), ("timeout", timeout_spec))]
-    with webhook_receiver() as (url, messages):
-        add_webhook("budget", url)
-        for flow in flows:
-            flow.start()
-        for flow in flows:
-            flow.join()
-        run = stopped_run(budget_spec, states["budget"])
-        message = the_one_message(messages, "stopped", run.info.run_id, str(states["budget"].state_details.flow_run_id))
+    home = tmp_path_factory.mktemp("watchdog") / "gpuflow-home"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("GPUFLOW_HOME", str(home))
+        def digits_spec(name: str):  # data of its own: three flows writing one file would race
+            return load_spec(REPO / "experiments" / "digits.yaml", [
+                f"workdir={REPO}", f"tracking.uri=sqlite:///{home}/mlflow.db",
+                f"data.train={home}/data/{name}/train.parquet", f"data.validation={home}/data/{name}/validation.parquet"])
 
-    budget, state = budget_spec.limits.max_cost_usd, states["budget"]
+        # $2 per second; the budget allows LIMIT_MINUTES of it: the estimate (rate × max runtime) passes, but the
+        # bill also counts provisioning, so the budget runs out before the job's own LIMIT_MINUTES do.
+        hung = long_job(digits_spec("hung"), hung_minutes=HUNG_MINUTES, max_runtime_minutes=10)
+        specs = {
+            "budget": long_job(digits_spec("budget"), hourly_rate_usd=7200.0, max_runtime_minutes=LIMIT_MINUTES,
+                               max_cost_usd=LIMIT_MINUTES * 120).model_copy(update={"notify": NotifySpec(block="budget")}),
+            "timeout": long_job(digits_spec("timeout"), max_runtime_minutes=LIMIT_MINUTES),
+            "hung": hung.model_copy(update={"train": hung.train.model_copy(update={
+                "loop": HANGING_LOOP, "params": {"hang_after": 3}})}),
+        }
+        states = {}
+        flows = [threading.Thread(target=lambda name=name, spec=spec: states.update(
+                    {name: run_experiment(spec, return_state=True)})) for name, spec in specs.items()]
+        with webhook_receiver() as (url, messages):
+            add_webhook("budget", url)
+            for flow in flows:
+                flow.start()
+            for flow in flows:
+                flow.join()
+            yield home, specs, states, messages
+
+
+@pytest.mark.timeout(900)  # the module's three flows run in the setup of whichever test comes first
+def test_budget_and_timeout_each_stop_a_running_job(stopped_flows):
+    from tests.servers import the_one_message
+
+    home, specs, states, messages = stopped_flows
+    budget_spec, state = specs["budget"], states["budget"]
+    run = stopped_run(budget_spec, state)
+    message = the_one_message(messages, "stopped", run.info.run_id, str(state.state_details.flow_run_id))
+    budget = budget_spec.limits.max_cost_usd
     assert "stopped_by=budget" in message["reason"] and float(message["cost"].lstrip("$")) >= budget, message
     assert "stopped by budget: $" in state.message and f"of max_cost_usd={budget:.2f}" in state.message, state.message
     run = assert_stopped_and_clean(budget_spec, state, "budget")
@@ -99,23 +125,14 @@ def test_budget_and_timeout_each_stop_a_running_job(prefect_server, digits_spec,
 
     state, limit = states["timeout"], f"max_runtime_minutes is {LIMIT_MINUTES:g}"
     assert "stopped by timeout" in state.message and limit in state.message, state.message
-    assert_stopped_and_clean(timeout_spec, state, "timeout")
-
-    assert LocalBackend().status() == []
-    assert processes_under(gpuflow_home) == []
+    assert_stopped_and_clean(specs["timeout"], state, "timeout")
+    assert_nothing_left(home)
 
 
-@pytest.mark.timeout(600)
-def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(prefect_server, digits_spec, gpuflow_home):
-    from gpuflow.flows.experiment import run_experiment
-    from tests.loops import HANGING_LOOP
-
-    hung_minutes = 0.75
-    spec = long_job(digits_spec, hung_minutes=hung_minutes, max_runtime_minutes=10)
-    spec = spec.model_copy(update={"train": spec.train.model_copy(update={
-        "loop": HANGING_LOOP, "params": {"hang_after": 3}})})
-    state = run_experiment(spec, return_state=True)
-
+@pytest.mark.timeout(900)
+def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(stopped_flows):
+    home, specs, states, _ = stopped_flows
+    spec, state = specs["hung"], states["hung"]
     assert state.is_failed() and "has not reported for" in state.message, state.message
     run = stopped_run(spec, state)
     assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "hung")
@@ -123,9 +140,13 @@ def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(prefect_
     assert [loss.step for loss in losses] == [0, 1, 2]
     # stopped within the limit and the guard's poll after the last report, not at max_runtime_minutes
     silent_s = run.info.end_time / 1000 - losses[-1].timestamp / 1000
-    assert hung_minutes * 60 <= silent_s <= hung_minutes * 60 + 60, silent_s
+    assert HUNG_MINUTES * 60 <= silent_s <= HUNG_MINUTES * 60 + 60, silent_s
     stacks = Path(MlflowClient(spec.tracking_uri).download_artifacts(run.info.run_id, "hung/stacks.txt",
-                                                                      str(gpuflow_home / "stacks"))).read_text()
+                                                                      str(home / "stacks"))).read_text()
     assert 'loops/hanging.py", line 12 in train_loop' in stacks, stacks[-3000:]
-    assert LocalBackend().status() == []
-    assert processes_under(gpuflow_home) == []
+    assert_nothing_left(home)
+
+
+def assert_nothing_left(home: Path) -> None:
+    assert LocalBackend(home / "clusters").status() == []
+    assert processes_under(home) == []

@@ -1,5 +1,6 @@
 """Workers anywhere: a Prefect worker in an empty folder, with a Python of its own, runs the deployed commit, pulled
-from the project's git remote (a bare repository here), and a cancel from the UI reaches its run.
+from the project's git remote (a bare repository here), and a cancel from the UI reaches its run. The worker's venv
+borrows this one's dependencies (torch, Ray, ...), not gpuflow: gpuflow is installed from the remote.
 
     .venv/bin/python -m pytest --full tests/test_workers.py -s
 
@@ -52,12 +53,25 @@ def remote_and_worker_python(tmp_path_factory):
     git("add", "experiments/marker.py", cwd=checkout)
     git("commit", "--quiet", "-m", "A loop only the deployed commit has", cwd=checkout)
     git("push", "--quiet", "origin", "HEAD", cwd=checkout)
-    worker_python = base / "worker-venv" / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "venv", str(base / "worker-venv")], check=True)
-    install = [str(worker_python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*install, "torch==2.13.0"], check=True)
-    subprocess.run([*install, f"git+file://{remote}@{before}"], check=True)
+    venv = base / "worker-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    worker_python = venv / "bin" / "python"
+    lend_dependencies(worker_python)
+    subprocess.run([str(worker_python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    f"git+file://{remote}@{before}"], check=True)
     return remote, checkout, worker_python
+
+
+def lend_dependencies(worker_python: Path) -> None:
+    """Puts this venv's site-packages on the worker venv's path, after its own: pip finds torch, Ray, Prefect and
+    MLflow already there, so the installs (here and the pull step's) fetch and build gpuflow alone, not 3 GB of
+    wheels. gpuflow itself is the worker venv's own: its site-packages come first, and this venv's editable
+    install of gpuflow is a .pth file that a path added this way does not run."""
+    ours = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    theirs = subprocess.run([str(worker_python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    (Path(theirs) / "lent-dependencies.pth").write_text(ours + "\n")
 
 
 @contextlib.contextmanager
