@@ -33,20 +33,33 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 def pytest_configure(config):
     """Outside any test (session fixtures, servers) gpuflow's state goes to a temp folder too, never the repo."""
-    if not hasattr(config, "workerinput") and "GPUFLOW_HOME" not in os.environ:
-        config._session_home = tempfile.mkdtemp(prefix="gpuflow-tests-home-")
-        os.environ["GPUFLOW_HOME"] = config._session_home
+    if not hasattr(config, "workerinput"):  # the first process: pytest-xdist's workers inherit what it sets
+        config._session_folders = []
+        if "GPUFLOW_HOME" not in os.environ:
+            os.environ["GPUFLOW_HOME"] = tempfile.mkdtemp(prefix="gpuflow-tests-home-")
+            config._session_folders.append(os.environ["GPUFLOW_HOME"])
+        if SESSION_CHECKS not in os.environ:  # else an outer session's (a pytest session run by a test)
+            os.environ[SESSION_CHECKS] = tempfile.mkdtemp(prefix="gpuflow-tests-checks-")
+            config._session_folders.append(os.environ[SESSION_CHECKS])
 
 
 def pytest_unconfigure(config):
-    if getattr(config, "_session_home", None):
-        shutil.rmtree(config._session_home, ignore_errors=True)
+    for folder in getattr(config, "_session_folders", []):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+SESSION_CHECKS = "GPUFLOW_TESTS_LOOP_CHECKS"  # the session's folder of passed loop checks (see gpuflow_home)
 
 
 @pytest.fixture(autouse=True)
 def gpuflow_home(tmp_path, monkeypatch) -> Path:
-    """GPUFLOW_HOME in a temp folder, for every test: MLflow store, checkpoints, cluster records of this test only."""
+    """GPUFLOW_HOME in a temp folder, for every test: MLflow store, checkpoints, cluster records of this test only.
+    Its record of passed loop checks is the session's: a record names the loop's files and their times, so a run
+    reuses only a check of the same, unchanged loop (as a user's second run does), and each check is a process of a
+    few CPU-seconds."""
     home = tmp_path / "gpuflow-home"
+    home.mkdir()
+    (home / "checks").symlink_to(os.environ[SESSION_CHECKS], target_is_directory=True)
     monkeypatch.setenv("GPUFLOW_HOME", str(home))
     return home
 
@@ -192,16 +205,16 @@ def slurm_infra():
 
 # The whole matrix runs in three pytest-xdist workers (`-n 3 --dist loadgroup`, pyproject's addopts), one per lane,
 # each in file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute,
-# and the longest lane is the suite's wall time:
+# and the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
 # - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm), then
-#   the shipped specs' tiny runs and the worker in a fresh venv;
-# - "faults": the team stack and its load test, the GPU quota's queue, the watchdog's limits, the warm stack's idle
-#   stop, the fault and recovery tests; most of them wait for a signal, a lease, a limit or a cleanup (their loops
-#   train an epoch a second);
+#   the shipped specs' tiny runs, the worker in a fresh venv, the warm stack, ingest and a project of one's own;
+# - "faults": the team stack and its load test, the GPU quota's queue, the watchdog's limits, the fault and recovery
+#   tests; most of them wait for a signal, a lease, a limit or a cleanup (their loops train an epoch a second);
 # - "main": everything else.
-LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_shipped.py", "tests/test_workers.py"),
-         "faults": ("tests/test_team_stack.py", "tests/test_quota.py", "tests/test_watchdog.py", "tests/test_stack.py",
-                    "tests/test_faults.py", "tests/test_recovery.py")}
+LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_shipped.py", "tests/test_workers.py",
+                   "tests/test_stack.py", "tests/test_ingest.py", "tests/test_own_project.py"),
+         "faults": ("tests/test_team_stack.py", "tests/test_quota.py", "tests/test_watchdog.py", "tests/test_faults.py",
+                    "tests/test_recovery.py")}
 
 
 def lane_of(nodeid: str) -> str:

@@ -19,7 +19,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, processes_of
-from tests.loops import paced_overrides
+from tests.loops import PACED_LOOP, paced_overrides
 from tests.servers import files_holding, the_one_message, webhook_receiver
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
@@ -258,9 +258,11 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_se
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # MLflow's client would retry for minutes
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    store, port, epochs = tmp_path / "mlflow-server", free_port(), 150
+    # an epoch a second: still training when the server is back (down 10 s, then its start-up)
+    store, port, epochs = tmp_path / "mlflow-server", free_port(), 60
     spec = digits_spec.model_copy(update={
-        "train": digits_spec.train.model_copy(update={"epochs": epochs}),
+        "train": digits_spec.train.model_copy(update={"epochs": epochs, "loop": PACED_LOOP,
+                                                      "params": {**digits_spec.train.params, "pace_s": 1.0}}),
         "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
         "tracking": digits_spec.tracking.model_copy(update={"uri": f"http://127.0.0.1:{port}", "register_model": False}),
     })

@@ -3,15 +3,16 @@
 
     .venv/bin/python -m pytest --full -m slurm -s        # -s prints each run's phase timings
 
-A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains, one
-whose first compute option this cluster cannot satisfy (SkyPilot's own failover), a setup that fails, a cancel
-mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation (relaunch, resume). A
+A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains on
+its second compute option (the first, spot nodes, this cluster cannot satisfy: SkyPilot's own failover), a setup that
+fails, a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation (relaunch, resume). A
 failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
 (tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -59,6 +60,23 @@ PACED = paced_overrides(1)
 @pytest.fixture
 def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path):
     """Starts `gpuflow run experiments/digits.yaml` on the Slurm cluster; stops whatever it left on exit."""
+    with launcher(slurm_infra, mlflow_url, shared_disk, tmp_path) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def digits_on_the_second_option(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path_factory):
+    """One digits run, read by two tests (a launch is minutes of CPU): its compute options are spot nodes, which a
+    Slurm cluster has none of, then the cluster as it is."""
+    options = f'[{{infra: "{slurm_infra.infra}", use_spot: true}}, {{infra: "{slurm_infra.infra}"}}]'
+    with launcher(slurm_infra, mlflow_url, shared_disk, tmp_path_factory.mktemp("second-option")) as start:
+        run = start("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}", epochs=3)
+        run.wait()
+        yield run
+
+
+@contextlib.contextmanager
+def launcher(slurm_infra, mlflow_url, shared_disk, logs: Path):
     from prefect.settings import PREFECT_API_URL
 
     runs = []
@@ -83,9 +101,15 @@ def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_p
         runs.append(run)
         return run
 
-    yield start
+    try:
+        yield start
+    finally:
+        stop_what_is_left(runs, slurm_infra, logs)
+
+
+def stop_what_is_left(runs: list, slurm_infra, logs: Path) -> None:
     for number, run in enumerate(runs):
-        (tmp_path / f"gpuflow-run-{number}.log").write_text(run.output)  # kept by pytest for a look afterwards
+        (logs / f"gpuflow-run-{number}.log").write_text(run.output)  # kept by pytest for a look afterwards
         if run.process.poll() is None:
             os.killpg(run.process.pid, signal.SIGKILL)
             run.process.wait()
@@ -170,10 +194,9 @@ def report(name: str, run: Run, mlflow_metrics: dict):
     print(f"\n[{name}] phases from the output: {run.phases()}\n[{name}] phases in MLflow: {seconds}")
 
 
-def test_digits_trains_on_slurm_and_leaves_nothing(gpuflow_on_slurm, slurm_infra, mlflow_url, shared_disk):
-    run = gpuflow_on_slurm(epochs=3)
-    code = run.wait()
-    assert code == 0, run.output[-6000:]
+def test_digits_trains_on_slurm_and_leaves_nothing(digits_on_the_second_option, slurm_infra, mlflow_url):
+    run = digits_on_the_second_option
+    assert run.process.returncode == 0, run.output[-6000:]
     assert "finished in" in run.output and "[gpuflow] setup finished" in run.output
 
     client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
@@ -306,13 +329,13 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     report("scancel", run, mlflow_run.data.metrics)
 
 
-def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(gpuflow_on_slurm, slurm_infra, mlflow_url):
-    """compute.options: spot nodes, which a Slurm cluster has none of, then the cluster as it is. SkyPilot fails over
-    (the ordered list of resources), the run trains on the second and its MLflow run says which option launched.
-    (A partition that does not exist is refused by SkyPilot before any launch, not failed over.)"""
-    options = f'[{{infra: "{slurm_infra.infra}", use_spot: true}}, {{infra: "{slurm_infra.infra}"}}]'
-    run = gpuflow_on_slurm("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}", epochs=1)
-    assert run.wait() == 0, run.output[-6000:]
+def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(digits_on_the_second_option, slurm_infra,
+                                                                       mlflow_url):
+    """compute.options: SkyPilot fails over (the ordered list of resources), the run trains on the second option and
+    its MLflow run says which option launched. (A partition that does not exist is refused by SkyPilot before any
+    launch, not failed over.)"""
+    run = digits_on_the_second_option
+    assert run.process.returncode == 0, run.output[-6000:]
     assert f"launched option 2: {slurm_infra.infra} CPU on-demand" in run.output
     _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
     tags = mlflow_run.data.tags
@@ -320,4 +343,3 @@ def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(gpuflow_o
     assert tags["gpuflow.option"] == f"2: {slurm_infra.infra} CPU on-demand"
     assert tags["gpuflow.launched.region"] == slurm_infra.infra.split("/")[1]
     assert_nothing_left(slurm_infra, run.cluster)
-    report("second option", run, mlflow_run.data.metrics)

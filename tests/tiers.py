@@ -132,9 +132,10 @@ class ProcessWatch(threading.Thread):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _started_now.clear()
-    watch = ProcessWatch()
-    watch.start()
-    item._tiers_watch = watch
+    if tier_of(item) is None:  # a marked test may start anything: only an unmarked one is watched (the scan costs CPU)
+        watch = ProcessWatch()
+        watch.start()
+        item._tiers_watch = watch
     yield
 
 
