@@ -31,6 +31,18 @@ class HideJobDetail(logging.Filter):
         return not getattr(record, JOB_DETAIL, False)
 
 
+class HideHookNotes(logging.Filter):
+    """Prefect's notes that a state hook runs and has run (gpuflow's messages are sent from one on every end); a
+    hook that fails still says so, at ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO:
+            return True
+        message = record.getMessage()
+        return not (message.startswith("Running hook ") or
+                    (message.startswith("Hook ") and message.endswith(" finished running successfully")))
+
+
 def clock(seconds: float) -> str:
     seconds = max(0, int(seconds))
     hours, rest = divmod(seconds, 3600)
@@ -181,6 +193,7 @@ def quiet_console(log_folder: Path, metric: str | None = None) -> Path:
     consoles = [handler for handler in root.handlers if isinstance(handler, PrefectConsoleHandler)]
     for handler in consoles:
         handler.addFilter(HideJobDetail())
+        handler.addFilter(HideHookNotes())
         root.removeHandler(handler)
         root.addHandler(Console(handler, metric))
     # MLflow's own notes (INFO lines, "View run ... at" links): the summary at the end gives the run and its link.

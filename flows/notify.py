@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.notify import Event, for_the_job, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
@@ -55,9 +56,7 @@ def job_notify_json(spec: ExperimentSpec, webhook: dict | None, flow_run: dict, 
 
 def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):
     """The flow run's MLflow run (not a sweep's trials), or None."""
-    experiment = client.get_experiment_by_name(spec.experiment_name)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'") \
-        if experiment else []
+    runs = runs_of_flow_run(client, flow_run_id, spec.experiment_name)
     return next((run for run in runs if "mlflow.parentRunId" not in run.data.tags), None)
 
 

@@ -20,7 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
 from gpuflow.cluster.run.lease import stale
-from gpuflow.cluster.run.mlflow_run import close_run
+from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.flows.known_servers import known_tracking_uris
@@ -125,15 +125,6 @@ def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
         return None
 
     return lease_stale
-
-
-def runs_of_flow_run(client, flow_run_id: str) -> list:
-    from mlflow.entities import ViewType
-
-    experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
-    if not experiment_ids:
-        return []
-    return client.search_runs(experiment_ids, filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'")
 
 
 def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:

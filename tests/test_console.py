@@ -47,6 +47,20 @@ def test_an_epoch_record_makes_one_short_line():
     assert without_ray_prefix(logging.makeLogRecord({"msg": line})).msg.startswith("[gpuflow] epoch 2:")
 
 
+
+def test_prefects_notes_on_hooks_are_hidden_but_a_failing_hook_is_not():
+    import logging
+
+    from gpuflow.flows.console import HideHookNotes
+
+    def shown(level: int, message: str) -> bool:
+        return HideHookNotes().filter(logging.makeLogRecord({"levelno": level, "msg": message}))
+
+    assert not shown(logging.INFO, "Running hook 'notify_end' in response to entering state 'Completed'")
+    assert not shown(logging.INFO, "Hook 'notify_end' finished running successfully")
+    assert shown(logging.ERROR, "An error was encountered while running hook 'notify_end'")
+    assert shown(logging.INFO, "Hook line of the user's own that says something else")
+
 REGISTER_TWICE = """
 import sys
 from pathlib import Path

@@ -106,11 +106,13 @@ def assert_a_clean_console(out: str) -> None:
         assert not any(hidden in line for line in out.splitlines() if "metrics      " not in line), hidden
     [finished] = [line for line in out.splitlines() if "training finished in" in line]
     assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
-    for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group"):
+    for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group",
+                   "Running hook 'notify_end'"):
         assert hidden not in out, hidden
     log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
     kept = Path(log_file).read_text()
     assert "[gpuflow] result " in kept and "Started training worker group" in kept and "[gpuflow] epoch 1: " in kept
+    assert "Running hook 'notify_end'" in kept
 
 
 def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, digits_spec, gpuflow_home):

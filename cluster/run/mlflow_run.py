@@ -1,4 +1,5 @@
-"""Ending a flow's MLflow run with its outcome: from the flow, from the job on the cluster, or from the reaper."""
+"""Ending a flow's MLflow run with its outcome: from the flow, from the job on the cluster, or from the reaper; and
+finding the runs a flow run made."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 from pathlib import Path
 
 from mlflow.entities import Metric, RunTag
+
+from gpuflow.cluster.protocol import FLOW_RUN_TAG
 
 RETRY_DELAYS_S = (1, 2, 4, 8, 15)  # a tracking server restarting takes seconds: the run must still end
 
@@ -82,3 +85,16 @@ def log_text_to(repo, text: str, artifact_file: str) -> None:
         path = Path(folder, where.name)
         path.write_text(text, encoding="utf-8")
         repo.log_artifact(str(path), str(where.parent) if str(where.parent) != "." else None)
+
+
+def runs_of_flow_run(client, flow_run_id: str, experiment: str | None = None, running: bool = False) -> list:
+    """The MLflow runs a flow run made (a sweep's parent and its trials too), found by their flow-run tag: in the
+    named experiment, or in every active one; with `running`, only those still RUNNING."""
+    from mlflow.entities import ViewType
+
+    if experiment is None:
+        ids = [found.experiment_id for found in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+    else:
+        ids = [found.experiment_id] if (found := client.get_experiment_by_name(experiment)) else []
+    query = f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'" + (" and attributes.status = 'RUNNING'" if running else "")
+    return client.search_runs(ids, filter_string=query) if ids else []

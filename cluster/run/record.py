@@ -14,10 +14,10 @@ from mlflow.entities import Metric, Param, RunInfo, RunTag
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
 from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
-from gpuflow.cluster.protocol import CHECKPOINTS_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import CHECKPOINTS_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
-from gpuflow.cluster.run.mlflow_run import close_run
+from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 
 
@@ -168,13 +168,7 @@ class RunRecord:
 def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) -> list[str]:
     """For hooks in another process: finds the flow run's MLflow runs still RUNNING and ends them."""
     client = client_for(spec)
-    experiment = client.get_experiment_by_name(spec.experiment_name)
-    if not experiment:
-        return []
-    runs = client.search_runs(
-        [experiment.experiment_id],
-        filter_string=f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}' and attributes.status = 'RUNNING'",
-    )
+    runs = runs_of_flow_run(client, flow_run_id, spec.experiment_name, running=True)
     for run in runs:
         client.set_tag(run.info.run_id, "gpuflow.closed_by", "hook")
         client.set_terminated(run.info.run_id, status)
