@@ -324,12 +324,21 @@ def the_one_message(messages: list[dict], event: str, run_id: str, flow_run_id: 
     """The one message a run's event sent (waited for: the job's guard sends from its own process), as its fields
     (event, run, reason, cost, mlflow, prefect); fails on none, on more than one, and on one that lacks the reason,
     the cost or either link."""
+    return the_messages(messages, [event], run_id, flow_run_id, timeout_s)[0]
+
+
+def the_messages(messages: list[dict], events: list[str], run_id: str, flow_run_id: str,
+                 timeout_s: float = 60) -> list[dict]:
+    """The messages of a run's events, exactly these and in this order, each checked as the_one_message checks."""
     deadline = time.monotonic() + timeout_s
-    while not messages and time.monotonic() < deadline:
+    while len(messages) < len(events) and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(1)  # a second message, if one were coming, would come with the first
-    assert [message["subject"].split()[-1] for message in messages] == [event], messages
-    [message] = messages
+    time.sleep(1)  # one more message, if one were coming, would come with the others
+    assert [message["subject"].split()[-1] for message in messages] == events, messages
+    return [message_fields(message, event, run_id, flow_run_id) for message, event in zip(messages, events)]
+
+
+def message_fields(message: dict, event: str, run_id: str, flow_run_id: str) -> dict:
     fields = dict(line.split(": ", 1) for line in message["body"].splitlines())
     fields = {"event": event, "run": message["subject"].split()[1], "reason": fields["reason"],
               "cost": fields["cost so far"], "mlflow": fields["MLflow"], "prefect": fields["Prefect"]}

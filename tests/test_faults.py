@@ -3,7 +3,8 @@
 For every fault: no process of the run is left (found by its GPUFLOW_HOME, which every process of a run
 inherits: the cluster, the job, Ray's workers, Prefect's temporary server), the MLflow run's final status
 and `stopped_by`, the checkpoints it had made, and the Prefect run in a final state. The faults on the real
-SkyPilot-on-Slurm cluster are in tests/test_slurm.py; cancel and SIGTERM in tests/test_lifecycle.py.
+SkyPilot-on-Slurm cluster are in tests/test_slurm.py; cancel and SIGTERM in tests/test_lifecycle.py; a SIGTERM
+of the `gpuflow serve` runner on the team stack, with the served reaper's pass, in tests/test_team_stack.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.conftest import REPO, processes_of
-from tests.loops import PACED_LOOP, paced_overrides
+from tests.loops import PACED_LOOP
 from tests.servers import files_holding, the_one_message, webhook_receiver
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
@@ -181,54 +182,6 @@ def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_h
     assert flow_run_state(flow_run_id).is_failed()
     assert processes_of(gpuflow_home) == []
     assert checkpoints_under(gpuflow_home)
-
-
-def test_sigterm_of_the_serve_runner_mid_run(tmp_path, gpuflow_home):
-    """The runner exits without cancelling its runs (Prefect 3.8: its SIGTERM handler never awaits `astop`) and
-    its flow's process dies with it: no finally, no hook. The cluster goes with its owner, the job ends its MLflow
-    run, and the reaper marks the flow run Crashed."""
-    from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from tests.servers import gpuflow_serve, prefect_server
-
-    overrides = [f"workdir={REPO}", "train.epochs=400", *paced_overrides(0.5), "compute.workers_per_node=1", GRACE,
-                 f"data.train={gpuflow_home}/data/train.parquet", f"data.validation={gpuflow_home}/data/validation.parquet"]
-    # a Prefect server of its own: the session's `gpuflow serve` must not pick this deployment run up
-    with prefect_server(tmp_path / "prefect") as prefect_api, temporary_settings({PREFECT_API_URL: prefect_api}):
-        with gpuflow_serve(prefect_api, gpuflow_home, overrides, ("run-experiment",)) as runner:
-            flow_run = run_deployment("run-experiment/run-experiment", timeout=0)
-            spec = spec_of_served(gpuflow_home)
-            wait_until(lambda: [r for r in mlflow_runs(spec) if "train_loss" in r.data.metrics], 300, "training")
-            runner.send_signal(signal.SIGTERM)
-            runner.wait(60)
-        try:
-            wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "the served run's cluster and job gone")
-        except AssertionError as failure:
-            raise AssertionError(f"{failure}; the runner's log:\n{serve_log_tail(gpuflow_home)}") from None
-        [mlflow_run] = mlflow_runs(spec)
-        assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
-        assert flow_run_state(flow_run.id).is_running(), "nothing updates a run whose runner died"
-        out = reaper_in(gpuflow_home, ephemeral_api=False, api_url=prefect_api)
-        assert flow_run_state(flow_run.id).is_crashed(), out[-3000:]
-    assert checkpoints_under(gpuflow_home)
-
-
-def serve_log_tail(home: Path) -> str:
-    log = home / "serve.log"
-    return log.read_text()[-4000:] if log.exists() else "(no serve.log)"
-
-
-def spec_of_served(home: Path):
-    """The served deployments' spec, as `gpuflow serve` was given it (its MLflow store is under `home`)."""
-    from gpuflow.cluster.spec import load_spec
-
-    previous = os.environ.get("GPUFLOW_HOME")
-    os.environ["GPUFLOW_HOME"] = str(home)
-    try:
-        return load_spec(REPO / "experiments" / "digits.yaml")
-    finally:
-        os.environ["GPUFLOW_HOME"] = previous or ""
 
 
 @pytest.mark.parametrize("failures", [4])

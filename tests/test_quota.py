@@ -20,7 +20,7 @@ from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.flows.quota import LIMIT_PREFIX, WAITING
 from tests.conftest import REPO, processes_of
-from tests.loops import PACED_LOOP
+from tests.loops import PLAIN_LOOP
 from tests.servers import BIN, base_env, gpuflow_serve, prefect_server
 from tests.test_faults import wait_until
 from tests.tiers import carrying
@@ -55,10 +55,10 @@ def served_with_quota(tmp_path, size: int, grace_minutes: float = 2):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     home = tmp_path / "served"
-    overrides = [f"workdir={REPO}", f"train.loop={PACED_LOOP}", "train.epochs=4", "train.params.pace_s=1",
+    # a plain Ray Train loop, no data: the queue is the point, not what trains (an epoch a second, a checkpoint each)
+    overrides = [f"workdir={REPO}", f"train.loop={PLAIN_LOOP}", "train.epochs=4", "train.params={offset: 0, pace_s: 1}",
                  "compute.workers_per_node=1", f"limits.orphan_grace_minutes={grace_minutes}",
-                 "tracking.register_model=false",
-                 f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
+                 "tracking.register_model=false", "data=null"]
     with prefect_server(tmp_path / "prefect") as api_url, temporary_settings({PREFECT_API_URL: api_url}):
         quota = gpuflow("quota", "set", "local", str(size), api_url=api_url, home=home)
         assert quota.returncode == 0 and f"quota local: {size} at once" in quota.stdout, quota.stderr

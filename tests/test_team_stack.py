@@ -22,8 +22,8 @@ from tests.conftest import REPO, processes_of
 from tests.infra.postgres import harness
 from tests.servers import BIN, READY_TIMEOUT_S, base_env, started
 from tests.team_stack import MLFLOW_ADMIN, TeamStack, team_stack, wait_until_final
-from tests.loops import PACED_LOOP
-from tests.test_faults import wait_until
+from tests.loops import PACED_LOOP, PLAIN_LOOP
+from tests.test_faults import checkpoints_under, wait_until
 from tests.tiers import require
 
 pytestmark = pytest.mark.team
@@ -132,7 +132,7 @@ def gpuflow_command(stack: TeamStack, *args: str, user: tuple[str, str]) -> subp
 
 # The load is on the stack (servers, serve, clusters, tracking), not on training: two tiny epochs of a loop that
 # reads no data, each with a checkpoint, spare each run Ray Data's start-up (five actors, ~16 s of CPU here).
-TINY_EPOCHS = {"loop": "tests.loops.plain:epochs_with_checkpoints", "epochs": 2, "params": {"offset": 0.0}}
+TINY_EPOCHS = {"loop": PLAIN_LOOP, "epochs": 2, "params": {"offset": 0.0}}
 
 
 def submit(stack: TeamStack, count: int, train: dict, **sections) -> list:
@@ -229,8 +229,10 @@ def test_a_teammate_runs_and_registers_a_version_once_shared(stack, users, first
 
 
 def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflow_credentials):
-    """The runner's machine goes (SIGTERM): its job ends its own run as orphaned, and the reaper another machine
-    serves, run as its schedule runs it (default parameters), finds the team's server and marks the flow run Crashed."""
+    """The runner's machine goes (SIGTERM): the runner exits without cancelling its runs (Prefect 3.8: its SIGTERM
+    handler never awaits `astop`) and its flow's process dies with it, no finally, no hook. The cluster goes with
+    its owner, the job ends its own run as orphaned, and the reaper another machine serves, run as its schedule runs
+    it (default parameters), finds the team's server and marks the flow run Crashed."""
     home = stack.home / "served-stopped"
     with serving(stack, stack.home / "served-reaper", limit=1, only=("reap-clusters",)), \
             serving(stack, home, limit=1, down_what_is_left=False) as runner:
@@ -253,6 +255,7 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
     run = mlflow_runs(stack, [flow_run_id])[str(flow_run_id)]
     assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
     wait_until(lambda: processes_of(home) == [], 120, "the stopped serve's cluster gone", interval_s=1)
+    assert checkpoints_under(home), "the checkpoints made before the runner went are kept"
 
 
 @pytest.mark.load

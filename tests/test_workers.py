@@ -5,7 +5,7 @@ borrows this one's dependencies (torch, Ray, ...), not gpuflow: gpuflow is insta
     .venv/bin/python -m pytest --full tests/test_workers.py -s
 
 The deployed commit adds a training loop that the worker's own install (the commit before) does not have: a run
-that completes ran the pulled code.
+that trains ran the pulled code. The form run completes; the scheduled one trains until a cancel from the UI.
 """
 
 import contextlib
@@ -24,12 +24,12 @@ from tests.tiers import require
 
 pytestmark = pytest.mark.full
 
-MARKER_LOOP = '''"""Only in the deployed commit: the digits loop under another name."""
-from experiments import digits
+MARKER_LOOP = '''"""Only in the deployed commit: the paced digits loop under another name."""
+from tests.loops import paced
 
 
 def train_loop(config):
-    digits.train_loop(config)
+    paced.train_loop(config)
 '''
 
 
@@ -122,26 +122,25 @@ def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(rem
         with get_client(sync_client=True) as client, worker(api_url, worker_python, folder):
             deployment = client.read_deployment_by_name("run-experiment/run-experiment")
             spec = {**deployment.parameters["spec"]}
-            spec["train"] = {**spec["train"], "loop": "experiments.marker:train_loop", "epochs": 2}
+            spec["train"] = {**spec["train"], "loop": "experiments.marker:train_loop", "epochs": 2,
+                             "params": {"hidden": 32, "pace_s": 0}}
             spec["compute"] = {**spec["compute"], "workers_per_node": 1}
             form = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id
+            # the scheduled run trains at a walking pace until a cancel from the UI stops it
+            long = {**spec, "train": {**spec["train"], "epochs": 400, "params": {"hidden": 32, "pace_s": 1}}}
             soon = datetime.now(timezone.utc) + timedelta(seconds=5)
             scheduled = client.create_flow_run_from_deployment(
-                deployment.id, parameters={"spec": spec}, state=Scheduled(scheduled_time=soon)).id
-            runs = [final(client, run_id, log=folder / "worker.log") for run_id in (form, scheduled)]
-            assert [run.state_name for run in runs] == ["Completed"] * 2, [run.state.message for run in runs]
-
-            long = {**spec, "train": {**spec["train"], "epochs": 400, "loop": "tests.loops.paced:train_loop",
-                                      "params": {"hidden": 32, "pace_s": 1}}}
-            cancelled = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": long}).id
+                deployment.id, parameters={"spec": long}, state=Scheduled(scheduled_time=soon)).id
+            [completed] = [final(client, form, log=folder / "worker.log")]
+            assert completed.state_name == "Completed", completed.state.message
             deadline = time.monotonic() + 300
-            while not ((run := mlflow_run_of(folder, cancelled)) and "train_loss" in run.data.metrics):
+            while not ((run := mlflow_run_of(folder, scheduled)) and "train_loss" in run.data.metrics):
                 assert time.monotonic() < deadline, (folder / "worker.log").read_text()[-4000:]
                 time.sleep(2)
-            client.set_flow_run_state(cancelled, Cancelling(), force=True)  # what the UI's Cancel does
-            stopped = final(client, cancelled, timeout_s=180, log=folder / "worker.log")
+            client.set_flow_run_state(scheduled, Cancelling(), force=True)  # what the UI's Cancel does
+            stopped = final(client, scheduled, timeout_s=180, log=folder / "worker.log")
     assert stopped.state.is_cancelled(), stopped.state.message
-    assert mlflow_run_of(folder, cancelled).info.status == "KILLED"
-    # experiments.marker exists only in the deployed commit: these runs ran the pulled code
-    assert [mlflow_run_of(folder, run_id).info.status for run_id in (form, scheduled)] == ["FINISHED"] * 2
+    # experiments.marker exists only in the deployed commit: both runs ran the pulled code, the scheduled one until
+    # the cancel
+    assert [mlflow_run_of(folder, run_id).info.status for run_id in (form, scheduled)] == ["FINISHED", "KILLED"]
     assert processes_of(folder / ".gpuflow") == [] and processes_of(folder) == []

@@ -3,14 +3,17 @@
 import json
 import os
 import tempfile
+import time
 
 import ray.train
 
 
 def epochs_with_checkpoints(config: dict) -> None:
-    """Reports `loss` = offset + epoch at step = epoch, rank 0 with a checkpoint; starts at config['first_epoch']."""
+    """Reports `loss` = offset + epoch at step = epoch, rank 0 with a checkpoint; starts at config['first_epoch'];
+    waits config['pace_s'] before each report, if given."""
     rank = ray.train.get_context().get_world_rank()
     for epoch in range(config.get("first_epoch", 0), config["epochs"]):
+        time.sleep(config.get("pace_s", 0))
         metrics = {"epoch": epoch, "loss": config["offset"] + epoch, "eval": {"accuracy": 0.5}, "note": "text is skipped"}
         if rank == 0:
             with tempfile.TemporaryDirectory() as folder:

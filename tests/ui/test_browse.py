@@ -15,6 +15,7 @@ pytestmark = pytest.mark.browser
 PlaywrightTimeout = pytest.importorskip("playwright.sync_api").TimeoutError
 
 RUN_TIMEOUT_MS = 900_000  # a full run on a shared 2-core machine; never a timing assertion
+PAGE_LOAD_MS = 240_000  # the Prefect UI's first load, beside the other lanes' runs
 UI_RUN: dict = {}  # the flow run the first test starts from the UI, for the MLflow tests after it
 
 
@@ -35,7 +36,7 @@ def test_custom_run_from_the_prefect_ui(served, page):
     try:
         page.get_by_role("link", name="View run").click(timeout=10_000)
     except PlaywrightTimeout:  # the toast is gone (a busy machine renders slowly): open the run the form made
-        page.goto(f"{served.ui_url}/runs/flow-run/{flow_run_id}")
+        page.goto(f"{served.ui_url}/v2/runs/flow-run/{flow_run_id}")  # the new UI's, where the form is
 
     # The URL changes before the content: wait for a tab only the flow-run page has, then read its state badge.
     page.get_by_role("tab", name="Job Variables").wait_for()
@@ -43,13 +44,13 @@ def test_custom_run_from_the_prefect_ui(served, page):
     opened = re.search(r"/flow-run/([0-9a-f-]{36})", page.url).group(1)
     made = {str(run.id) for run in runs_of(served, deployment_id) if run.id not in before}
     assert opened in made, (opened, made)
-    flow_run_id = uuid.UUID(opened)
+    flow_run_id, run_page = uuid.UUID(opened), page.url  # the new UI's page (/v2/...), as the form opened it
     # While the run trains, the page is left: a live flow-run page keeps Chromium rendering its logs, a third of a
     # core that the run and the other tests need. The page is opened again once the run has ended.
     page.goto("about:blank")
     wait_until_final(served, flow_run_id, RUN_TIMEOUT_MS / 1000)
-    page.goto(f"{served.ui_url}/runs/flow-run/{flow_run_id}")
-    page.get_by_role("tab", name="Job Variables").wait_for()
+    page.goto(run_page)
+    page.get_by_role("tab", name="Job Variables").wait_for(timeout=PAGE_LOAD_MS)  # the whole UI loads again
     # The run's tags are badges too (experiment:..., backend:...): look for the one that holds a final state.
     state = page.locator('[data-slot="badge"]', has_text=re.compile(r"^\s*(Completed|Failed|Crashed|Cancelled)\s*$"))
     state.first.wait_for()
