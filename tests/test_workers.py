@@ -131,7 +131,7 @@ def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(rem
             soon = datetime.now(timezone.utc) + timedelta(seconds=5)
             scheduled = client.create_flow_run_from_deployment(
                 deployment.id, parameters={"spec": long}, state=Scheduled(scheduled_time=soon)).id
-            [completed] = [final(client, form, log=folder / "worker.log")]
+            completed = final(client, form, log=folder / "worker.log")
             assert completed.state_name == "Completed", completed.state.message
             deadline = time.monotonic() + 300
             while not ((run := mlflow_run_of(folder, scheduled)) and "train_loss" in run.data.metrics):
