@@ -114,19 +114,25 @@ def gpuflow_run(spec: Path, overrides: list[str], cwd: Path, home: Path) -> subp
 @pytest.mark.full
 @pytest.mark.parametrize("name", sorted(TINY), ids=str)
 def test_every_shipped_spec_runs(name, tmp_path, gpuflow_home):
-    """In a project folder of its own (a copy of experiments/), so relative data paths land in the test's folder."""
+    run_shipped(name, TINY[name], tmp_path, gpuflow_home)
+
+
+def run_shipped(name: str, overrides: list[str], tmp_path: Path, home: Path) -> list:
+    """`gpuflow run experiments/NAME` in a project folder of its own (a copy of experiments/), so relative data paths
+    land in the test's folder; checks that it finished and left nothing, and returns its MLflow runs."""
     import shutil
 
     project = tmp_path / "project"
     shutil.copytree(REPO / "experiments", project / "experiments")
-    done = gpuflow_run(Path("experiments") / name, TINY[name], cwd=project, home=gpuflow_home)
+    done = gpuflow_run(Path("experiments") / name, overrides, cwd=project, home=home)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    runs = MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db").search_runs(
-        [e.experiment_id for e in MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db").search_experiments()])
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert runs and {run.info.status for run in runs} == {"FINISHED"}, [(r.info.run_name, r.info.status) for r in runs]
     assert list(project.rglob("*.parquet"))  # the data, made where the spec's relative paths point: here
-    assert processes_of(gpuflow_home) == []
+    assert processes_of(home) == []
+    return runs
 
 
 def test_every_shipped_spec_has_a_tiny_run():

@@ -5,8 +5,8 @@
 
 A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains on
 its second compute option (the first, spot nodes, this cluster cannot satisfy: SkyPilot's own failover), a setup that
-fails, a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation (relaunch, resume). A
-failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
+fails, a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation
+(relaunch, resume). A failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
 (tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
 """
 

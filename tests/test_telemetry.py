@@ -197,22 +197,12 @@ def prefect_artifact_of(flow_run_id) -> str:
 def test_chargpt_cpu_spec_trains_on_the_local_backend(tmp_path, gpuflow_home):
     """The shipped spec as a user runs it, `gpuflow run` in a project folder of its own: this is also its run among
     tests/test_shipped.py's shipped specs."""
-    import shutil
-    from pathlib import Path
-
     from mlflow import MlflowClient
 
-    from tests.conftest import processes_of
-    from tests.test_shipped import gpuflow_run
+    from tests.test_shipped import run_shipped
 
-    project = tmp_path / "project"
-    shutil.copytree(REPO / "experiments", project / "experiments")
-    done = gpuflow_run(Path("experiments") / "chargpt-cpu.yaml", [], cwd=project, home=gpuflow_home)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    [run] = run_shipped("chargpt-cpu.yaml", [], tmp_path, gpuflow_home)
     client = MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db")
-    [run] = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
-    assert run.info.status == "FINISHED" and list(project.rglob("*.parquet"))
-    assert processes_of(gpuflow_home) == []
     losses = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "val_loss"), key=lambda m: m.step)]
     assert len(losses) == 2 and losses[1] < losses[0] < 2.5  # from ln(32) = 3.5: it learns the sums' spelling
     tokens = client.get_metric_history(run.info.run_id, "perf/tokens_per_s")

@@ -7,7 +7,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from tests.conftest import alive
+from tests.conftest import processes_of
 from tests.loops import PACED_LOOP
 
 pytestmark = pytest.mark.full
@@ -29,19 +29,6 @@ def long_job(spec, **limits):
         "limits": spec.limits.model_copy(update=limits),
         "tracking": spec.tracking.model_copy(update={"register_model": False}),
     })
-
-
-def processes_under(folder: Path) -> list[int]:
-    """Live processes whose command line names the test's state folder (cluster, job, Ray's workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(folder) in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(entry.name))
-            except (FileNotFoundError, ProcessLookupError, PermissionError):
-                continue
-    return alive(found)
 
 
 def stopped_run(spec, state):
@@ -149,4 +136,4 @@ def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(stopped_
 
 def assert_nothing_left(home: Path) -> None:
     assert LocalBackend(home / "clusters").status() == []
-    assert processes_under(home) == []
+    assert processes_of(home) == []

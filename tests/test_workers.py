@@ -12,6 +12,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -67,11 +68,9 @@ def lend_dependencies(worker_python: Path) -> None:
     MLflow already there, so the installs (here and the pull step's) fetch and build gpuflow alone, not 3 GB of
     wheels. gpuflow itself is the worker venv's own: its site-packages come first, and this venv's editable
     install of gpuflow is a .pth file that a path added this way does not run."""
-    ours = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          check=True, capture_output=True, text=True).stdout.strip()
     theirs = subprocess.run([str(worker_python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                             check=True, capture_output=True, text=True).stdout.strip()
-    (Path(theirs) / "lent-dependencies.pth").write_text(ours + "\n")
+    (Path(theirs) / "lent-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
 
 
 @contextlib.contextmanager

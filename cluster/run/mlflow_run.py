@@ -7,7 +7,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlflow.entities import Metric, RunTag
+from mlflow.entities import Metric, RunTag, ViewType
 
 from gpuflow.cluster.protocol import FLOW_RUN_TAG
 
@@ -90,8 +90,6 @@ def log_text_to(repo, text: str, artifact_file: str) -> None:
 def runs_of_flow_run(client, flow_run_id: str, experiment: str | None = None, running: bool = False) -> list:
     """The MLflow runs a flow run made (a sweep's parent and its trials too), found by their flow-run tag: in the
     named experiment, or in every active one; with `running`, only those still RUNNING."""
-    from mlflow.entities import ViewType
-
     if experiment is None:
         ids = [found.experiment_id for found in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
     else:

@@ -11,6 +11,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
+from tests.test_faults import wait_until
+
 pytestmark = pytest.mark.browser
 PlaywrightTimeout = pytest.importorskip("playwright.sync_api").TimeoutError
 
@@ -48,7 +50,9 @@ def test_custom_run_from_the_prefect_ui(served, page):
     # While the run trains, the page is left: a live flow-run page keeps Chromium rendering its logs, a third of a
     # core that the run and the other tests need. The page is opened again once the run has ended.
     page.goto("about:blank")
-    wait_until_final(served, flow_run_id, RUN_TIMEOUT_MS / 1000)
+    with served.client() as client:
+        wait_until(lambda: client.read_flow_run(flow_run_id).state.is_final(), RUN_TIMEOUT_MS / 1000,
+                   f"flow run {flow_run_id} over (see {served.home / 'serve.log'})", interval_s=2)
     page.goto(run_page)
     page.get_by_role("tab", name="Job Variables").wait_for(timeout=PAGE_LOAD_MS)  # the whole UI loads again
     # The run's tags are badges too (experiment:..., backend:...): look for the one that holds a final state.
@@ -65,18 +69,6 @@ def test_custom_run_from_the_prefect_ui(served, page):
     assert flow_run.parameters["spec"]["train"]["epochs"] == 3
     assert {"experiment:digits-mlp", "backend:local"} <= set(flow_run.tags)
     UI_RUN["flow_run"] = flow_run
-
-
-def wait_until_final(served, flow_run_id, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with served.client() as client:
-            state = client.read_flow_run(flow_run_id).state
-        if state and state.is_final():
-            return
-        time.sleep(2)
-    raise AssertionError(f"flow run {flow_run_id} not over in {timeout_s:.0f}s: " +
-                         (served.home / "serve.log").read_text()[-3000:])
 
 
 def runs_of(served, deployment_id) -> list:
