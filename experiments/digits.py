@@ -3,6 +3,8 @@
     gpuflow run experiments/digits.yaml
 """
 
+import math
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,6 +62,11 @@ def make_model(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
+def lr_at(epoch: int, config: dict) -> float:
+    """Cosine decay from train.lr toward 0, so the last epochs settle rather than jump; a resumed run gets the same."""
+    return config["lr"] * 0.5 * (1 + math.cos(math.pi * epoch / config["epochs"]))
+
+
 def train_loop(config: dict) -> None:
     # data: data.train / data.validation arrive as Ray Data shards, streamed and split across workers
     device = ray.train.torch.get_device()
@@ -76,6 +83,8 @@ def train_loop(config: dict) -> None:
             raise RuntimeError(f"fail_at_epoch={epoch}: failing on purpose")
 
         # forward, backward, update
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(epoch, config)
         model.train()
         total_loss, steps = 0.0, 0
         for pixels, labels in timer.steps(batches("train", config["batch_size"], shuffle=True)):
