@@ -12,6 +12,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import psycopg2
 import pytest
@@ -236,14 +237,17 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
     home = stack.home / "served-stopped"
     with serving(stack, stack.home / "served-reaper", limit=1, only=("reap-clusters",)), \
             serving(stack, home, limit=1, down_what_is_left=False) as runner:
-        [flow_run_id] = submit(stack, 1, train={"loop": PACED_LOOP, "epochs": 400, "params": {"hidden": 32, "pace_s": 0.5}},
+        [flow_run_id] = submit(stack, 1, train={"loop": PACED_LOOP, "epochs": 400, "params": {"hidden": 32, "pace_s": 1.0}},
                                limits={"max_runtime_minutes": 15, "orphan_grace_minutes": 0.2})
         wait_until(lambda: [r for r in mlflow_runs(stack, [flow_run_id]).values() if "train_loss" in r.data.metrics],
                    300, "training", interval_s=1)
         runner.send_signal(signal.SIGTERM)
         runner.wait(90)
-        wait_until(lambda: mlflow_runs(stack, [flow_run_id])[str(flow_run_id)].info.status != "RUNNING", 180,
-                   "the job ending its run", interval_s=1)
+        try:
+            wait_until(lambda: mlflow_runs(stack, [flow_run_id])[str(flow_run_id)].info.status != "RUNNING", 180,
+                       "the job ending its run", interval_s=1)
+        except AssertionError as error:  # what the job and its cluster said last
+            raise AssertionError(f"{error}\n{cluster_logs(home / 'clusters')}") from None
         with stack.prefect_client() as client:
             assert client.read_flow_run(flow_run_id).state.is_running()  # nothing else updates a dead runner's run
             reaper = client.read_deployment_by_name("reap-clusters/reap-clusters")
@@ -256,6 +260,10 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
     assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
     wait_until(lambda: processes_of(home) == [], 120, "the stopped serve's cluster gone", interval_s=1)
     assert checkpoints_under(home), "the checkpoints made before the runner went are kept"
+
+
+def cluster_logs(clusters: Path, tail: int = 3000) -> str:
+    return "\n".join(f"--- {log}\n{log.read_text(errors='replace')[-tail:]}" for log in sorted(clusters.rglob("*.log")))
 
 
 @pytest.mark.load
