@@ -207,10 +207,9 @@ def slurm_infra():
 # each in file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute,
 # and the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
 # - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm), then
-#   the shipped specs' tiny runs, the worker in a fresh venv, ingest and a project of one's own;
-# - "faults": the team stack and its load test, the GPU quota's queue, the watchdog's limits, the warm stack, the
-#   fault and recovery tests; most of them wait for a signal, a lease, a limit or a cleanup (their loops train an
-#   epoch a second);
+#   the shipped specs' tiny runs, the worker in a fresh venv, a project of one's own and the watchdog's limits;
+# - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault and recovery tests;
+#   most of them wait for a signal, a lease or a cleanup (their loops train an epoch a second);
 # - "main": everything else.
 LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_shipped.py", "tests/test_workers.py",
                    "tests/test_own_project.py", "tests/test_watchdog.py"),

@@ -105,6 +105,8 @@ def lost_nodes(cluster) -> str | None:
     dead = [f"{'head' if node is cluster.head_node else 'worker'} node's {kind} (pid {process.pid})"
             for node in cluster.list_all_nodes() for kind, process in node.dead_processes()]
     return ", ".join(dead) or None
+
+
 # Time for a job to end its MLflow run before it is killed with the cluster. A busy tracking server with basic auth
 # (a password hash per request) can hold the job's few calls behind the loop's last reports for tens of seconds.
 JOB_CLOSE_S = 60.0
