@@ -69,7 +69,7 @@ def role(process: psutil.Process) -> str:
         return command[0].split(".")[0]
     text = " ".join(command)
     for needle, name in (("gpuflow.flows.cli", "gpuflow run (flow)"), ("bare_ray_train", "bare script (driver)"),
-                         ("gpuflow.flows.stack", "warm stack"),
+                         ("gpuflow.flows.local_stack.stack", "warm stack"),
                          ("prefect", "prefect temporary API"), ("gpuflow.cluster.job", "gpuflow job (driver)"),
                          ("gpuflow.cluster.spec.entrypoints", "loop import check"),
                          ("local_ray", "cluster supervisor"), ("outlive", "gpuflow watchers"),

@@ -13,8 +13,8 @@ from pathlib import Path
 from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
-from gpuflow.flows.deploy import PREFECT_YAML, declared, with_overrides
-from gpuflow.flows.known_servers import tracking_tag
+from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
+from gpuflow.flows.deployments.known_servers import tracking_tag
 from gpuflow.flows.quota import POOL_TAG_PREFIX, need_of
 
 

@@ -34,7 +34,7 @@ def test_an_epoch_record_makes_one_short_line():
 
     from gpuflow.cluster.protocol import epoch_metrics
     from gpuflow.cluster.run.monitor import progress
-    from gpuflow.flows.console import Progress, without_ray_prefix
+    from gpuflow.flows.cli.console import Progress, without_ray_prefix
 
     line = ("(TrainController pid=14569) [gpuflow] epoch 2: train_loss=0.1183 val_accuracy=0.962 perf/epoch_s=0.41 "
             "perf/samples_per_s=5043")
@@ -51,7 +51,7 @@ def test_an_epoch_record_makes_one_short_line():
 def test_prefects_notes_on_hooks_are_hidden_but_a_failing_hook_is_not():
     import logging
 
-    from gpuflow.flows.console import HideHookNotes
+    from gpuflow.flows.cli.console import HideHookNotes
 
     def shown(level: int, message: str) -> bool:
         return HideHookNotes().filter(logging.makeLogRecord({"levelno": level, "msg": message}))
@@ -65,7 +65,7 @@ REGISTER_TWICE = """
 import sys
 from pathlib import Path
 
-from gpuflow.flows.console import quiet_console
+from gpuflow.flows.cli.console import quiet_console
 
 folder = Path(sys.argv[1])
 print("LOG FILE", quiet_console(folder / "logs"), flush=True)  # before MLflow loads, as in `gpuflow run`

@@ -7,7 +7,7 @@
 import pytest
 
 from gpuflow.cluster.spec import SpecError, parse_spec
-from gpuflow.flows.deploy import declared, runner_deployments
+from gpuflow.flows.deployments.deploy import declared, runner_deployments
 from tests.conftest import REPO
 
 
@@ -63,7 +63,7 @@ def test_a_stopped_serve_pauses_what_nobody_else_serves(prefect_server):
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_RUNNER_POLL_FREQUENCY, temporary_settings
 
-    from gpuflow.flows.serve import pause_unless_served_elsewhere
+    from gpuflow.flows.deployments.serve import pause_unless_served_elsewhere
 
     @flow(name="nightly-alone")
     def nightly_alone():

@@ -153,7 +153,7 @@ def test_a_merge_key_may_still_override_what_it_merges(tmp_path):
 
 
 def test_a_deployment_spec_with_a_key_given_twice_is_refused(tmp_path):
-    from gpuflow.flows.deploy import declared
+    from gpuflow.flows.deployments.deploy import declared
 
     prefect_yaml = tmp_path / "prefect.yaml"
     prefect_yaml.write_text("deployments:\n- name: d\n  parameters:\n    spec:\n"

@@ -18,6 +18,8 @@ def modules() -> dict[str, Path]:
     found = {}
     for package, folder in PACKAGES.items():
         for path in folder.rglob("*.py"):
+            if "templates" in path.relative_to(folder).parts:  # files `gpuflow init` writes, not gpuflow's modules
+                continue
             parts = path.relative_to(folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]

@@ -109,7 +109,7 @@ def holding(run) -> bool:
 
 
 def test_gpuflow_status_reads_as_a_table():
-    from gpuflow.flows.status_command import RunStatus, table
+    from gpuflow.flows.cli.status import RunStatus, table
 
     rows = [RunStatus("digits-mlp-1", "1", "Running", "local", "gpuflow-1 (UP)", "1 worker", 0.5, 0.0125,
                       "alive, renewed 3 s ago (grace 120 s)", None, "http://mlflow:5000/#/experiments/1/runs/a"),

@@ -113,7 +113,7 @@ def test_stale_mlflow_runs_closed_by_state(prefect_server, digits_spec, gpuflow_
 
 def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpuflow_home):
     from gpuflow.cluster.config import default_tracking_uri
-    from gpuflow.flows.known_servers import known_tracking_uris, tracking_tag
+    from gpuflow.flows.deployments.known_servers import known_tracking_uris, tracking_tag
 
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow(finished_experiment)

@@ -77,7 +77,7 @@ def test_nodes_install_this_gpuflow_from_a_wheel_without_an_index(gpuflow_home, 
     assert sky.Task.from_yaml_config(task.to_yaml_config()).file_mounts == {WHEEL_MOUNT: local}
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {"gpuflow/cluster/job/__main__.py", "gpuflow/cluster/job/tracking.py", "gpuflow/flows/cli.py", "gpuflow/tasks/compute.py"} <= names
+    assert {"gpuflow/cluster/job/__main__.py", "gpuflow/cluster/job/tracking.py", "gpuflow/flows/cli/__init__.py", "gpuflow/tasks/compute.py"} <= names
     # pip accepts it offline, and what it installs runs the job's module
     target = tmp_path / "installed"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),

@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from gpuflow.flows import temporary_api
+from gpuflow.flows.local_stack import temporary_api
 from tests.conftest import REPO, processes_of
 from tests.servers import not_http_server
 
 A_FLOW = """
 import json, socket, sys
 from urllib.parse import urlsplit
-from gpuflow.flows import temporary_api
+from gpuflow.flows.local_stack import temporary_api
 from prefect import flow, get_client
 
 api = temporary_api.launch()

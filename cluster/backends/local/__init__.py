@@ -34,7 +34,7 @@ OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that c
 # The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process
 # launches): a hand-over inside one process, so a plain variable.
 PREWARMED: list[str] = []
-SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/stack.py)
+SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/local_stack/stack.py)
 HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
 CHILDREN: dict[str, subprocess.Popen] = {}  # this process's children, ours to reap (the CLI starts some, the flow more)
 
@@ -99,7 +99,7 @@ class LocalBackend:
 
     def prewarm(self, spec: ExperimentSpec) -> str:
         """A cluster for a flow run that has no id yet; `launch` adopts it when the shape matches. It is the warm
-        stack's spare (flows/stack.py) when one of that shape is up, else one started now, so that it starts while
+        stack's spare (flows/local_stack/stack.py) when one of that shape is up, else one started now, so that it starts while
         Prefect's API starts and the flow run begins. The job's process starts now too: its imports (Ray, torch,
         MLflow: seconds) overlap the flow's start, and it waits for `exec` to hand it the run."""
         name = self.claim_spare(spec)

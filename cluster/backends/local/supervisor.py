@@ -5,7 +5,7 @@
 The owner is the process that launched the cluster (the flow). When it dies (kill -9, OOM, a runner that
 SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor tells the jobs on it
 (which end their MLflow run as orphaned), then stops every process of the cluster, itself last.
-A spare cluster of the warm stack (flows/stack.py) changes hands: the run that claims it writes its own pid to
+A spare cluster of the warm stack (flows/local_stack/stack.py) changes hands: the run that claims it writes its own pid to
 the `owner` file in the temp dir, and from then on that process is the owner.
 """
 

@@ -15,8 +15,8 @@ from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.spec import load_spec
 
 
-def add_parser(commands) -> None:
-    command = commands.add_parser("cost", help="what runs cost (from MLflow), or what a spec would cost")
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="what runs cost (from MLflow), or what a spec would cost")
     command.add_argument("--since", default="7d", help="how far back: 30m, 12h, 7d, 2w (default 7d)")
     command.add_argument("--tracking-uri", help="MLflow tracking URI (default: the local store under GPUFLOW_HOME)")
     command.add_argument("--estimate", metavar="SPEC", help="price this spec instead of listing runs")

@@ -16,8 +16,8 @@ import sys
 from gpuflow.cluster.spec import SpecError, load_spec
 
 
-def add_parser(commands) -> None:
-    command = commands.add_parser("share", help="let MLflow users run a spec: EDIT on its experiment and model")
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="let MLflow users run a spec: EDIT on its experiment and model")
     command.add_argument("spec", help="experiment spec (YAML); its tracking.uri is the server")
     command.add_argument("--user", dest="users", action="append", required=True, help="an MLflow user (repeatable)")
     command.add_argument("--permission", default="EDIT", choices=["READ", "EDIT", "MANAGE"],

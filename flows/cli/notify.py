@@ -11,8 +11,8 @@ import argparse
 from gpuflow.flows.notify import FORMATS, add_webhook
 
 
-def add_parser(commands) -> None:
-    command = commands.add_parser("notify", help="save a webhook that runs message on failures, stops and recoveries")
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="save a webhook that runs message on failures, stops and recoveries")
     actions = command.add_subparsers(dest="action", required=True)
     add = actions.add_parser("add", help="save (or replace) a webhook block")
     add.add_argument("name", help="the block's name, which specs give as notify.block")
@@ -22,7 +22,7 @@ def add_parser(commands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuflow.flows.run_command import temporary_api_launched
+    from gpuflow.flows.local_stack.prefect_api import temporary_api_launched
 
     api = temporary_api_launched()  # without a Prefect server: the database `gpuflow run` uses too
     if api:

@@ -5,7 +5,7 @@ Prefect starts the same server itself on a flow run's first API call, but to do 
 the server runs in a process of its own. This starts that process as Prefect 3.8 does (uvicorn of
 `prefect.server.api.server:create_app`, its UI off, ephemeral), then points this process's Prefect settings at it
 (PREFECT_API_URL), so that no part of Prefect starts another one. The server stops when this process exits, and
-a watcher (flows/outlive.py) stops it if this process is killed.
+a watcher (flows/local_stack/outlive.py) stops it if this process is killed.
 
 Its port is bound here and handed to uvicorn as an open socket: a port probed free and bound later by the server
 can be taken in between (Ray's servers take ports all the time), and uvicorn's exit code does not say so once
@@ -99,7 +99,7 @@ def answers(api_url: str, timeout_s: float = 5) -> bool:
 
 def watch(server: subprocess.Popen) -> None:
     """A watcher in a session of its own: the server must not outlive this process, even after a kill -9."""
-    subprocess.Popen([sys.executable, "-m", "gpuflow.flows.outlive", "--owner", str(os.getpid()),
+    subprocess.Popen([sys.executable, "-m", "gpuflow.flows.local_stack.outlive", "--owner", str(os.getpid()),
                       "--kill", str(server.pid)], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -6,14 +6,29 @@ the console, a cluster warmed while the flow starts, the flow run itself, and th
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 import time
 
-from gpuflow.cluster.spec import check_entrypoints, validate_spec
-from gpuflow.flows.console import end_live_line
+from gpuflow.cluster.spec import check_entrypoints, load_spec, validate_spec
 from gpuflow.cluster.util.preload import import_in_background
+from gpuflow.flows.cli.console import end_live_line
+from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, temporary_api_launched
+
+
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="run an experiment: provision, train, track, tear down")
+    command.add_argument("spec", help="experiment spec (YAML)")
+    command.add_argument("-v", "--verbose", action="store_true",
+                         help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_spec(load_spec(args.spec, args.overrides), args.verbose)
 
 
 def interrupt_on_sigterm() -> None:
@@ -24,23 +39,6 @@ def interrupt_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def temporary_api_launched():
-    """Prefect's temporary API (flows/temporary_api.py), launched now when no Prefect server is configured: its
-    seconds of start-up overlap this process's imports and checks. The warm stack's API instead, when one is up
-    (`gpuflow up`); None when a server is configured."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-    from gpuflow.flows import stack, temporary_api
-
-    record = stack.read_stack()
-    if record and temporary_api.answers(record["api_url"], timeout_s=2):
-        temporary_api.use(record["api_url"])
-        return None
-    return temporary_api.launch()
-
-
 def prewarm_cluster(spec) -> str | None:
     """A local Ray cluster takes seconds to start: the warm stack's spare is claimed, or one starts as soon as the spec
     is valid, while Prefect's API starts and the flow run begins. Returns its name (the flow's provision step adopts
@@ -48,7 +46,7 @@ def prewarm_cluster(spec) -> str | None:
     if spec.compute.backend != "local":
         return None
     from gpuflow.cluster.backends.local import LocalBackend, shape_of
-    from gpuflow.flows import stack
+    from gpuflow.flows.local_stack import stack
 
     if stack.read_stack():
         stack.want_shape(shape_of(spec))  # the stack's next spare: one like this run's
@@ -64,14 +62,6 @@ def flow_imports(spec) -> list[str]:
     if spec.compute.backend == "skypilot":
         modules.append("sky")
     return modules
-
-
-def prefect_api_answers() -> bool:
-    from prefect.settings import PREFECT_API_URL
-
-    from gpuflow.flows.temporary_api import answers
-
-    return answers(PREFECT_API_URL.value(), timeout_s=5) if PREFECT_API_URL.value() else True
 
 
 def exit_without_prefect(spec, outcome: str, log_file) -> None:
@@ -93,7 +83,7 @@ def exit_without_prefect(spec, outcome: str, log_file) -> None:
     os._exit(1)
 
 
-def run(spec, verbose: bool = False) -> int:
+def run_spec(spec, verbose: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     interrupt_on_sigterm()
     started = time.time()
@@ -102,7 +92,7 @@ def run(spec, verbose: bool = False) -> int:
     log_file = None
     if not verbose:
         from gpuflow.cluster.config import state_dir
-        from gpuflow.flows.console import quiet_console
+        from gpuflow.flows.cli.console import quiet_console
 
         log_file = quiet_console(state_dir() / "logs", spec.sweep.metric if spec.sweep else None)
     warm_cluster, lost_api = None, None

@@ -14,8 +14,8 @@ from gpuflow.cluster.spec import SpecError
 from gpuflow.cluster.spec.fields import quota_name_problem
 
 
-def add_parser(commands) -> None:
-    command = commands.add_parser("quota", help="the team's GPU quotas: runs over one wait their turn")
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="the team's GPU quotas: runs over one wait their turn")
     actions = command.add_subparsers(dest="action", required=True)
     set_ = actions.add_parser("set", help="create or resize a quota")
     set_.add_argument("pool", help="its name, as compute.quota names it (e.g. aws-h100, local)")

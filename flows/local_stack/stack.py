@@ -28,7 +28,7 @@ from gpuflow.cluster.util.processes import session_alive, stop_sessions
 from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.config import stack_enabled, state_dir
-from gpuflow.flows.outlive import alive
+from gpuflow.flows.local_stack.outlive import alive
 
 POLL_S = 1.0
 UP_TIMEOUT_S = 180
@@ -75,7 +75,7 @@ def up(idle_minutes: float, shape: dict | None = None) -> dict:
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "gpuflow.flows.stack", "--idle-minutes", f"{idle_minutes:g}"],
+                [sys.executable, "-m", "gpuflow.flows.local_stack.stack", "--idle-minutes", f"{idle_minutes:g}"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     return wait_until_ready(shape, process)
 
@@ -114,7 +114,7 @@ class Stack:
         self.last_busy = time.monotonic()
 
     def start_api(self) -> str:
-        from gpuflow.flows import temporary_api
+        from gpuflow.flows.local_stack import temporary_api
 
         self.api = temporary_api.launch()
         return self.api.ready()
@@ -167,7 +167,7 @@ class Stack:
         if self.spare:
             self.backend.down(self.spare)
         if self.api:
-            from gpuflow.flows.temporary_api import stop
+            from gpuflow.flows.local_stack.temporary_api import stop
 
             stop(self.api.server)
         try:

@@ -20,7 +20,7 @@ from gpuflow.cluster.backends import flow_run_id_of
 from gpuflow.cluster.cost.spend import HOURLY_METRIC
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, RENEWED_TAG
 from gpuflow.cluster.run.lease import stale
-from gpuflow.flows.known_servers import TRACKING_TAG_PREFIX
+from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
@@ -42,15 +42,15 @@ class RunStatus:
     mlflow: str | None = None
 
 
-def add_parser(commands) -> None:
-    command = commands.add_parser("status", help="runs going or waiting now, their clusters and what they cost so far")
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="runs going or waiting now, their clusters and what they cost so far")
     command.add_argument("--json", action="store_true", help="one JSON list, for scripts")
 
 
 def run(args: argparse.Namespace) -> int:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from gpuflow.flows.stack import read_stack
+    from gpuflow.flows.local_stack.stack import read_stack
 
     api_url = PREFECT_API_URL.value() or (read_stack() or {}).get("api_url")
     if not api_url:  # each `gpuflow run` had a temporary API of its own, gone with it

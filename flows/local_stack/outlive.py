@@ -1,8 +1,8 @@
 """Kills a process once its owner is gone: Prefect's temporary API server must not outlive `gpuflow run`.
 
-    python -m gpuflow.flows.outlive --owner 1234 --kill 5678
+    python -m gpuflow.flows.local_stack.outlive --owner 1234 --kill 5678
 
-`gpuflow run` stops that server at exit (flows/temporary_api.py), but cannot when it is killed (kill -9,
+`gpuflow run` stops that server at exit (flows/local_stack/temporary_api.py), but cannot when it is killed (kill -9,
 OOM): this watcher, in a session of its own, does. It imports nothing heavy: it costs a few MB for the life of the run.
 """
 

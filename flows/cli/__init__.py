@@ -1,0 +1,49 @@
+"""The gpuflow command: run, validate (and plan, deploy, serve, cost) experiment specs.
+
+    gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
+    gpuflow validate my.yaml
+    gpuflow cost --since 7d
+    gpuflow status                     # what is running or waiting now, its cluster, GPUs, cost so far
+    gpuflow quota set aws-h100 8       # the team's runs hold at most 8 of those GPUs at once; the rest wait
+    gpuflow share my.yaml --user bob   # on a tracking server with users: bob may run it and register versions
+    gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
+    gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
+    gpuflow up                    # a warm local stack that the next runs start on at once; gpuflow down stops it
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from gpuflow.cluster.spec import SpecError
+
+# Each command's module, in the order `gpuflow -h` lists them: its add_parser(commands) and run(args) -> exit code.
+COMMANDS = {
+    "run": "run", "validate": "check", "plan": "check",
+    "cost": "cost", "share": "share", "notify": "notify", "quota": "quota", "status": "status",
+    "serve": "deployments", "up": "stack", "down": "stack", "deploy": "deployments", "init": "starter",
+}
+
+
+def module_of(command: str):
+    return importlib.import_module(f"{__name__}.{COMMANDS[command]}")
+
+
+def command_line() -> argparse.ArgumentParser:
+    """Every gpuflow command and its arguments."""
+    parser = argparse.ArgumentParser(prog="gpuflow", description="Run ML experiments on cloud GPUs as one unit of work.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        module_of(command).add_parser(commands, command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = command_line().parse_args(argv)
+    try:
+        return module_of(args.command).run(args)
+    except SpecError as exc:
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,117 @@
+"""`gpuflow validate` and `gpuflow plan`: what a spec would run and cost, checked before anything starts.
+
+    gpuflow validate experiments/digits.yaml
+    gpuflow plan experiments/digits_h100.yaml    # the SkyPilot task, each option's price; launches nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gpuflow.cluster.spec import load_spec, validate_spec
+
+HELP = {"validate": "check a spec without running anything",
+        "plan": "show the cluster a spec would launch (SkyPilot task, resources) without launching"}
+
+
+def add_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help=HELP[name])
+    command.add_argument("spec", help="experiment spec (YAML)")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    return validate(spec, args.spec) if args.command == "validate" else plan(spec)
+
+
+def validate(spec, path: str) -> int:
+    """Checks the spec and its budget; prints the price it would run at."""
+    from gpuflow.flows.cli.cost import priced_within_budget
+
+    validate_spec(spec)
+    if spec.notify:  # the block lives in Prefect: the API `gpuflow run` would use
+        from gpuflow.flows.local_stack.prefect_api import temporary_api_launched
+        from gpuflow.flows.notify import webhook_for
+
+        api = temporary_api_launched()
+        if api:
+            api.ready()
+        webhook_for(spec)
+    price = priced_within_budget(spec, path)
+    if price is None:
+        return 2
+    print(f"{path}: valid. {describe(spec)}")
+    print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes")
+    for line in sweep_lines(spec, price):
+        print(f"  {line}")
+    return 0
+
+
+def sweep_lines(spec, price=None) -> list[str]:
+    """What a sweep will run: its trials, how many at once, how trials stop early, and the most it can cost."""
+    sweep = spec.sweep
+    if sweep is None:
+        return []
+    grids = [f"{len(p.grid)} {path}" for path, p in sweep.parameters.items() if p.grid is not None]
+    lines = [f"sweep: {sweep.num_trials} trials ({' × '.join(grids + [f'{sweep.num_samples} sample(s)'])}), "
+             f"{sweep.max_concurrent_trials} at a time, {spec.workers_per_trial} worker(s) each; the best has the "
+             f"{'highest' if sweep.mode == 'max' else 'lowest'} {sweep.metric}",
+             *[f"  {path}: {p.kind} {getattr(p, p.kind)}" for path, p in sweep.parameters.items()]]
+    if sweep.early_stopping:
+        lines.append(f"  early stopping (ASHA): after {sweep.early_stopping.grace_epochs} epoch(s), about 1 trial in "
+                     f"{sweep.early_stopping.reduction_factor:g} goes on at each rung")
+    if price is not None:
+        from gpuflow.cluster.spec import billed_sweep_minutes, sweep_rounds
+
+        if sweep.max_trial_minutes:
+            rounds = sweep_rounds(spec)
+            how = f"{sweep.num_trials} trials ÷ {sweep.max_concurrent_trials} at a time × {sweep.max_trial_minutes:g} min"
+        else:
+            rounds, how = None, "limits.max_runtime_minutes (set sweep.max_trial_minutes for a tighter bound)"
+        minutes = billed_sweep_minutes(spec)
+        lines.append(f"  cost bound: {how} = {minutes:g} min{f' ({rounds} rounds)' if rounds else ''} "
+                     f"× ${price.hourly_usd:.4g}/h = ${price.sweep_cost_usd(spec):.2f}")
+    return lines
+
+
+def describe(spec) -> str:
+    c = spec.compute
+    return (f"{spec.name}: {c.backend} backend, {c.num_nodes} node(s) × {c.workers_per_node} worker(s), "
+            f"{c.accelerators or 'CPU'}, {spec.precision}, {spec.train.epochs} epochs, tracked at {spec.tracking_uri}")
+
+
+def plan(spec) -> int:
+    """Prints what would be launched and billed; launches nothing."""
+    from gpuflow.cluster.cost.pricing import hourly_cost, option_prices
+    from gpuflow.cluster.spec.options import compute_options
+
+    validate_spec(spec)
+    print(f"# {describe(spec)}")
+    if spec.compute.backend == "local":
+        for line in sweep_lines(spec, hourly_cost(spec)):
+            print(f"# {line}")
+        print("# local backend: a Ray cluster on this machine; nothing is billed.")
+        return 0
+    from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
+
+    price = None
+    try:
+        for option, estimate in option_prices(spec):
+            print(f"# option {option.index}{' (spot fallback)' if option not in compute_options(spec.compute) else ''}"
+                  f": {option.describe()}: {estimate.describe()}")
+        price = hourly_cost(spec)
+        print(f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
+              f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
+    except Exception as exc:  # a plan is still worth showing without a price
+        print(f"# price unknown: {exc}")
+    print(f"# SkyPilot tries the options {'cheapest first (compute.any_of)' if spec.compute.any_of else 'in order'}; "
+          f"with no capacity anywhere the run waits up to limits.max_queue_minutes={spec.limits.max_queue_minutes:g}")
+    for line in sweep_lines(spec, price):
+        print(f"# {line}")
+    print(f"# launched with autostop after {spec.limits.idle_minutes_to_autostop} idle min and down=True (autodown)")
+    for rank, resources in enumerate(resources_for(spec), 1):
+        print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")
+    print(task_yaml(spec), end="")
+    return 0

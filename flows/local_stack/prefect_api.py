@@ -1,0 +1,34 @@
+"""Which Prefect API a command talks to: a configured server, the warm stack's, or a temporary one started now."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpuflow.flows.local_stack.temporary_api import TemporaryApi
+
+
+def temporary_api_launched() -> TemporaryApi | None:
+    """Prefect's temporary API, launched now when no Prefect server is configured: its seconds of start-up overlap
+    this process's imports and checks. The warm stack's API instead, when one is up (`gpuflow up`); None when a
+    server is configured."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None
+    from gpuflow.flows.local_stack import stack, temporary_api  # the warm stack's modules: only without a server
+
+    record = stack.read_stack()
+    if record and temporary_api.answers(record["api_url"], timeout_s=2):
+        temporary_api.use(record["api_url"])
+        return None
+    return temporary_api.launch()
+
+
+def prefect_api_answers() -> bool:
+    """Whether the API this process uses still answers (True where none is configured: nothing to lose)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from gpuflow.flows.local_stack import temporary_api
+
+    return temporary_api.answers(PREFECT_API_URL.value(), timeout_s=5) if PREFECT_API_URL.value() else True
