@@ -147,7 +147,7 @@ def main() -> None:
         import ray
 
         backend = LocalBackend()
-        handle = backend.launch(spec, CLUSTER, on_line=lambda line: None)
+        handle = backend.launch(spec, CLUSTER)
         try:
             # as gpuflow's job does: Ray Train's and Ray Data's own actors must not guess among the Ray clusters
             # on this machine

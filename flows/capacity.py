@@ -5,6 +5,7 @@ budget allows the dearer price."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -17,6 +18,8 @@ from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options, on_demand_spec
 from gpuflow.tasks.compute import provision
 
+log = logging.getLogger(__name__)
+
 WAITING = "Waiting for capacity"  # the flow run's state while no option has capacity
 RETRY_S = 30.0  # between two tries of every option: SkyPilot's own failover already tried each
 
@@ -26,10 +29,9 @@ class CapacityTimeout(RuntimeError):
 
 
 class Capacity:
-    def __init__(self, spec: ExperimentSpec, flow_run_id: str, life: Lifecycle, record: RunRecord,
-                 say: Callable[[str], None], set_state: Callable[[str | None, str], None] | None = None):
-        self.spec, self.flow_run_id, self.life, self.record, self.say = spec, flow_run_id, life, record, say
-        self.set_state = set_state or prefect_state(flow_run_id)
+    def __init__(self, record: RunRecord, life: Lifecycle, set_state: Callable[[str | None, str], None] | None = None):
+        self.spec, self.flow_run_id, self.life, self.record = record.spec, record.flow_run_id, life, record
+        self.set_state = set_state or prefect_state(record.flow_run_id)
         self.spot_losses = 0
         self.on_demand = False
         self.attempt = 0
@@ -47,7 +49,7 @@ class Capacity:
             try:
                 handle = provision(self.launch_spec, cluster_name, job)
             except NoCapacity as exc:
-                self.life.not_billed_until(time.time())  # no cluster exists: the wait is not billed
+                self.life.meter.not_billed_until(time.time())  # no cluster exists: the wait is not billed
                 if self.life.stopped:
                     raise
                 if exc.spot and self.spot_lost(f"no spot capacity ({len(exc.reasons)} option(s))"):
@@ -61,13 +63,13 @@ class Capacity:
                         + ". Add options (compute.options), raise limits.max_queue_minutes, or run later") from None
                 message = (f"no option has capacity: waiting for one of {len(exc.reasons)} option(s), "
                            f"{(limit_s - waited) / 60:.1f} min left of limits.max_queue_minutes")
-                self.say(message)
+                log.info(message)
                 self.set_state(WAITING, message)
                 waited_said = True
                 self.life.stopped_wait(min(RETRY_S, max(0.0, limit_s - waited)))
                 if self.life.stopped:
                     raise RunStopped(self.life.stop_reason, self.life.stop_detail) from None
-                self.life.not_billed_until(time.time())
+                self.life.meter.not_billed_until(time.time())
                 job = billed_later(job, time.time() - tried_at)  # the job's own cost check skips the wait too
                 continue
             if waited_said:
@@ -84,9 +86,9 @@ class Capacity:
             price = option_price(self.launch_spec, options[info["option"]])
         text = f"{info['option']}: {info['option_text']}" if info.get("option") else None
         self.life.launched(info.get("hourly_cost_usd"), price, text)
-        self.record.launched(self.attempt, info, self.life.price)
+        self.record.launched(self.attempt, info, self.life.meter.price)
         if text:
-            self.say(f"launched option {text}, metered at ${self.life.hourly_usd():.4g}/h")
+            log.info(f"launched option {text}, metered at ${self.life.meter.hourly_usd():.4g}/h")
 
     def spot_lost(self, why: str) -> bool:
         """A spot cluster lost (or no spot capacity): past compute.spot_fallback_after, go on-demand (True)."""
@@ -99,7 +101,7 @@ class Capacity:
         price = hourly_cost(on_demand_spec(self.spec))
         self.check_budget(price.hourly_usd)
         self.on_demand = True
-        self.say(f"{why}: {self.spot_losses} spot loss(es) of compute.spot_fallback_after={after}; relaunching "
+        log.info(f"{why}: {self.spot_losses} spot loss(es) of compute.spot_fallback_after={after}; relaunching "
                  f"on-demand at up to ${price.hourly_usd:.4g}/h")
         return True
 

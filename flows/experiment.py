@@ -5,28 +5,23 @@
 
 from __future__ import annotations
 
-import time
-from typing import Callable
-
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled
 
-from gpuflow.cluster.backends import (ClusterHandle, Job, cluster_name_for, cluster_names_for, flow_run_id_of,
-                                     get_backend, train_run_name)
+from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, cluster_names_for, flow_run_id_of, get_backend
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
-from gpuflow.cluster.protocol import JobEnv
-from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
-from gpuflow.cluster.run.monitor import (LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check,
-                                         lost_after, progress)
-from gpuflow.cluster.run.record import RunRecord, close_runs_of_flow_run
+from gpuflow.cluster.run.monitor import LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check, lost_after
+from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
-from gpuflow.flows.capacity import Capacity
-from gpuflow.flows.notify import job_notify_json, notify_end, notify_recovered, webhook_for
+from gpuflow.flows.experiment_run import ExperimentRun
+from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
+from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
 from gpuflow.tasks.tracking import open_mlflow_run, publish_summary, register_model
@@ -56,53 +51,38 @@ def this_flow_run() -> dict[str, str | None]:
                           if creator and creator.display_value else None}
 
 
-def job_for(spec: ExperimentSpec, record: RunRecord, life: Lifecycle, flow_run: dict, webhook: dict | None) -> Job:
-    """The training job: Ray Train's run name (the checkpoints' folder, stable for the flow run) and what the job
-    needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die
-    (and to say so, to the run's webhook)."""
-    env = JobEnv(tracking_uri=spec.tracking_uri, mlflow_run_id=record.run_id, artifact_uri=record.artifact_uri,
-                 requested_at=life.requested_at, hourly_usd=life.hourly_usd(),
-                 notify_json=job_notify_json(spec, webhook, flow_run, record.run_id))
-    return Job(train_run_name(spec.name, record.flow_run_id), env.to_env())
-
-
-def prepare_and_provision(spec: ExperimentSpec, flow_run: dict, record: RunRecord, life: Lifecycle,
-                          backend, webhook: dict | None, capacity: Capacity) -> tuple[str, ClusterHandle]:
+def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
     """Stages the data, opens the MLflow run and provisions the cluster, side by side: they have no order between
     them, but where the job starts with the cluster (SkyPilot: setup and training are one job), its data and MLflow
-    run must exist before the launch. Returns the MLflow run id and the cluster."""
+    run must exist before the launch."""
+    spec, life = run.spec, run.life
     data = stage_data.submit(spec)
-    mlflow_run = open_mlflow_run.submit(spec, life.cluster_name, flow_run)
-    if backend.starts_job_at_launch:
+    mlflow_run = open_mlflow_run.submit(spec, life.cluster_name, run.flow_run)
+    if run.backend.starts_job_at_launch:
         data.result()
-        record.opened(mlflow_run.result(), life.price)
+        run.record.opened(mlflow_run.result(), life.meter.price)
         # the data and the MLflow run exist: launch on the first option with capacity, waiting for one if need be
-        handle = capacity.provision(life.cluster_name, job_for(spec, record, life, flow_run, webhook))
-        record.phases["provision_seconds"] = life.launched_at - life.requested_at
-        return record.run_id, handle
+        return run.capacity.provision(life.cluster_name, run.job())
     cluster = provision.submit(spec, life.cluster_name, None)
     life.launching(cluster)
-    run_id = record.opened(mlflow_run.result(), life.price)
+    run.record.opened(mlflow_run.result(), life.meter.price)
     data.result()
     handle = cluster.result()
-    capacity.launched(handle)
-    record.phases["provision_seconds"] = life.launched_at - life.requested_at
-    return run_id, handle
+    run.capacity.launched(handle)
+    return handle
 
 
-def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle, capacity: Capacity,
-                        stop_checks: list[Check] = (),
-                        recovered: Callable[[str, int], object] = lambda lost, n: None) -> TrainResult:
+def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: list[Check]) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
     and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
 
     A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
-    backend = get_backend(spec.compute.backend)
+    spec, life, capacity, job = run.spec, run.life, run.capacity, run.job()
     for recovery in range(spec.compute.max_recoveries + 1):
         try:
             return train(spec, handle, job, life, stop_checks)
         except JobFailed as failure:
-            lost = None if life.stopped else lost_after(backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
+            lost = None if life.stopped else lost_after(run.backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
             if not lost:
                 raise
             life.lost_cluster(lost)
@@ -117,9 +97,9 @@ def train_with_recovery(spec: ExperimentSpec, handle: ClusterHandle, job: Job, l
             # downs the lost one; the next is priced at the dearest option it may get, until it launches
             life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1),
                              hourly_cost(capacity.launch_spec))
-            capacity.record.relaunched(life.attempts)
+            run.record.relaunched(life.meter.attempts)
             handle = capacity.provision(life.cluster_name, job)
-            recovered(lost, recovery + 1)
+            notify_recovered(run, lost, recovery + 1)
     raise AssertionError("unreachable")
 
 
@@ -133,6 +113,7 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
         spec: The experiment: what to train, on what data and compute, tracked where, within which limits.
         spec_file: Path of a YAML spec on the machine that runs the flow; when set, it is used instead of spec.
     """
+    attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
     logger = get_run_logger()
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
@@ -141,54 +122,45 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
     flow_run = this_flow_run()
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
-        waiting = progress(phase="waiting for GPUs")
-        with turn_for_gpus(spec, flow_run["id"], lambda message: logger.info(message, extra=waiting)) as quota:
-            return run_on_a_cluster(spec, flow_run, quota.waited_s if quota.lease_id else None, webhook)
+        with turn_for_gpus(spec, flow_run["id"]) as quota:
+            run = ExperimentRun.begin(spec, flow_run, webhook)
+            if quota.lease_id:  # it held a quota
+                run.record.phases["queue_seconds"] = quota.waited_s
+            return run_on_a_cluster(run)
     except QueueCancelled:
         return Cancelled(message="cancelled while waiting for the team's GPU quota: nothing was started")
 
 
-def run_on_a_cluster(spec: ExperimentSpec, flow_run: dict, queued_s: float | None, webhook: dict | None = None):
+def run_on_a_cluster(run: ExperimentRun):
     """Provision → train (relaunching a lost cluster) → teardown → register, as one unit with the MLflow run."""
-    logger = get_run_logger()
-    cluster_name = cluster_name_for(flow_run["id"])
-    record = RunRecord(spec, flow_run["id"], logger.warning)
-    if queued_s is not None:  # it held a quota
-        record.phases["queue_seconds"] = queued_s
-    backend = get_backend(spec.compute.backend)
-    life = Lifecycle(cluster_name, backend.down, hourly_cost(spec),
-                     lambda outcome, bill: record.close(outcome, bill, life.all_attempts()), logger.info)
-    capacity = Capacity(spec, flow_run["id"], life, record, logger.info)
+    spec, life, record = run.spec, run.life, run.record
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
-    with life, Watchdog([cancel_check(flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"):
-        run_id, handle = prepare_and_provision(spec, flow_run, record, life, backend, webhook, capacity)
+    with life, Watchdog([cancel_check(run.flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"), \
+            record.phase("wall"):  # ends before the lifecycle closes the MLflow run, which logs the phases
+        with record.phase("provision"):
+            handle = prepare_and_provision(run)
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
-        stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run_id)]
-
-        def recovered(lost: str, recovery: int) -> None:
-            failure = notify_recovered(spec, webhook, flow_run, run_id, lost, life.bill()["cost_usd"], recovery)
-            if failure:
-                logger.warning(failure)
-
-        result = train_with_recovery(spec, handle, job_for(spec, record, life, flow_run, webhook), life, capacity,
-                                     stop_checks, recovered)
+        stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run.run_id)]
+        result = train_with_recovery(run, handle, stop_checks)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 
         # The cluster is idle from the job's end: it goes down while the model is registered, which needs only MLflow.
-        model_run_id = (result.sweep or {}).get("best_run_id") or run_id  # a sweep's model is its best trial's
+        model_run_id = (result.sweep or {}).get("best_run_id") or run.run_id  # a sweep's model is its best trial's
         registering = register_model.submit(spec, model_run_id) if spec.tracking.register_model else None
-        record.phases["teardown_seconds"] = teardown(life)  # down now, before the registration ends
+        with record.phase("teardown"):
+            teardown(life)  # down now, before the registration ends
         if registering:
             registering.result()
-        record.phases["wall_seconds"] = time.time() - life.requested_at
 
     if life.stop_reason == "cancelled":
         return Cancelled(message="cancelled from Prefect: cluster torn down, MLflow run KILLED")
-    summary = {"run_id": run_id, "metrics": result.metrics, "checkpoint": result.checkpoint, "phases": record.phases,
-               "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri, "cluster": cluster_name,
-               "cost": life.bill(), "price": life.price.describe(), "sweep": result.sweep}
-    publish_summary(spec, run_id, summary)
-    logger.info(f"done in {record.phases['wall_seconds']:.1f}s: {metrics_line(result.metrics, telemetry=False)}")
+    summary = {"run_id": run.run_id, "metrics": result.metrics, "checkpoint": result.checkpoint,
+               "phases": record.phases, "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri,
+               "cluster": life.cluster_name, "cost": life.bill(), "price": life.meter.price.describe(),
+               "sweep": result.sweep}
+    publish_summary(spec, run.run_id, summary)
+    get_run_logger().info(f"done in {record.phases['wall_seconds']:.1f}s: "
+                          f"{metrics_line(result.metrics, telemetry=False)}")
     return summary
 
 

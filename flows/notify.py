@@ -7,6 +7,9 @@ Sending is cluster/run/notify.py's (the job's guard sends too, with no Prefect).
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 from mlflow import MlflowClient
 
 from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG
@@ -14,6 +17,11 @@ from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.notify import Event, for_the_job, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
+
+if TYPE_CHECKING:
+    from gpuflow.flows.experiment_run import ExperimentRun
+
+log = logging.getLogger(__name__)
 
 FORMATS = {  # what a message's JSON looks like, by `gpuflow notify add --format` (Prefect's placeholders only)
     "json": {"subject": "{{subject}}", "body": "{{body}}", "text": "{{subject}}\n{{body}}"},
@@ -48,10 +56,12 @@ def prefect_link(flow_run_id, ui_url: str | None) -> str:
     return ui_url or f"flow run {flow_run_id} (Prefect's temporary API: no UI)"
 
 
-def job_notify_json(spec: ExperimentSpec, webhook: dict | None, flow_run: dict, run_id: str) -> str | None:
-    if webhook is None:
+def job_notify_json(run: ExperimentRun) -> str | None:
+    """What the job needs to send the run's messages itself, should the flow die."""
+    if run.webhook is None:
         return None
-    return for_the_job(webhook, flow_run["name"], run_url(spec, run_id), prefect_link(flow_run["id"], flow_run["url"]))
+    return for_the_job(run.webhook, run.flow_run["name"], run_url(run.spec, run.run_id),
+                       prefect_link(run.flow_run["id"], run.flow_run["url"]))
 
 
 def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):
@@ -60,20 +70,24 @@ def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):
     return next((run for run in runs if "mlflow.parentRunId" not in run.data.tags), None)
 
 
-def end_event(spec: ExperimentSpec, run, name: str, state, prefect_url: str | None) -> Event:
+def end_event(spec: ExperimentSpec, run, flow_run, state) -> Event:
+    """The message for a flow run's end (`run`: its MLflow run, or None)."""
     stopped_by = run.data.tags.get(STOPPED_BY_TAG) if run else None
     kind = "completed" if state.is_completed() else "crashed" if state.is_crashed() else \
         (stopped_by if stopped_by == "orphaned" else "stopped") if stopped_by else "failed"
     reason = (run.data.tags.get(STOP_DETAIL_TAG) if run and stopped_by else None) or state.message or state.name
     if stopped_by:  # the flow's own stop: "Flow run encountered an exception: RunStopped: stopped by budget: ..."
         reason = f"stopped_by={stopped_by}: {reason.split('RunStopped: ', 1)[-1]}"
-    return Event(kind, name, reason, run.data.metrics.get("cost_usd") if run else None,
-                 run_url(spec, run.info.run_id) if run else None, prefect_url)
+    from gpuflow.flows.run_info import flow_run_ui_url
+
+    return Event(kind, flow_run.name, reason, run.data.metrics.get("cost_usd") if run else None,
+                 run_url(spec, run.info.run_id) if run else None,
+                 prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)))
 
 
 def notify_end(flow, flow_run, state) -> None:
     """A flow hook (completion, failure, crash): the run's end, said once, to the spec's webhook."""
-    from gpuflow.flows.run_info import flow_run_ui_url, spec_from
+    from gpuflow.flows.run_info import spec_from
 
     try:
         spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
@@ -85,31 +99,34 @@ def notify_end(flow, flow_run, state) -> None:
         webhook = webhook_of(spec.notify.block)
         client = MlflowClient(spec.tracking_uri)
         run = main_run(client, spec, str(flow_run.id))
-        event = end_event(spec, run, flow_run.name, state, prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)))
+        event = end_event(spec, run, flow_run, state)
         failure = send_once(client, run.info.run_id, webhook, event) if run else send(webhook, event)
     except Exception as exc:  # a hook must not change the run's outcome
         failure = f"notification not sent: {type(exc).__name__}"
     if failure:
-        print(f"gpuflow: {failure}")
+        log.warning(failure)
 
 
-def notify_recovered(spec: ExperimentSpec, webhook: dict | None, flow_run: dict, run_id: str, lost: str,
-                     cost_usd: float, recovery: int) -> str | None:
-    if webhook is None:
-        return None
-    return send(webhook, Event("recovered", flow_run["name"], f"{lost}; relaunched, resuming from the last "
-                               f"checkpoint (recovery {recovery} of at most {spec.compute.max_recoveries})",
-                               cost_usd, run_url(spec, run_id), prefect_link(flow_run["id"], flow_run["url"])))
+def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:
+    """The run lost its cluster and relaunched it (recovery n): said to its webhook, if any."""
+    if run.webhook is None:
+        return
+    failure = send(run.webhook, Event(
+        "recovered", run.flow_run["name"], f"{lost}; relaunched, resuming from the last checkpoint (recovery "
+        f"{recovery} of at most {run.spec.compute.max_recoveries})", run.life.bill()["cost_usd"],
+        run_url(run.spec, run.run_id), prefect_link(run.flow_run["id"], run.flow_run["url"])))
+    if failure:
+        log.warning(failure)
 
 
-def notify_reaped(flow_run_ids: set[str], tracking_uris: list[str], log=print) -> None:
+def notify_reaped(flow_run_ids: set[str], tracking_uris: list[str]) -> None:
     """The reaper's messages for the dead runs it closed or marked Crashed, unless their job already said so."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
-    from gpuflow.flows.run_info import flow_run_ui_url, spec_from
+    from gpuflow.flows.run_info import spec_from
 
     with get_client(sync_client=True) as prefect:
         for flow_run_id in flow_run_ids:
@@ -120,13 +137,12 @@ def notify_reaped(flow_run_ids: set[str], tracking_uris: list[str], log=print) -
                     continue
                 client = MlflowClient(spec.tracking_uri)
                 run = main_run(client, spec, flow_run_id)
-                event = end_event(spec, run, flow_run.name, Crashed(message="its process died: found by the reaper"),
-                                  prefect_link(flow_run_id, flow_run_ui_url(flow_run_id)))
+                event = end_event(spec, run, flow_run, Crashed(message="its process died: found by the reaper"))
                 failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event) if run else None
             except Exception as exc:  # one run's message must not stop the others'
                 failure = f"notification not sent: {type(exc).__name__}"
             if failure:
-                log(f"reaper: flow run {flow_run_id}: {failure}")
+                log.warning(f"reaper: flow run {flow_run_id}: {failure}")
 
 
 def add_webhook(name: str, url: str, format: str = "json") -> str:

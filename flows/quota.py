@@ -17,14 +17,17 @@ and its cluster to go.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable
 
+from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
+
+log = logging.getLogger(__name__)
 
 LIMIT_PREFIX = "gpuflow-quota-"
 POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_info.py)
@@ -116,8 +119,8 @@ class QuotaHold:
     """Waits its turn, then holds the slots (renewing their lease) until `release()`; a no-op without a quota.
     A cancel from Prefect while it waits ends the wait (QueueCancelled): nothing was started."""
 
-    def __init__(self, spec: ExperimentSpec, flow_run_id: str, say: Callable[[str], None]):
-        self.need, self.flow_run_id, self.say = need_of(spec), flow_run_id, say
+    def __init__(self, spec: ExperimentSpec, flow_run_id: str):
+        self.need, self.flow_run_id = need_of(spec), flow_run_id
         self.max_wait_s = spec.limits.max_queue_minutes * 60
         self.lease_s = lease_seconds(spec)
         self.lease_id = None
@@ -161,7 +164,8 @@ class QuotaHold:
                         message=f"holding {self.need.describe()}"))):
                     self.release()  # cancelled in the instant between
                     raise QueueCancelled()
-                self.say(f"quota: holding {self.need.describe()} after {time.monotonic() - started:.0f} s")
+                log.info(f"quota: holding {self.need.describe()} after {time.monotonic() - started:.0f} s",
+                         extra=progress(phase="waiting for GPUs"))
                 return
             held = client.read_global_concurrency_limit_by_name(self.need.limit_name)
             message = (f"waiting for {self.need.describe()}: {len(ahead)} run(s) ahead, "
@@ -170,7 +174,7 @@ class QuotaHold:
                 # not forced: a cancel (Cancelling) refuses it, and the next look at the state ends the wait
                 client.set_flow_run_state(self.flow_run_id, waiting_state(message))
                 if message != said:
-                    self.say(message)
+                    log.info(message, extra=progress(phase="waiting for GPUs"))
                 said, stamped = message, time.monotonic()
             if time.monotonic() - started > self.max_wait_s:
                 raise QueueTimeout(f"limits.max_queue_minutes: waited {self.max_wait_s / 60:g} min for "
@@ -239,16 +243,16 @@ class QuotaHold:
                 with get_client(sync_client=True) as client:
                     client.release_concurrency_slots_with_lease(self.lease_id)
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
-                self.say(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
-                         f"its lease lapses within {self.lease_s:.0f} s")
+                log.warning(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
+                            f"its lease lapses within {self.lease_s:.0f} s")
             self.lease_id = None
 
 
 @contextlib.contextmanager
-def turn_for_gpus(spec: ExperimentSpec, flow_run_id: str, say: Callable[[str], None]):
+def turn_for_gpus(spec: ExperimentSpec, flow_run_id: str):
     """Waits for the team's quota (when the run's pool has one) and holds it inside the block: wrap everything from
     the provision request to the cluster being down. Raises QueueTimeout, QueueCancelled before anything starts."""
-    hold = QuotaHold(spec, flow_run_id, say)
+    hold = QuotaHold(spec, flow_run_id)
     held = hold.acquire()
     try:
         yield hold

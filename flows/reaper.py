@@ -11,8 +11,9 @@ and keeps a cluster whose run is alive until the TTL.
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from prefect import flow, get_run_logger
@@ -24,6 +25,9 @@ from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
+from gpuflow.flows.run_logs import attach_gpuflow_loggers
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
 DEAD = "dead (lease stale)"
@@ -60,11 +64,19 @@ def flow_run_states(flow_run_ids: set[str]) -> dict[str, tuple[str, bool]]:
     return states
 
 
-def judge(backends: list[Backend], states_of: Callable[[set[str]], dict[str, tuple[str, bool]]],
-          ttl_seconds: float, now: float,
-          lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None) -> list[tuple[Backend, Verdict]]:
+@dataclass
+class RunRecords:
+    """How the reaper reads a flow run's records: its Prefect state (flow run id → (state name, is final); a
+    missing run left out), and whether its MLflow lease is stale (None: no lease found)."""
+
+    states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states
+    lease_stale: Callable[[str], bool | None] = field(default=lambda flow_run_id: None)
+
+
+def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float) -> list[tuple[Backend, Verdict]]:
     """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
     or it is older than the TTL."""
+    states_of, lease_stale = records.states_of, records.lease_stale
     found = [(backend, status) for backend in backends for status in statuses(backend)]
     ours = [(backend, status, flow_run_id_of(status.name)) for backend, status in found]
     ours = [(backend, status, run_id) for backend, status, run_id in ours if run_id]  # never touch others' clusters
@@ -91,15 +103,14 @@ def statuses(backend: Backend) -> list:
     try:
         return backend.status()
     except Exception as exc:  # e.g. SkyPilot's API server unreachable: the other backends still get reaped
-        print(f"reaper: cannot list {backend.name} clusters, skipped: {type(exc).__name__}: {exc}")
+        log.warning(f"reaper: cannot list {backend.name} clusters, skipped: {type(exc).__name__}: {exc}")
         return []
 
 
 def reap(backends: list[Backend], ttl_seconds: float, dry_run: bool = False,
-         states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
-         lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None) -> list[Verdict]:
+         records: RunRecords | None = None) -> list[Verdict]:
     """Judges every cluster of the backends and downs the condemned ones (any object with status() and down())."""
-    judged = judge(backends, states_of, ttl_seconds, time.time(), lease_stale)
+    judged = judge(backends, records or RunRecords(), ttl_seconds, time.time())
     for backend, verdict in judged:
         if verdict.action == "down" and not dry_run:
             try:
@@ -198,12 +209,13 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                   tracking_uris: list[str] | None = None, dry_run: bool = False) -> list[dict]:
     """Downs orphaned gpuflow clusters (flow run final, dead, missing, or older than ttl_hours), closes their MLflow
     runs and marks dead flow runs Crashed. tracking_uris: by default every server the deployments and recent runs use."""
+    attach_gpuflow_loggers()  # gpuflow's own lines (a backend that cannot be listed) in this run's logs
     logger = get_run_logger()
-    uris = tracking_uris or tracking_uris_or_local(logger)
+    uris = tracking_uris or tracking_uris_or_local()
     logger.info(f"reading the MLflow runs of {', '.join(uris)}")
     chosen = available_backends(backends or ["local", "skypilot"])
     try:
-        verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, lease_stale=lease_reader(uris))
+        verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, records=RunRecords(lease_stale=lease_reader(uris)))
     finally:
         for backend in chosen:  # e.g. the SkyPilot API server that listing the clusters started
             getattr(backend, "close", lambda: None)()
@@ -226,17 +238,17 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
     if crashed:
         from gpuflow.flows.notify import notify_reaped
 
-        notify_reaped(set(crashed), uris, logger.warning)  # unless the job's guard already said it
+        notify_reaped(set(crashed), uris)  # unless the job's guard already said it
     create_markdown_artifact(report(verdicts, closed, crashed), key="reaper", description="clusters the reaper downed and why")
     return [asdict(verdict) for verdict in verdicts]
 
 
-def tracking_uris_or_local(logger) -> list[str]:
+def tracking_uris_or_local() -> list[str]:
     """Every tracking server the deployments and recent runs name, and this machine's store."""
     try:
         return known_tracking_uris(default_tracking_uri())
     except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
-        logger.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
+        log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
         return [default_tracking_uri()]
 
 

@@ -36,8 +36,7 @@ def provision(spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -
     logger = get_run_logger()
     logger.info(f"provisioning {spec.compute.backend} cluster {cluster_name}: {spec.compute.num_nodes} node(s)")
     started = time.time()
-    handle = get_backend(spec.compute.backend).launch(spec, cluster_name, on_line=lambda line: logger.info(line),
-                                                      job=job)
+    handle = get_backend(spec.compute.backend).launch(spec, cluster_name, job=job)
     logger.info(f"cluster {cluster_name} is up in {time.time() - started:.1f}s at {handle.address or 'remote'}")
     return handle
 
@@ -122,15 +121,15 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
 def epoch_progress(spec: ExperimentSpec, epoch: int, line: str, life: Lifecycle, seconds: float) -> dict:
     """What the console makes of an epoch's line: epoch i of N, its metrics, the time so far and the bill."""
     return progress(phase="training", epoch=epoch + 1, epochs=spec.train.epochs, metrics=epoch_metrics(line),
-                    train_seconds=seconds, cost_usd=life.bill()["cost_usd"], hourly_usd=life.hourly_usd())
+                    train_seconds=seconds, cost_usd=life.bill()["cost_usd"], hourly_usd=life.meter.hourly_usd())
 
 
 @task(name="teardown", cache_policy=NO_CACHE)
 def teardown(life: Lifecycle) -> float:
     """Downs the cluster (retried inside; idempotent, so the cancel/crash hooks and the reaper may call down too).
     The lifecycle says when it starts and when the cluster is down, on every path: not said twice here; its lines
-    are this task's, so that the console shows the run tearing down."""
-    return life.teardown(log=get_run_logger().info)
+    are this task's (its logger writes into the run that is current), so the console shows the run tearing down."""
+    return life.teardown()
 
 
 # -- the train task's progress bar in the Prefect UI ------------------------------------------------------------

@@ -144,25 +144,27 @@ def test_bad_options_are_refused_naming_the_field_and_the_fix(compute, field, fi
 
 
 @pytest.mark.parametrize("max_cost_usd, affordable", [(5.0, True), (0.5, False)])
-def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, max_cost_usd, affordable):
+def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, max_cost_usd, affordable, caplog):
     """After compute.spot_fallback_after losses the relaunch goes on-demand, if spent + its price for the rest of
     limits.max_runtime_minutes fits limits.max_cost_usd; else the run stops as budget (its checkpoints kept)."""
     from gpuflow.cluster.cost.pricing import hourly_cost
     from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
+    from gpuflow.cluster.run.meter import Meter
+    from gpuflow.cluster.run.record import RunRecord
     from gpuflow.flows.capacity import Capacity
 
     spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "L4:1", "infra": "aws",
                                              "use_spot": True, "spot_fallback_after": 2},
                        "limits": {"max_runtime_minutes": 60, "max_cost_usd": max_cost_usd},
                        "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
-    life = Lifecycle("gpuflow-x", down=lambda name: True, price=hourly_cost(spec), log=lambda line: None)
+    life = Lifecycle("gpuflow-x", down=lambda name: True, meter=Meter(hourly_cost(spec)))
     life.job_started()
-    said = []
-    capacity = Capacity(spec, "flow-run", life, record=None, say=said.append, set_state=lambda name, message: None)
+    capacity = Capacity(RunRecord(spec, "flow-run"), life, set_state=lambda name, message: None)
+    caplog.set_level("INFO", logger="gpuflow")
     assert capacity.spot_lost("preempted") is False and capacity.launch_spec.compute.use_spot  # 1 of 2
     if affordable:
         assert capacity.spot_lost("preempted") is True
-        assert not capacity.launch_spec.compute.use_spot and "relaunching on-demand at up to $0.8048/h" in said[-1]
+        assert not capacity.launch_spec.compute.use_spot and "relaunching on-demand at up to $0.8048/h" in caplog.messages[-1]
     else:
         with pytest.raises(RunStopped) as stopped:
             capacity.spot_lost("preempted")

@@ -13,6 +13,7 @@ from gpuflow.cluster.cost.pricing import BudgetExceeded, CatalogMissing, Estimat
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.cluster.cost.spend import parse_since, run_costs, start_of_today_utc
 from gpuflow.cluster.run.lifecycle import Lifecycle
+from gpuflow.cluster.run.meter import Meter
 from gpuflow.cluster.run.limits import Watchdog, cost_check
 from gpuflow.cluster.cost.budget import check_budget
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check, idle_verdict
@@ -180,8 +181,8 @@ def test_cost_check_fires_at_max_cost():
 def test_the_bill_of_a_run_counts_from_the_provision_request_at_the_launched_price():
     estimate = Estimate(hourly_usd=7.2, per_node_hourly_usd=3.6, num_nodes=2, use_spot=True, source="catalog",
                         gpus_per_node=8)
-    life = Lifecycle("gpuflow-x", down=lambda name: True, price=estimate)
-    life.requested_at, life.launched_at = 1000.0, 1060.0
+    life = Lifecycle("gpuflow-x", down=lambda name: True, meter=Meter(estimate, requested_at=1000.0))
+    life.launched_at = 1060.0
     life.last_output_at, life.teardown_requested_at = 1900.0, 1902.5
     metrics = life.bill(ended=2000.0)
     assert metrics["cost_usd"] == pytest.approx(2.0)
@@ -191,10 +192,10 @@ def test_the_bill_of_a_run_counts_from_the_provision_request_at_the_launched_pri
     assert metrics["provision_seconds"] == 60.0
     life.launched(hourly_usd=14.4)  # e.g. the dearer of two accelerator options launched
     assert life.bill(ended=life.requested_at + 3600)["cost_usd"] == pytest.approx(14.4)
-    priced_by_user = Lifecycle("gpuflow-y", down=lambda name: True, price=hourly_cost(parse_spec(
-        {**A_LOOP, "limits": {"hourly_rate_usd": 2.0}})))
+    priced_by_user = Lifecycle("gpuflow-y", down=lambda name: True, meter=Meter(hourly_cost(parse_spec(
+        {**A_LOOP, "limits": {"hourly_rate_usd": 2.0}}))))
     priced_by_user.launched(hourly_usd=0.0)  # Slurm prices at 0: the user's own rate stands
-    assert priced_by_user.hourly_usd() == 2.0
+    assert priced_by_user.meter.hourly_usd() == 2.0
 
 
 def log_utilization(client, run_id, start, step_s, values_per_gpu):

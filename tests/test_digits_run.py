@@ -13,7 +13,7 @@ import torch
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.spec import ExperimentSpec, load_spec
 from tests.conftest import REPO, processes_of
-from tests.test_experiment_e2e import mlflow_run_of, progress_bars
+from tests.test_experiment_e2e import flow_logs, mlflow_run_of, progress_bars
 from tests.test_telemetry import PERF_KEYS, prefect_artifact_of
 
 pytestmark = pytest.mark.cluster
@@ -51,9 +51,13 @@ def digits_run(prefect_server, tmp_path_factory) -> DigitsRun:
         return DigitsRun(spec, state, home, processes_of(home))
 
 
-def test_the_flow_run_completes_with_its_progress_bar_at_100(digits_run):
+def test_the_flow_run_completes_with_its_progress_bar_at_100_and_gpuflow_s_lines_in_its_logs(digits_run):
     assert digits_run.state.is_completed(), digits_run.state.message
     assert progress_bars(digits_run.flow_run_id) == [100.0]  # the train task's bar in the Prefect UI
+    # gpuflow's module loggers (the backend's, the lifecycle's) write into the run, as the Prefect UI shows it
+    logs = flow_logs(digits_run.flow_run_id)
+    cluster = cluster_name_for(digits_run.flow_run_id)
+    assert f"local Ray cluster {cluster}: 1 node(s) at" in logs and f"tearing down cluster {cluster}" in logs, logs
 
 
 def test_the_mlflow_run_has_every_epoch_its_params_and_its_cluster(digits_run):

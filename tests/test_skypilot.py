@@ -87,26 +87,27 @@ def test_nodes_install_this_gpuflow_from_a_wheel_without_an_index(gpuflow_home, 
     assert (target / "bin" / "gpuflow").is_file()
 
 
-def test_one_skypilot_job_sets_up_and_trains():
+def test_one_skypilot_job_sets_up_and_trains(caplog):
     """The launch starts setup and training as one SkyPilot job: the flow submits no second job (`exec` would add a
     request and a job start), and that job carries the run's environment."""
+    caplog.set_level("INFO", logger="gpuflow")
     fake, lines = FakeSky(), []
     backend = SkyPilotBackend(fake)
-    handle = backend.launch(gpu_spec(), NAME, on_line=lines.append, job=Job("digits-6f1e", {"GPUFLOW_MLFLOW_RUN_ID": "r1"}))
+    handle = backend.launch(gpu_spec(), NAME, job=Job("digits-6f1e", {"GPUFLOW_MLFLOW_RUN_ID": "r1"}))
     [(_, _, _, _, config)] = [c for c in fake.calls if c[0] == "launch"]
     assert config["setup"] and config["run"] == RUN
     assert config["envs"]["GPUFLOW_MLFLOW_RUN_ID"] == "r1" and config["envs"]["GPUFLOW_RUN_NAME"] == "digits-6f1e"
     job_id = backend.exec(handle, gpu_spec(), "digits-6f1e", {"GPUFLOW_MLFLOW_RUN_ID": "r1"})
     assert not [c for c in fake.calls if c[0] == "exec"]
     assert backend.tail_logs(handle, job_id, lines.append) == 0
-    assert any("setup and training run as SkyPilot job 1" in line for line in lines)
+    assert any("setup and training run as SkyPilot job 1" in line for line in caplog.messages)
     assert any("epoch 0" in line for line in lines)
 
 
 def test_each_job_gets_its_own_ray_token_as_a_secret():
     fake = FakeSky()
     backend = SkyPilotBackend(fake)
-    handle = backend.launch(gpu_spec(), NAME, on_line=lambda line: None, job=Job("run", {}))
+    handle = backend.launch(gpu_spec(), NAME, job=Job("run", {}))
     backend.exec(handle, gpu_spec(), "run", {})  # the launch's job
     backend.exec(handle, gpu_spec(), "run", {})  # another one
     configs = [c[4] for c in fake.calls if c[0] == "launch"] + [c[2] for c in fake.calls if c[0] == "exec"]
@@ -124,17 +125,18 @@ def test_plan_never_shows_secrets(monkeypatch):
 def test_capacity_error_leaves_nothing():
     fake = FakeSky("capacity")
     with pytest.raises(NoCapacity, match="Relax"):  # SkyPilot's ResourcesUnavailableError, each option's reason
-        SkyPilotBackend(fake).launch(gpu_spec(), NAME, on_line=lambda line: None)
+        SkyPilotBackend(fake).launch(gpu_spec(), NAME)
     assert fake.clusters == {}
 
 
-def test_setup_failure_leaves_a_cluster_that_down_removes():
-    fake, lines = FakeSky("setup"), []
+def test_setup_failure_leaves_a_cluster_that_down_removes(caplog):
+    caplog.set_level("INFO", logger="gpuflow")
+    fake = FakeSky("setup")
     backend = SkyPilotBackend(fake)
     with pytest.raises(sky.exceptions.CommandError):
-        backend.launch(gpu_spec(), NAME, on_line=lines.append)  # setup alone: the launch waits for it
+        backend.launch(gpu_spec(), NAME)  # setup alone: the launch waits for it
     assert NAME in fake.clusters  # as SkyPilot does, even with down=True
-    assert any("No matching distribution" in line for line in lines)  # the setup log is shown
+    assert any("No matching distribution" in line for line in caplog.messages)  # the setup log is shown
     assert backend.down(NAME) is True and fake.clusters == {}
     assert backend.down(NAME) is False  # idempotent
 
@@ -142,7 +144,7 @@ def test_setup_failure_leaves_a_cluster_that_down_removes():
 def test_a_setup_failure_in_the_job_says_so():
     fake, lines = FakeSky("setup"), []
     backend = SkyPilotBackend(fake)
-    handle = backend.launch(gpu_spec(), NAME, on_line=lines.append, job=Job("run", {}))
+    handle = backend.launch(gpu_spec(), NAME, job=Job("run", {}))
     assert backend.tail_logs(handle, backend.exec(handle, gpu_spec(), "run", {}), lines.append) != 0
     assert any("No matching distribution" in line for line in lines)
     assert lines[-1].endswith(f"setup on {NAME} failed (FAILED_SETUP); its log is above")
@@ -152,7 +154,7 @@ def test_a_setup_failure_in_the_job_says_so():
 def test_every_launch_sets_autostop_and_autodown():
     fake = FakeSky()
     spec = gpu_spec()
-    SkyPilotBackend(fake).launch(spec, NAME, on_line=lambda line: None)
+    SkyPilotBackend(fake).launch(spec, NAME)
     [(verb, name, idle_minutes, down, _)] = [c for c in fake.calls if c[0] == "launch"]
     assert (name, idle_minutes, down) == (NAME, spec.limits.idle_minutes_to_autostop, True)
     assert fake.clusters[NAME]["autostop"] == spec.limits.idle_minutes_to_autostop
@@ -176,7 +178,7 @@ def test_down_cancels_a_launch_in_flight():
 
 def _launch_error(backend):
     try:
-        backend.launch(gpu_spec(), NAME, on_line=lambda line: None)
+        backend.launch(gpu_spec(), NAME)
     except BaseException as exc:  # noqa: BLE001
         return exc
 

@@ -1,6 +1,6 @@
 """The backend interface: one for every place a Ray cluster can come from, with SkyPilot's verbs.
 
-launch(spec, name, job=None) -> handle; exec(handle, ...) -> job id; tail_logs(handle, job id, on_line) -> exit code;
+launch(spec, name, job=None) -> handle; exec(handle, ...) -> job id; tail_logs(handle, job id, read) -> exit code;
 status() -> our clusters; lost(name) -> why a cluster is no longer whole (a node or all of it gone), else None;
 down(name) tears a cluster down, idempotent and safe on a half-made one.
 `down` takes a name, not a handle: Prefect's cancel and crash hooks run in another process.
@@ -47,17 +47,22 @@ class ClusterStatus:
     launched_at: float | None = None
 
 
+# The reader of a job's log: each line, as it comes (the flow's, which follows the job's progress markers).
+LineReader = Callable[[str], object]
+
+
 class Backend(Protocol):
     name: str
     loss_poll_s: float | None  # how often the flow may ask `lost` while a job runs; None: only once it failed
     starts_job_at_launch: bool  # `launch` starts the job it is given: its data and MLflow run must exist first
 
-    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
-               job: Job | None = None) -> ClusterHandle: ...
+    def launch(self, spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -> ClusterHandle:
+        """Brings the cluster up (its progress in this module's logger), or returns it if one of that name is up."""
 
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str: ...
 
-    def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int: ...
+    def tail_logs(self, handle: ClusterHandle, job_id: str, read: LineReader) -> int:
+        """Hands each line of the job's log to `read` as it comes, until the job ends; returns its exit code."""
 
     def status(self) -> list[ClusterStatus]: ...
 

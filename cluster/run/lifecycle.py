@@ -1,24 +1,28 @@
 """One owner of a run's cluster: why and when it stopped, what it cost, how the run ended.
 
-    with Lifecycle(cluster_name, down=backend.down, price=estimate) as life:
+    with Lifecycle(cluster_name, down=backend.down, meter=Meter(estimate)) as life:
         ...                       # the watchdog, the cancel watcher, the job's own stop: all call life.stop(reason)
         life.teardown()           # or leave the block: teardown runs whatever happened, then the run is closed
 
 `stop(reason, detail)` is idempotent and thread-safe: the first reason wins and downs the cluster at once.
 Leaving the block tears down (with retries), then hands the outcome (MLflow status, stopped_by) and the bill
 to `close`, even when the teardown failed: then the error is raised after the run is closed, and the reaper
-downs the cluster on its next pass.
+downs the cluster on its next pass. What the clusters cost is the meter's (`life.meter`); the lifecycle says when.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gpuflow.cluster.cost.pricing import USER_RATE, Estimate, launched_price
+from gpuflow.cluster.cost.pricing import Estimate
 from gpuflow.cluster.protocol import STATUS_FOR_STOP
+from gpuflow.cluster.run.meter import Meter
+
+log = logging.getLogger(__name__)
 
 TEARDOWN_DELAYS_S = (1, 5)
 
@@ -43,11 +47,11 @@ class Outcome:
 
 
 class Lifecycle:
-    def __init__(self, cluster_name: str, down: Callable[[str], object], price: Estimate,
-                 close: Callable[[Outcome, dict], None] | None = None, log: Callable[[str], None] = print):
-        self.cluster_name, self.down, self.price, self.close, self.log = cluster_name, down, price, close, log
+    def __init__(self, cluster_name: str, down: Callable[[str], object], meter: Meter,
+                 close: Callable[[Outcome, dict], None] | None = None):
+        self.cluster_name, self.down, self.meter, self.close = cluster_name, down, meter, close
         self._launches: list = []  # futures of launches in flight (anything with .wait())
-        self.requested_at = time.time()  # the bill runs from the provision request
+        self.requested_at = meter.requested_at
         self.launched_at: float | None = None
         self.job_started_at: float | None = None  # the training job's first start (after setup): limits count from it
         self.last_output_at: float | None = None  # the job's last log line: idle from here to the teardown
@@ -59,9 +63,6 @@ class Lifecycle:
         self.recovery_seconds: list[float] = []  # each loss noticed → first resumed epoch
         self._last_epoch_at: float | None = None
         self._lost_at: float | None = None
-        self.attempts: list[dict] = []  # each cluster before the current one: its option, price, seconds, cost
-        self.option = "planned"  # the current cluster's option, once it launched: "2: slurm/lab A100:1 on-demand"
-        self._attempt_started: float | None = None  # the current cluster's provision request (None: requested_at)
         self.ended_at: float | None = None
         self.stop_reason: str | None = None
         self.stop_detail = ""
@@ -74,18 +75,12 @@ class Lifecycle:
         self._launches.append(future)
 
     def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
-        """The cluster is up; meter it at the price of the option that launched (`price`), or at what the backend
-        says it costs, unless the user priced it."""
+        """The cluster is up; the meter prices it (Meter.launched)."""
         self.launched_at = self.launched_at or time.time()
-        self.price, self.option = price or self.price, option or self.option
-        if hourly_usd is not None and not self.price.source.endswith(USER_RATE):
-            self.price = launched_price(self.price, hourly_usd)
+        self.meter.launched(hourly_usd, price, option)
 
     def job_started(self) -> None:
         self.job_started_at = self.job_started_at or time.time()
-
-    def hourly_usd(self) -> float:
-        return self.price.hourly_usd
 
     def epoch_done(self) -> None:
         """An epoch reported (and checkpointed): the end of work a loss could take away, or of a recovery."""
@@ -99,12 +94,12 @@ class Lifecycle:
         self._lost_at = time.time()
         self.lost_compute_seconds += self._lost_at - (self._last_epoch_at or self.launched_at or self._lost_at)
         self.recoveries += 1
-        self.log(f"cluster {self.cluster_name} lost: {why}")
+        log.warning(f"cluster {self.cluster_name} lost: {why}")
 
     def end_lost_job(self, reason: str, why: str) -> None:
         """A node of the cluster is gone: what is left of it is downed now, so that its job ends at once instead of
         after Ray's own timeouts. Whether the run relaunches is the flow's call once the job has ended."""
-        self.log(f"cluster {self.cluster_name}: {why}; ending its job")
+        log.warning(f"cluster {self.cluster_name}: {why}; ending its job")
         try:
             self.down(self.cluster_name)
         except Exception:  # the relaunch, or the teardown at the end, downs it again
@@ -114,14 +109,8 @@ class Lifecycle:
         """The lost cluster is downed; from now on the run's cluster is the relaunched one, metered at `price` until
         it launches. Returns the attempt that ended: its option, price and cost."""
         self.down(self.cluster_name)
-        now = time.time()
-        started = self._attempt_started or self.requested_at
-        self.attempts.append({"option": self.option, "hourly_usd": self.price.hourly_usd, "seconds": now - started,
-                              "cost_usd": self.price.cost_usd(now - started),
-                              "gpu_hours": (now - started) / 3600 * self.price.gpus_per_node * self.price.num_nodes})
-        self.cluster_name, self._attempt_started, self.option = cluster_name, now, "planned"
-        self.price = price or self.price
-        return self.attempts[-1]
+        self.cluster_name = cluster_name
+        return self.meter.relaunched(price)
 
     def output(self) -> None:
         self.last_output_at = time.time()
@@ -134,16 +123,12 @@ class Lifecycle:
             self.stop_reason, self.stop_detail = reason, detail
             self.teardown_requested_at = time.time()
         self._stopped.set()
-        self.log(f"{detail}: tearing down cluster {self.cluster_name}")
+        log.warning(f"{detail}: tearing down cluster {self.cluster_name}")
         try:
             self.down(self.cluster_name)
         except Exception:  # the teardown at the end retries, and says why if it still fails
             pass
         return True
-
-    def not_billed_until(self, when: float) -> None:
-        """No cluster existed until `when` (a launch that found no capacity): the bill of this attempt starts there."""
-        self._attempt_started = when
 
     def stopped_wait(self, seconds: float) -> bool:
         """Sleeps `seconds`, or less if the run is stopped meanwhile; True when it was."""
@@ -154,15 +139,13 @@ class Lifecycle:
         return self.stop_reason is not None
 
     # -- the end --------------------------------------------------------------------------------------
-    def teardown(self, log: Callable[[str], None] | None = None) -> float:
-        """Downs the cluster (idempotent; retried); returns the seconds it took. Raises TeardownFailed.
-        Its lines go to `log` where given, else to the lifecycle's."""
+    def teardown(self) -> float:
+        """Downs the cluster (idempotent; retried); returns the seconds it took. Raises TeardownFailed."""
         if self.teardown_seconds is not None:
             return self.teardown_seconds
-        log = log or self.log
         self.teardown_requested_at = self.teardown_requested_at or time.time()
         started = time.time()
-        log(f"tearing down cluster {self.cluster_name}")
+        log.info(f"tearing down cluster {self.cluster_name}")
         # after a failed teardown (the block then ends with it), one more try, not the whole series again
         for delay in (None,) if self.teardown_error else (*TEARDOWN_DELAYS_S, None):
             try:
@@ -175,7 +158,7 @@ class Lifecycle:
                 break
             except Exception as exc:
                 self.teardown_error = exc
-                log(f"teardown of {self.cluster_name} failed: {type(exc).__name__}: {exc}")
+                log.warning(f"teardown of {self.cluster_name} failed: {type(exc).__name__}: {exc}")
                 if delay is None:
                     raise TeardownFailed(
                         f"could not tear down cluster {self.cluster_name} after {len(TEARDOWN_DELAYS_S) + 1} tries: "
@@ -183,7 +166,7 @@ class Lifecycle:
                         f"or run `gpuflow down {self.cluster_name}`") from exc
                 time.sleep(delay)
         self.teardown_seconds = time.time() - started
-        log(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
+        log.info(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
         return self.teardown_seconds
 
     def outcome(self, error: BaseException | None) -> Outcome:
@@ -196,15 +179,9 @@ class Lifecycle:
         return Outcome("FAILED", None, str(error))
 
     def bill(self, ended: float | None = None) -> dict[str, float]:
-        """The run's cost: the cluster counts from the provision request to the end of teardown."""
-        ended = ended or time.time()
-        price, current_s = self.price, max(0.0, ended - (self._attempt_started or self.requested_at))
-        metrics = {  # each cluster of the run at its own price: the ones before, and the current one
-            "cost_usd": sum(a["cost_usd"] for a in self.attempts) + price.cost_usd(current_s),
-            "cluster_hours": (sum(a["seconds"] for a in self.attempts) + current_s) / 3600,
-            "gpu_hours": sum(a["gpu_hours"] for a in self.attempts) + current_s / 3600 * price.gpus_per_node * price.num_nodes,
-            "hourly_cost_usd": price.hourly_usd,
-        }
+        """The run's cost (the meter's: each cluster from its provision request to the end of its teardown) and
+        its times: provisioning, idle before the teardown, the teardown, the recoveries."""
+        metrics = self.meter.cost(ended)
         if self.launched_at:
             metrics["provision_seconds"] = self.launched_at - self.requested_at
         if self.last_output_at and self.teardown_requested_at:
@@ -216,13 +193,6 @@ class Lifecycle:
             if self.recovery_seconds:
                 metrics["recovery_seconds"] = max(self.recovery_seconds)
         return metrics
-
-    def all_attempts(self, ended: float | None = None) -> list[dict]:
-        """Every cluster of the run, the current one last, each with its option, price and cost."""
-        ended = ended or self.ended_at or time.time()
-        seconds = max(0.0, ended - (self._attempt_started or self.requested_at))
-        return [*self.attempts, {"option": self.option, "hourly_usd": self.price.hourly_usd, "seconds": seconds,
-                                 "cost_usd": self.price.cost_usd(seconds)}]
 
     def __enter__(self) -> Lifecycle:
         return self

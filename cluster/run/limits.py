@@ -7,6 +7,7 @@ still cannot run past `limits.max_runtime_minutes` or `limits.max_cost_usd`.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from typing import Callable
@@ -50,15 +51,20 @@ def cost_check(max_cost_usd: float | None, hourly_usd: Callable[[], float], requ
 
 
 class Watchdog(threading.Thread):
-    """Polls stop checks; the first that fires is handed to `stop(reason, detail)`, once, and the watch ends."""
+    """Polls stop checks; the first that fires is handed to `stop(reason, detail)`, once, and the watch ends.
+    It runs in the context of the thread that made it: what it logs belongs to that thread's run."""
 
     def __init__(self, checks: list[Check], stop: Callable[[str, str], object], interval_s: float = 1.0,
                  name: str = "gpuflow-watchdog"):
         super().__init__(daemon=True, name=name)
         self.checks, self.stop, self.interval_s = list(checks), stop, interval_s
         self._done = threading.Event()
+        self._context = contextvars.copy_context()
 
     def run(self) -> None:
+        self._context.run(self._watch)
+
+    def _watch(self) -> None:
         while self.checks and not self._done.wait(self.interval_s):
             for check in self.checks:
                 verdict = check()

@@ -99,4 +99,4 @@ def deadline_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
 
 
 def cost_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
-    return limits.cost_check(spec.limits.max_cost_usd, life.hourly_usd, life.requested_at)
+    return limits.cost_check(spec.limits.max_cost_usd, life.meter.hourly_usd, life.requested_at)

@@ -4,9 +4,11 @@ flow lives, closed with the run's outcome and bill; and finding a flow run's MLf
 from __future__ import annotations
 
 import json
+import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunInfo, RunTag
@@ -19,6 +21,8 @@ from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
+
+log = logging.getLogger(__name__)
 
 
 def client_for(spec: ExperimentSpec) -> MlflowClient:
@@ -89,12 +93,22 @@ def price_entries(price) -> tuple[dict[str, float], dict[str, str]]:
 class RunRecord:
     """The flow's MLflow run from open to close: its lease renewed meanwhile, closed with the run's outcome and bill."""
 
-    def __init__(self, spec: ExperimentSpec, flow_run_id: str, warn: Callable[[str], None] = print):
-        self.spec, self.flow_run_id, self.warn = spec, flow_run_id, warn
+    def __init__(self, spec: ExperimentSpec, flow_run_id: str):
+        self.spec, self.flow_run_id = spec, flow_run_id
         self.run_id: str | None = None
         self.artifact_uri: str | None = None
         self.phases: dict[str, float] = {}
         self._lease: LeaseKeeper | None = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times a phase of the run (`provision`, `teardown`, ...): `gpuflow.<name>_seconds` on the MLflow run and
+        in the summary, also when the phase fails."""
+        started = time.time()
+        try:
+            yield
+        finally:
+            self.phases[f"{name}_seconds"] = time.time() - started
 
     def opened(self, run: RunInfo, price) -> str:
         """The run is open: its params, its price, where its checkpoints go and its lease, in one call; then the
@@ -143,7 +157,7 @@ class RunRecord:
             # only a sweep's run has child runs (its trials) to end with it: no search for the others
             if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags,
                              children=self.spec.sweep is not None):
-                self.warn(f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
+                log.warning(f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
                                          "left RUNNING; the reaper closes it")
         else:
             close_runs_of_flow_run(self.spec, self.flow_run_id, outcome.status)
@@ -162,7 +176,7 @@ class RunRecord:
         try:
             client_for(self.spec).log_batch(self.run_id, metrics=metrics, tags=tags, synchronous=True)
         except Exception as exc:  # the close that follows says whether MLflow is reachable
-            self.warn(f"could not log the attempts' costs: {type(exc).__name__}: {exc}")
+            log.warning(f"could not log the attempts' costs: {type(exc).__name__}: {exc}")
 
 
 def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) -> list[str]:

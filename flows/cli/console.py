@@ -56,6 +56,17 @@ def key_metrics(metrics: dict, first: str | None = None) -> dict:
     return {key: metrics[key] for key in keys[:SHOWN_METRICS]}
 
 
+def task_of(record: logging.LogRecord) -> str | None:
+    """The task a record came from: Prefect's run loggers name it; gpuflow's module loggers log in its context."""
+    name = getattr(record, "task_name", None)
+    if name is None and record.name.startswith("gpuflow."):
+        from prefect.context import TaskRunContext
+
+        context = TaskRunContext.get()
+        name = context.task.name if context else None
+    return name
+
+
 class Progress:
     """The run's progress, read from the flow's records: phase, the latest epoch and how fast epochs go."""
 
@@ -69,7 +80,7 @@ class Progress:
     def update(self, record: logging.LogRecord) -> dict | None:
         """Takes what `record` says of the run; returns its epoch fields, if it reports an epoch."""
         fields = getattr(record, PROGRESS, None) or {}
-        phase = fields.get("phase") or TASK_PHASES.get(getattr(record, "task_name", None))
+        phase = fields.get("phase") or TASK_PHASES.get(task_of(record))
         if phase:
             self.phase = phase
         if "epoch" not in fields:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -18,14 +19,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
-
-from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job, LineReader
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.util.processes import alive, session_alive, session_members, stop_sessions
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.spec import ExperimentSpec
+
+log = logging.getLogger(__name__)
 
 LAUNCH_TIMEOUT_S = 120
 NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
@@ -49,8 +50,7 @@ class LocalBackend:
         self._children = CHILDREN
 
     # -- launch -----------------------------------------------------------------------------------
-    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
-               job: Job | None = None) -> ClusterHandle:
+    def launch(self, spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -> ClusterHandle:
         """Starts the cluster, or returns it if a cluster of that name is already up (SkyPilot's semantics)."""
         record = self.record(cluster_name)
         if not (record and session_alive(record["session"])):
@@ -58,7 +58,7 @@ class LocalBackend:
                 self.down(cluster_name)  # a half-made cluster of that name: start clean
                 self.start(spec, cluster_name)
         address = self.wait_until_up(cluster_name)
-        on_line(f"local Ray cluster {cluster_name}: {spec.compute.num_nodes} node(s) at {address}")
+        log.info(f"local Ray cluster {cluster_name}: {spec.compute.num_nodes} node(s) at {address}")
         return ClusterHandle(cluster_name, self.name, address, self.record(cluster_name))
 
     def start(self, spec: ExperimentSpec, cluster_name: str) -> None:
@@ -182,7 +182,7 @@ class LocalBackend:
         self._children[str(process.pid)] = process
         return str(process.pid)
 
-    def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int:
+    def tail_logs(self, handle: ClusterHandle, job_id: str, read: LineReader) -> int:
         """Follows the job's log until it exits; returns its exit code."""
         record = self.record(handle.name) or {}
         log = Path(record.get("jobs", {}).get(job_id, {}).get("log", ""))
@@ -198,13 +198,13 @@ class LocalBackend:
                 position += len(chunk)
                 *lines, buffered = (buffered + chunk).split(b"\n")
                 for line in lines:
-                    on_line(line.decode(errors="replace"))
+                    read(line.decode(errors="replace"))
             elif not finished:
                 # the log vanished: the cluster was torn down under us (cancel, watchdog)
                 finished = True
             if finished:
                 if buffered:
-                    on_line(buffered.decode(errors="replace"))
+                    read(buffered.decode(errors="replace"))
                 return process.wait() if process else -signal.SIGKILL
             time.sleep(0.1)
 

@@ -13,15 +13,16 @@ leaves UP on purpose, is downed like any other. The spec → sky.Task mapping is
 from __future__ import annotations
 
 import io
+import logging
 import os
 import secrets
 import time
-from typing import Callable
-
-from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job
+from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job, LineReader
 from gpuflow.cluster.backends.skypilot.options import launched_facts, no_capacity, resources_for
 from gpuflow.cluster.protocol import JobEnv, split_secrets
 from gpuflow.cluster.spec import ExperimentSpec, job_secrets
+
+log = logging.getLogger(__name__)
 
 RUN = "python -m gpuflow.cluster.backends.skypilot.node"  # the whole job, see cluster/backends/skypilot/node.py
 # gpuflow need not be on any package index: the client's own version travels as a wheel in a file mount.
@@ -91,18 +92,18 @@ def task_yaml(spec: ExperimentSpec) -> str:
 class LineWriter(io.TextIOBase):
     """A text stream that hands each complete line to a callback (SkyPilot streams into file objects)."""
 
-    def __init__(self, on_line: Callable[[str], None]):
-        self.on_line, self.buffer = on_line, ""
+    def __init__(self, read: LineReader):
+        self.read, self.buffer = read, ""
 
     def write(self, text: str) -> int:
         *lines, self.buffer = (self.buffer + text).split("\n")
         for line in lines:
-            self.on_line(line.rstrip("\r"))
+            self.read(line.rstrip("\r"))
         return len(text)
 
     def flush(self) -> None:
         if self.buffer:
-            self.on_line(self.buffer)
+            self.read(self.buffer)
             self.buffer = ""
 
 
@@ -173,9 +174,10 @@ class SkyPilotBackend:
         if self._api_was_up is False:
             self.sky.api_stop()
 
-    def _wait(self, request_id, on_line: Callable[[str], None] = print):
-        """Streams a request to completion; if we are interrupted, the request is cancelled on the server too."""
-        stream = LineWriter(on_line)
+    def _wait(self, request_id, shown: bool = True):
+        """Streams a request to completion (its lines to the log, where `shown`); if we are interrupted, the request
+        is cancelled on the server too."""
+        stream = LineWriter(log.info if shown else lambda line: None)
         try:
             return self.sky.stream_and_get(request_id, output_stream=stream)
         except BaseException:
@@ -187,8 +189,7 @@ class SkyPilotBackend:
         finally:
             stream.flush()
 
-    def launch(self, spec: ExperimentSpec, cluster_name: str, on_line: Callable[[str], None] = print,
-               job: Job | None = None) -> ClusterHandle:
+    def launch(self, spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -> ClusterHandle:
         """Provisions, then runs setup and the job as one SkyPilot job; autostop + down=True make the cluster
         delete itself if we die. Without a job, runs setup alone and waits for it."""
         started = time.time()
@@ -197,27 +198,28 @@ class SkyPilotBackend:
         request_id = self.sky.launch(task, cluster_name=cluster_name,
                                      idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True)
         try:
-            job_id, launched = self._wait(request_id, on_line)
+            job_id, launched = self._wait(request_id)
         except self.sky.exceptions.ResourcesUnavailableError as exc:  # SkyPilot tried every option
             raise no_capacity(spec, exc) from exc
         info = {"request_id": str(request_id), "hourly_cost_usd": launched_hourly_usd(launched),
                 **launched_facts(spec, getattr(launched, "launched_resources", None))}
         if job is not None:
             # One job, not a setup job then a training job: `exec` would add a request and a job start (~18 s).
-            on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
+            log.info(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
                     f"setup and training run as SkyPilot job {job_id}")
             info["job_id"] = str(job_id)
         elif job_id is not None:
             # SkyPilot 0.14 runs setup detached, as a job of its own, and returns before it ends:
             # wait for it here so that its log is shown and a broken setup fails the launch.
-            on_line(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; setup runs as SkyPilot job {job_id}")
+            log.info(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
+                     f"setup runs as SkyPilot job {job_id}")
             setup_started = time.time()
-            code = self._follow(cluster_name, job_id, on_line)
+            code = self._follow(cluster_name, job_id, log.info)
             if code != 0:
                 raise self.sky.exceptions.CommandError(
                     code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
                     f"SkyPilot job {job_id} ran the task's setup")
-            on_line(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
+            log.info(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
         return ClusterHandle(cluster_name, self.name, info=info)
 
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
@@ -225,16 +227,16 @@ class SkyPilotBackend:
         if handle.info.get("job_id"):
             return handle.info.pop("job_id")
         task = with_ray_token(build_task(spec, run_name=run_name, env=env, with_setup=False))
-        job_id, _ = self._wait(self.sky.exec(task, cluster_name=handle.name), lambda line: None)
+        job_id, _ = self._wait(self.sky.exec(task, cluster_name=handle.name), shown=False)
         return str(job_id)
 
-    def tail_logs(self, handle: ClusterHandle, job_id: str, on_line: Callable[[str], None]) -> int:
+    def tail_logs(self, handle: ClusterHandle, job_id: str, read: LineReader) -> int:
         """Follows the job's log; returns 0 when the job SUCCEEDED, SkyPilot's non-zero job exit code otherwise."""
-        code = self._follow(handle.name, int(job_id), on_line)
+        code = self._follow(handle.name, int(job_id), read)
         outcome = job_outcome(code)
         if code == self.sky.exceptions.JobExitCode.FAILED and self._setup_failed(handle.name, int(job_id)):
             outcome = f"setup on {handle.name} failed (FAILED_SETUP); its log is above"
-        on_line(f"[gpuflow] SkyPilot job {job_id} on {handle.name}: {outcome}")
+        read(f"[gpuflow] SkyPilot job {job_id} on {handle.name}: {outcome}")
         return code
 
     def _setup_failed(self, cluster_name: str, job_id: int) -> bool:
@@ -245,9 +247,9 @@ class SkyPilotBackend:
             return False
         return getattr(status, "value", str(status)) == "FAILED_SETUP"
 
-    def _follow(self, cluster_name: str, job_id: int, on_line: Callable[[str], None]) -> int:
+    def _follow(self, cluster_name: str, job_id: int, read: LineReader) -> int:
         # tail_logs' return code is the job's outcome (sky.exceptions.JobExitCode): no job_status round trip
-        stream = LineWriter(on_line)
+        stream = LineWriter(read)
         try:
             return self.sky.tail_logs(cluster_name, job_id, follow=True, output_stream=stream)
         finally:
@@ -281,7 +283,7 @@ class SkyPilotBackend:
         """Cancels what is in flight for the cluster, then deletes it; False when there was nothing to delete."""
         self.cancel_requests(cluster_name)
         try:
-            self._wait(self.sky.down(cluster_name), lambda line: None)
+            self._wait(self.sky.down(cluster_name), shown=False)
             return True
         except self.sky.exceptions.ClusterDoesNotExist:
             return False

@@ -1,0 +1,68 @@
+"""The run's bill: each cluster it had at its own price, from its provision request to the end of its teardown.
+
+    meter = Meter(hourly_cost(spec))      # priced at the dearest option that may launch, until one does
+    meter.launched(hourly_usd, price, option)
+    meter.cost()                          # {"cost_usd": ..., "gpu_hours": ..., "cluster_hours": ..., ...}
+"""
+
+from __future__ import annotations
+
+import time
+
+from gpuflow.cluster.cost.pricing import USER_RATE, Estimate, launched_price
+
+
+class Meter:
+    def __init__(self, price: Estimate, requested_at: float | None = None):
+        self.price = price
+        self.requested_at = requested_at or time.time()  # the bill runs from the provision request
+        self.attempts: list[dict] = []  # each cluster before the current one: its option, price, seconds, cost
+        self.option = "planned"  # the current cluster's option, once it launched: "2: slurm/lab A100:1 on-demand"
+        self._attempt_started = self.requested_at  # the current cluster's provision request
+
+    def hourly_usd(self) -> float:
+        return self.price.hourly_usd
+
+    def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
+        """Meters the cluster at the price of the option that launched (`price`), or at what the backend says it
+        costs, unless the user priced it."""
+        self.price, self.option = price or self.price, option or self.option
+        if hourly_usd is not None and not self.price.source.endswith(USER_RATE):
+            self.price = launched_price(self.price, hourly_usd)
+
+    def not_billed_until(self, when: float) -> None:
+        """No cluster existed until `when` (a launch that found no capacity): the bill of this attempt starts there."""
+        self._attempt_started = when
+
+    def relaunched(self, price: Estimate | None = None) -> dict:
+        """The current cluster ended and another is requested, metered at `price` until it launches. Returns the
+        attempt that ended: its option, price and cost."""
+        now = time.time()
+        seconds = now - self._attempt_started
+        self.attempts.append({**self._attempt(seconds),
+                              "gpu_hours": seconds / 3600 * self.price.gpus_per_node * self.price.num_nodes})
+        self._attempt_started, self.option = now, "planned"
+        self.price = price or self.price
+        return self.attempts[-1]
+
+    def cost(self, ended: float | None = None) -> dict[str, float]:
+        """What the run's clusters cost up to `ended` (now): the ones before, and the current one."""
+        current_s = self._current_seconds(ended)
+        price = self.price
+        return {
+            "cost_usd": sum(a["cost_usd"] for a in self.attempts) + price.cost_usd(current_s),
+            "cluster_hours": (sum(a["seconds"] for a in self.attempts) + current_s) / 3600,
+            "gpu_hours": sum(a["gpu_hours"] for a in self.attempts) + current_s / 3600 * price.gpus_per_node * price.num_nodes,
+            "hourly_cost_usd": price.hourly_usd,
+        }
+
+    def all_attempts(self, ended: float | None = None) -> list[dict]:
+        """Every cluster of the run, the current one last, each with its option, price and cost."""
+        return [*self.attempts, self._attempt(self._current_seconds(ended))]
+
+    def _attempt(self, seconds: float) -> dict:
+        return {"option": self.option, "hourly_usd": self.price.hourly_usd, "seconds": seconds,
+                "cost_usd": self.price.cost_usd(seconds)}
+
+    def _current_seconds(self, ended: float | None) -> float:
+        return max(0.0, (ended or time.time()) - self._attempt_started)
