@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 PACKAGES = {"gpuflow.cluster": REPO / "cluster", "gpuflow.flows": REPO / "flows", "gpuflow.tasks": REPO / "tasks"}
 SETTINGS_AND_CONTRACT = {"gpuflow.cluster.config", "gpuflow.cluster.protocol"}

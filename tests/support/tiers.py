@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FULL_MARKERS = ("full", "slurm", "browser", "load", "team")  # these run only in the whole matrix
 TIER_MARKERS = ("cluster", *FULL_MARKERS)
 # Shared servers a test reaches through a fixture (started once, by whichever test asks first).
