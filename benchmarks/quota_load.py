@@ -23,9 +23,9 @@ sys.path.insert(0, str(REPO))
 
 
 def one_pass(stack, home: Path, runs: int, limit: int, quota: int | None) -> dict:
-    from tests.servers import BIN, base_env
+    from tests.support.servers import BIN, base_env
     from tests.test_team_stack import TINY_EPOCHS, as_user, mlflow_runs, serving, submit
-    from tests.team_stack import MLFLOW_ADMIN, wait_until_final
+    from tests.support.team_stack import MLFLOW_ADMIN, wait_until_final
 
     env = base_env(**stack.client_env(), GPUFLOW_HOME=str(home))
     if quota:
@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.record import record
-    from tests.team_stack import team_stack
+    from tests.support.team_stack import team_stack
 
     with team_stack() as stack:
         alone = one_pass(stack, stack.home / "one-at-a-time", args.baseline_runs, limit=1, quota=None)

@@ -225,7 +225,7 @@ def benchmark(args) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
     from tests.infra.slurm import harness
-    from tests.servers import mlflow_server
+    from tests.support.servers import mlflow_server
 
     logs = Path(args.logs or tempfile.mkdtemp(prefix="skypilot-overhead-"))
     logs.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session,
 a real MLflow tracking server and the local Slurm cluster (tests/infra/slurm) for the `slurm` tests.
 
-The tiers (`pytest`, `pytest --full`) and the end-of-session checks are in tests/tiers.py; see tests/README.md."""
+The tiers (`pytest`, `pytest --full`) and the end-of-session checks are in tests/support/tiers.py; see tests/README.md."""
 
 import os
 import shutil
@@ -11,21 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.repo import REPO
 
-pytest_plugins = ["pytester"]  # tests.tiers and tests.cpu_report come in through addopts (pyproject.toml)
+pytest_plugins = ["pytester"]  # tests.support.tiers and tests.support.cpu_report come in through addopts (pyproject.toml)
 
-REPO = Path(__file__).resolve().parents[1]
-A_LOOP = {"train": {"loop": "experiments.digits:train_loop"}}  # the one required field, for specs built in tests
-DIGITS_DATA = {"train": ".gpuflow/data/digits/train.parquet", "validation": ".gpuflow/data/digits/validation.parquet",
-               "generate": "experiments.digits:write_parquet"}
-
-
-def with_loop(fields: dict) -> dict:
-    """`fields` with train.loop filled in (the digits loop) unless they give one."""
-    train = fields.get("train")
-    if isinstance(train, dict) and "loop" not in train:
-        return {**fields, "train": {**A_LOOP["train"], **train}}
-    return {**A_LOOP, **fields} if "train" not in fields else fields
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -85,28 +74,11 @@ def prefect_server():
         yield
 
 
-def alive(pids) -> list[int]:
-    """The pids that are still running (zombies count as gone: they hold no resources)."""
-    from gpuflow.cluster.util.processes import alive as running
-
-    return [pid for pid in pids if running(pid)]
-
-
-def processes_of(home: Path) -> list[int]:
-    """Live processes started for one gpuflow home: Ray's daemons and workers and the job inherit GPUFLOW_HOME."""
-    from tests.tiers import carrying, describe
-
-    found = carrying("GPUFLOW_HOME", str(home), {os.getpid()})
-    for process in found:
-        print(describe(process))  # say what is left, for the failure message
-    return [process.pid for process in found]
-
-
-# -- real servers for the deployment, tracking-server and browser tests (tests/servers.py) ------------------
+# -- real servers for the deployment, tracking-server and browser tests (tests/support/servers.py) ------------------
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory) -> str:
     """`prefect server start` on a free 127.0.0.1 port; its API URL (the UI is at the same origin)."""
-    from tests.servers import prefect_server
+    from tests.support.servers import prefect_server
 
     with prefect_server(tmp_path_factory.mktemp("prefect-server")) as api_url:
         yield api_url
@@ -115,7 +87,7 @@ def prefect_api(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def mlflow_url(tmp_path_factory) -> str:
     """`mlflow server` with proxied artifacts on a free 127.0.0.1 port."""
-    from tests.servers import mlflow_server
+    from tests.support.servers import mlflow_server
 
     with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
         yield url
@@ -124,7 +96,7 @@ def mlflow_url(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def served(prefect_api, mlflow_url, tmp_path_factory):
     """`gpuflow serve` of prefect.yaml's deployments, tracking to the MLflow server, state in a temp folder."""
-    from tests.servers import ServedDeployments, gpuflow_serve
+    from tests.support.servers import ServedDeployments, gpuflow_serve
 
     home = tmp_path_factory.mktemp("served-home")
     with gpuflow_serve(prefect_api, home, served_overrides(mlflow_url, home), ("run-experiment", "nightly-digits")):
@@ -139,7 +111,7 @@ def served_overrides(mlflow_url: str, home: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def second_serve_stopped(served, tmp_path_factory) -> str:
     """Another machine's `gpuflow serve` of nightly-digits (the same overrides), started and then stopped: its log."""
-    from tests.servers import gpuflow_serve
+    from tests.support.servers import gpuflow_serve
 
     home = tmp_path_factory.mktemp("second-serve")
     # its shutdown waits two poll intervals for another serve's poll: on a busy machine, more than the usual grace
@@ -157,7 +129,7 @@ def second_serve_stopped(served, tmp_path_factory) -> str:
 def scheduled_run(served, second_serve_stopped):
     """The flow run that a schedule one minute away makes of nightly-digits (2 epochs), once it has ended: after
     a second serve of it has stopped, so the run shows that its schedule still fires."""
-    from tests.servers import run_on_a_schedule_a_minute_away
+    from tests.support.servers import run_on_a_schedule_a_minute_away
 
     return run_on_a_schedule_a_minute_away(served, "nightly-digits", overrides={"epochs": 2})
 
@@ -191,7 +163,7 @@ def slurm_infra():
     """
     from tests.infra.slurm import harness
 
-    from tests.tiers import require
+    from tests.support.tiers import require
 
     ok, why = harness.available()
     require(ok, f"the local Slurm harness ({why})", "run as root on Debian with its package mirror (tests/infra/slurm)")

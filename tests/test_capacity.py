@@ -12,11 +12,11 @@ from gpuflow.cluster.backends.skypilot import SkyPilotBackend
 from gpuflow.cluster.cost.spend import run_costs
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
-from tests.conftest import A_LOOP, REPO
-from tests.sky_double import FakeSky
+from tests.support.repo import A_LOOP, REPO
+from tests.support.sky_double import FakeSky
 from tests.test_skypilot import spec_on_the_double
 from tests.test_cost import CATALOG, point_skypilot_at
-from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+from tests.support.runs import flow_logs, mlflow_run_of
 
 TWO_OPTIONS = [{"infra": "aws", "accelerators": "H100:1", "hourly_rate_usd": 9.0},
                {"infra": "lambda", "accelerators": "A100:1", "hourly_rate_usd": 3.0}]
@@ -43,7 +43,7 @@ def capacity_flow(monkeypatch, gpuflow_home, prefect_server):
         spec = spec_on_the_double(gpuflow_home, compute, {"max_queue_minutes": 0.1, **(limits or {})})
         state = run_experiment(spec, return_state=True)
         flow_run_id = state.state_details.flow_run_id
-        client, mlflow_run = mlflow_run_of(spec, flow_run_id)
+        client, mlflow_run = mlflow_run_of(spec.tracking_uri, flow_run_id, spec.experiment_name)
         return state, client, mlflow_run, flow_logs(flow_run_id), SkyPilotBackend(fake).status()
 
     return run

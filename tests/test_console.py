@@ -105,7 +105,7 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
 
     from prefect.settings import PREFECT_API_URL
 
-    from tests.conftest import REPO
+    from tests.support.repo import REPO
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     done = subprocess.run([sys.executable, "-c", REGISTER_TWICE, str(tmp_path)], cwd=tmp_path, env=env,
@@ -130,7 +130,7 @@ def gpuflow_run_output(home: Path, args: list[str], terminal: bool) -> str:
 
     from prefect.settings import PREFECT_API_URL
 
-    from tests.conftest import REPO
+    from tests.support.repo import REPO
 
     command = [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args]
     env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "160"}

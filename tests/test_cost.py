@@ -17,7 +17,7 @@ from gpuflow.cluster.run.meter import Meter
 from gpuflow.cluster.run.limits import Watchdog, cost_check
 from gpuflow.cluster.cost.budget import check_budget
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check, idle_verdict
-from tests.conftest import A_LOOP, DIGITS_DATA, REPO
+from tests.support.repo import A_LOOP, DIGITS_DATA, REPO
 
 CATALOG = REPO / "tests" / "data" / "skypilot-catalog"
 CATALOG_MODULES = ("sky.catalog.aws_catalog", "sky.catalog.lambda_catalog")

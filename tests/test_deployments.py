@@ -8,7 +8,7 @@ import pytest
 
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.deployments.deploy import declared, runner_deployments
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 
 @pytest.fixture(autouse=True)

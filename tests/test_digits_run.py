@@ -12,8 +12,9 @@ import torch
 
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.spec import ExperimentSpec, load_spec
-from tests.conftest import REPO, processes_of
-from tests.test_experiment_e2e import flow_logs, mlflow_run_of, progress_bars
+from tests.support.repo import REPO
+from tests.support.processes import processes_of
+from tests.support.runs import flow_logs, mlflow_run_of, progress_bars
 from tests.test_telemetry import PERF_KEYS, prefect_artifact_of
 
 pytestmark = pytest.mark.cluster
@@ -31,7 +32,7 @@ class DigitsRun:
         return self.state.state_details.flow_run_id
 
     def mlflow_run(self):
-        return mlflow_run_of(self.spec, self.flow_run_id)
+        return mlflow_run_of(self.spec.tracking_uri, self.flow_run_id, self.spec.experiment_name)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+
+from tests.support.processes import processes_of, wait_until
 from tests.loops import PACED_LOOP
-from tests.servers import files_holding, the_one_message, webhook_receiver
+from tests.support.servers import files_holding, the_one_message, webhook_receiver
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)
 
@@ -33,16 +35,6 @@ GRACE = "limits.orphan_grace_minutes=0.2"  # 12 s without a lease renewal: the j
 # How long a fault test waits for what must happen by itself (processes gone, the MLflow run closed). Alone it takes
 # seconds (each test prints it); with the suite's other worker saturating the machine, over a minute was seen.
 CLEANUP_S = 180
-
-
-def wait_until(condition, timeout_s: float, what: str, interval_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
 
 
 def mlflow_runs(spec) -> list:
@@ -207,7 +199,7 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_se
     import threading
 
     from gpuflow.flows.experiment import run_experiment
-    from tests.servers import free_port, mlflow_server
+    from tests.support.servers import free_port, mlflow_server
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # MLflow's client would retry for minutes
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -245,7 +237,7 @@ def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, mon
     from mlflow.exceptions import MlflowException
 
     from gpuflow.cluster.loop import when_mlflow_answers
-    from tests.servers import free_port, mlflow_server
+    from tests.support.servers import free_port, mlflow_server
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     store, port = tmp_path / "mlflow-server", free_port()

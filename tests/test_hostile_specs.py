@@ -9,8 +9,8 @@ import pytest
 
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_spec, load_spec, parse_spec
 from gpuflow.flows.cli import main as gpuflow
-from tests.conftest import A_LOOP, DIGITS_DATA, REPO, with_loop
-from tests.servers import not_http_server
+from tests.support.repo import A_LOOP, DIGITS_DATA, REPO, with_loop
+from tests.support.servers import not_http_server
 
 MAX_MESSAGE_BYTES = 4096
 HUGE = "x" * 100_000

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 
 from gpuflow.cluster.backends.local import LocalBackend, ray_env
 from gpuflow.cluster.spec import parse_spec
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+from tests.support.processes import processes_of
 
 ROWS = 100
 
@@ -26,7 +27,7 @@ def test_each_worker_reads_an_equal_disjoint_share_of_each_dataset(gpuflow_home,
     backend = LocalBackend()
     handle = backend.launch(spec, "gpuflow-1b9e570000000000000000000000000a")
     try:
-        driver = subprocess.run([sys.executable, "-m", "tests.shards_driver", handle.address, str(tmp_path),
+        driver = subprocess.run([sys.executable, "-m", "tests.support.shards_driver", handle.address, str(tmp_path),
                                  str(tmp_path / "streamed.parquet"), str(ROWS)],
                                 cwd=REPO, env=ray_env(), capture_output=True, text=True, timeout=600)
         assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]

@@ -14,9 +14,11 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+
+from tests.support.processes import processes_of
 from tests.loops import paced_overrides
-from tests.test_experiment_e2e import mlflow_run_of
+from tests.support.runs import mlflow_run_of
 
 pytestmark = pytest.mark.full
 
@@ -104,7 +106,7 @@ def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, g
     assert run.wait() != 0, "".join(run.lines[-30:])
 
     assert flow_run_state(flow_run_id).is_cancelled()
-    _, mlflow_run = mlflow_run_of(digits_spec, flow_run_id)
+    _, mlflow_run = mlflow_run_of(digits_spec.tracking_uri, flow_run_id, digits_spec.experiment_name)
     assert mlflow_run.info.status == "KILLED"
     assert mlflow_run.data.tags["stopped_by"] == "cancelled"
     assert processes_of(gpuflow_home) == []
@@ -116,7 +118,7 @@ def test_sigterm_tears_down_before_exit(prefect_server, digits_spec, gpuflow_hom
     run.process.send_signal(signal.SIGTERM)
     assert run.wait() != 0
 
-    _, mlflow_run = mlflow_run_of(digits_spec, flow_run_id)
+    _, mlflow_run = mlflow_run_of(digits_spec.tracking_uri, flow_run_id, digits_spec.experiment_name)
     assert mlflow_run.info.status == "KILLED"
     assert not flow_run_state(flow_run_id).is_running()
     assert processes_of(gpuflow_home) == []

@@ -8,7 +8,8 @@ import sys
 from gpuflow.cluster.backends import cluster_name_for, flow_run_id_of
 from gpuflow.cluster.backends.local import LocalBackend, ray_env
 from gpuflow.cluster.spec import parse_spec
-from tests.conftest import A_LOOP, alive
+from tests.support.repo import A_LOOP
+from tests.support.processes import alive
 
 NAME = cluster_name_for("0d5f6a0e-1b1c-4c2e-9a55-2f2d1c3b4a59")
 

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 OPEN_AND_LOG = """
 import sys

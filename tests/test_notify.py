@@ -6,7 +6,7 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.run.notify import NOTIFIED_TAG, Event, send, send_once, short_reason
 from gpuflow.flows.cli import main as gpuflow
-from tests.servers import the_one_message, webhook_receiver
+from tests.support.servers import the_one_message, webhook_receiver
 
 EVENT = Event("stopped", "digits-mlp-2026-11-26-0300", "stopped_by=budget: stopped by budget: $2.00 spent", 2.0,
               "http://mlflow.team:5000/#/experiments/1/runs/abc", "http://prefect.team:4200/runs/flow-run/f00")
@@ -71,7 +71,7 @@ def test_a_spec_naming_a_missing_block_is_refused_before_anything_starts(prefect
 
 
 def test_validate_refuses_a_missing_block_naming_the_field(prefect_server, capsys):
-    from tests.conftest import REPO
+    from tests.support.repo import REPO
 
     code = gpuflow(["validate", str(REPO / "experiments" / "digits.yaml"), "--set", "notify.block=no-such-block"])
     err = capsys.readouterr().err

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+
+from tests.support.processes import processes_of
 
 pytestmark = pytest.mark.full
 

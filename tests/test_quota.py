@@ -19,11 +19,12 @@ import pytest
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.flows.quota import LIMIT_PREFIX, WAITING
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+from tests.support.processes import processes_of
 from tests.loops import PLAIN_LOOP
-from tests.servers import BIN, base_env, gpuflow_serve, prefect_server
-from tests.test_faults import wait_until
-from tests.tiers import carrying
+from tests.support.servers import BIN, base_env, gpuflow_serve, prefect_server
+from tests.support.processes import wait_until
+from tests.support.tiers import carrying
 
 
 

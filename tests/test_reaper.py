@@ -12,7 +12,7 @@ from prefect.states import Running
 from gpuflow.cluster.backends import ClusterStatus, cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.flows.reaper import close_stale_mlflow_runs, reap, reap_clusters
-from tests.conftest import alive
+from tests.support.processes import alive
 
 
 @flow

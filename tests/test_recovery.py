@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend
 from gpuflow.cluster.util.processes import stop_sessions
-from tests.conftest import processes_of
-from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+from tests.support.processes import processes_of
+from tests.support.runs import flow_logs, mlflow_run_of
 
 pytestmark = pytest.mark.full
 
@@ -77,7 +77,7 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
 
     from gpuflow.cluster.spec.notifying import NotifySpec
     from gpuflow.flows.notify import add_webhook
-    from tests.servers import the_messages, webhook_receiver
+    from tests.support.servers import the_messages, webhook_receiver
 
     spec = two_nodes(digits_spec)
     killer = NodeKiller(gpuflow_home, "worker node", "whole cluster")
@@ -87,7 +87,7 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
         state = run_experiment(spec.model_copy(update={"notify": NotifySpec(block="recoveries")}), return_state=True)
         assert killer.killed == ["worker node", "whole cluster"]
         assert state.is_completed(), state.message
-        _, run = mlflow_run_of(spec, state.state_details.flow_run_id)
+        _, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
         # a message per recovery: a completed run says nothing unless notify.completed asks
         sent = the_messages(messages, ["recovered", "recovered"], run.info.run_id,
                             str(state.state_details.flow_run_id))
@@ -118,7 +118,7 @@ def test_more_losses_than_allowed_fail_the_run_as_preempted(prefect_server, digi
     state = run_experiment(spec, return_state=True)
     assert state.is_failed() and "max_recoveries=0" in state.message, state.message
 
-    _, run = mlflow_run_of(spec, state.state_details.flow_run_id)
+    _, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
     assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "preempted")
     assert run.data.metrics["recoveries"] == 1
     assert list(gpuflow_home.glob("checkpoints/*/checkpoint_*/checkpoint.pt")), "checkpoints kept"

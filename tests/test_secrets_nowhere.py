@@ -12,8 +12,9 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from gpuflow.cluster.cost.budget import active_reservations
 from gpuflow.flows.experiment import run_experiment
-from tests.conftest import A_LOOP, processes_of
-from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+from tests.support.repo import A_LOOP
+from tests.support.processes import processes_of
+from tests.support.runs import flow_logs, mlflow_run_of
 
 
 def prefect_artifacts(flow_run_id) -> str:
@@ -43,7 +44,7 @@ def test_canary_secret_appears_nowhere(prefect_server, digits_spec, gpuflow_home
     monkeypatch.setenv("CANARY_API_TOKEN", canary)
     monkeypatch.setenv("GPUFLOW_DAILY_BUDGET_USD", "100")  # the run reserves, then settles, its budget too
     spec = digits_spec.model_copy(update={
-        "train": digits_spec.train.model_copy(update={"loop": "tests.canary_loop:train_loop", "epochs": 1}),
+        "train": digits_spec.train.model_copy(update={"loop": "tests.loops.canary:train_loop", "epochs": 1}),
         "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
         "limits": digits_spec.limits.model_copy(update={"hourly_rate_usd": 1.0}),
         "envs": {"CANARY_SHA256": hashlib.sha256(canary.encode()).hexdigest()},
@@ -54,7 +55,7 @@ def test_canary_secret_appears_nowhere(prefect_server, digits_spec, gpuflow_home
     assert state.is_completed(), state.message  # so the loop saw the secret (it fails otherwise)
 
     # MLflow: params, tags, metrics and every artifact of the run
-    client, run = mlflow_run_of(spec, flow_run_id)
+    client, run = mlflow_run_of(spec.tracking_uri, flow_run_id, spec.experiment_name)
     assert canary not in json.dumps({**run.data.params, **run.data.tags, **run.data.metrics})
     artifacts = client.download_artifacts(run.info.run_id, "", str(tmp_path / "artifacts"))
     assert (tmp_path / "artifacts" / "spec.yaml").is_file()

@@ -15,9 +15,9 @@ from gpuflow.cluster.backends.skypilot import (
 )
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.flows.experiment import run_experiment
-from tests.conftest import A_LOOP, REPO
-from tests.sky_double import FakeSky
-from tests.test_experiment_e2e import flow_logs, mlflow_run_of
+from tests.support.repo import A_LOOP, REPO
+from tests.support.sky_double import FakeSky
+from tests.support.runs import flow_logs, mlflow_run_of
 
 NAME = cluster_name_for("6f1e0c52-61d4-4a4b-8a0e-5a3b9d2c7e11")
 
@@ -208,7 +208,7 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
                                   {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05})
         state = run_experiment(spec, return_state=True)
         flow_run_id = state.state_details.flow_run_id
-        _, mlflow_run = mlflow_run_of(spec, flow_run_id)
+        _, mlflow_run = mlflow_run_of(spec.tracking_uri, flow_run_id, spec.experiment_name)
         return fake, state, mlflow_run, flow_logs(flow_run_id)
 
     return run

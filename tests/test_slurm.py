@@ -28,8 +28,10 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends import flow_run_id_of
+from gpuflow.cluster.protocol import CLUSTER_TAG
 from tests.infra.slurm import harness
 from tests.loops import paced_overrides
+from tests.support.runs import mlflow_run_of
 
 pytestmark = pytest.mark.slurm
 
@@ -172,10 +174,10 @@ class Run:
                 if marks[a] is not None and marks[b] is not None}
 
 
-def mlflow_run_of(mlflow_url: str, cluster: str):
-    client = MlflowClient(mlflow_url)
-    [run] = client.search_runs([client.get_experiment_by_name("digits-mlp").experiment_id],
-                               f"tags.`gpuflow.cluster` = '{cluster}'")
+def mlflow_run_on(mlflow_url: str, cluster: str):
+    """(client, the MLflow run of the flow run that launched `cluster`), checked to name that cluster."""
+    client, run = mlflow_run_of(mlflow_url, flow_run_id_of(cluster), "digits-mlp")
+    assert run.data.tags[CLUSTER_TAG] == cluster
     return client, run
 
 
@@ -199,7 +201,7 @@ def test_digits_trains_on_slurm_and_leaves_nothing(digits_on_the_second_option, 
     assert run.process.returncode == 0, run.output[-6000:]
     assert "finished in" in run.output and "[gpuflow] setup finished" in run.output
 
-    client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    client, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     assert mlflow_run.info.status == "FINISHED"
     tags = mlflow_run.data.tags
     assert tags["gpuflow.backend"] == "skypilot"
@@ -223,7 +225,7 @@ def test_a_failing_setup_shows_its_log_and_downs_the_cluster(gpuflow_on_slurm, s
     assert "no matching distribution for torch==9.9" in run.output  # the setup's own log
     assert f"setup on {run.cluster} failed" in run.output and "ended Failed" in run.output
     assert run.output.count("provisioning skypilot cluster") == 1  # a broken setup is not retried
-    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     assert mlflow_run.info.status == "FAILED"
     assert_nothing_left(slurm_infra, run.cluster)
     report("setup fails", run, mlflow_run.data.metrics)
@@ -243,7 +245,7 @@ def test_cancel_from_prefect_while_launching_downs_the_cluster(gpuflow_on_slurm,
         assert client.read_flow_run(flow_run_id).state.is_cancelled()
     assert "request" in run.output and "cancelled" in run.output  # SkyPilot's own word on the launch
     assert "SkyPilot job" not in run.output  # neither setup nor training ever ran
-    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     assert mlflow_run.info.status == "KILLED"
     assert_nothing_left(slurm_infra, run.cluster)
     report("cancel while launching", run, mlflow_run.data.metrics)
@@ -264,7 +266,7 @@ def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_clust
     client = MlflowClient(mlflow_url)
 
     def closed():
-        _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+        _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
         return mlflow_run if mlflow_run.info.status != "RUNNING" else None
 
     mlflow_run = wait_for_value(closed, 180, "the job to close its MLflow run")
@@ -288,7 +290,7 @@ def test_limits_stop_a_skypilot_run(gpuflow_on_slurm, slurm_infra, mlflow_url, l
     run = gpuflow_on_slurm(*limit, *PACED, epochs=400)
     assert run.wait() == 1, run.output[-6000:]
     assert f"stopped by {reason}" in run.output
-    client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    client, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("KILLED", reason)
     assert_nothing_left(slurm_infra, run.cluster)
     report(f"stopped by {reason}", run, mlflow_run.data.metrics)
@@ -314,7 +316,7 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     subprocess.run(["scancel", job["id"]], check=True, timeout=60)
     lost_at = time.monotonic()
     assert run.wait() == 0, run.output[-6000:]
-    client, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    client, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.metrics["recoveries"] == 1
     steps = sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy"))
     assert steps == list(range(epochs)), "each epoch logged exactly once"
@@ -337,7 +339,7 @@ def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(digits_on
     run = digits_on_the_second_option
     assert run.process.returncode == 0, run.output[-6000:]
     assert f"launched option 2: {slurm_infra.infra} CPU on-demand" in run.output
-    _, mlflow_run = mlflow_run_of(mlflow_url, run.cluster)
+    _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     tags = mlflow_run.data.tags
     assert mlflow_run.info.status == "FINISHED"
     assert tags["gpuflow.option"] == f"2: {slurm_infra.infra} CPU on-demand"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, check_entrypoints, check_spec, load_spec, parse_spec
-from tests.conftest import A_LOOP, REPO
+from tests.support.repo import A_LOOP, REPO
 
 DIGITS = REPO / "experiments" / "digits.yaml"
 

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import REPO, alive, processes_of
-from tests.test_faults import wait_until
+from tests.support.repo import REPO
+
+from tests.support.processes import alive, processes_of
+from tests.support.processes import wait_until
 from tests.test_lifecycle import GpuflowRun
 
 pytestmark = pytest.mark.full

@@ -10,7 +10,9 @@ import yaml
 from mlflow import MlflowClient
 
 from gpuflow.cluster.spec import parse_spec
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+from tests.support.processes import processes_of
+from tests.support.runs import mlflow_run_of
 from tests.loops import TUNABLE_LOOP
 from tests.test_lifecycle import GpuflowRun, cancel, flow_run_state
 
@@ -36,7 +38,7 @@ def children_of(client, parent):
 def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(tracked_sweep):
     spec, state = tracked_sweep.spec, tracked_sweep.state
     assert state.is_completed(), state.message
-    client, parent = mlflow_run_of_parent(spec, state.state_details.flow_run_id)
+    client, parent = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
     assert parent.info.status == "FINISHED"
 
     trials = children_of(client, parent)
@@ -67,15 +69,6 @@ def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(tracked_sw
     assert processes_of(tracked_sweep.home) == []
 
 
-def mlflow_run_of_parent(spec, flow_run_id):
-    """The flow run's parent run (its trials carry the same flow-run tag)."""
-    client = MlflowClient(spec.tracking_uri)
-    experiment = client.get_experiment_by_name(spec.experiment_name)
-    runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
-    [parent] = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
-    return client, parent
-
-
 @pytest.mark.full
 def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, gpuflow_home, tmp_path):
     fields = tunable_sweep()
@@ -86,7 +79,7 @@ def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, 
     run = GpuflowRun(None, gpuflow_home, spec_file=spec_file)
     try:
         flow_run_id = run.wait_for_training()
-        client, parent = mlflow_run_of_parent(parse_spec(fields), flow_run_id)
+        client, parent = mlflow_run_of(parse_spec(fields).tracking_uri, flow_run_id, parse_spec(fields).experiment_name)
         deadline = time.monotonic() + 180
         while len(children_of(client, parent)) < 2:  # both trials of the first round have started
             assert time.monotonic() < deadline and run.process.poll() is None, "".join(run.lines[-30:])
@@ -98,7 +91,7 @@ def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, 
             run.process.kill()
 
     assert flow_run_state(flow_run_id).is_cancelled()
-    client, parent = mlflow_run_of_parent(parse_spec(fields), flow_run_id)
+    client, parent = mlflow_run_of(parse_spec(fields).tracking_uri, flow_run_id, parse_spec(fields).experiment_name)
     assert parent.info.status == "KILLED" and parent.data.tags["stopped_by"] == "cancelled"
     trials = children_of(client, parent)
     assert len(trials) == 2 and [t.info.status for t in trials] == ["KILLED"] * len(trials)

@@ -12,7 +12,7 @@ from torch import nn
 
 from gpuflow.cluster.spec import SpecError, load_spec, parse_spec
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample, peak_tflops
-from tests.conftest import A_LOOP, REPO
+from tests.support.repo import A_LOOP, REPO
 
 PERF_KEYS = ("perf/samples_per_s", "perf/step_time_ms", "perf/data_wait_pct", "perf/peak_memory_mb",
              "perf/epoch_s", "perf/worker_rss_mb")

@@ -1,11 +1,11 @@
-"""The suite's own checks (tests/tiers.py), each shown catching a deliberate fault in a pytest session of its own."""
+"""The suite's own checks (tests/support/tiers.py), each shown catching a deliberate fault in a pytest session of its own."""
 
 import re
 
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.support.repo import REPO
 
 INNER_CONFTEST = """
 import pytest
@@ -26,7 +26,7 @@ def inner(pytester, monkeypatch):
 
     def run(source: str, *args: str) -> tuple[int, str]:
         pytester.makepyfile(test_inner=source)
-        result = pytester.runpytest_subprocess("-p", "tests.tiers", "-p", "no:cacheprovider", "-o", "leftover_grace_s=2", "-rs", *args, timeout=300)
+        result = pytester.runpytest_subprocess("-p", "tests.support.tiers", "-p", "no:cacheprovider", "-o", "leftover_grace_s=2", "-rs", *args, timeout=300)
         return result.ret, result.stdout.str() + result.stderr.str()
 
     return run
@@ -113,7 +113,7 @@ def test_on_slurm():
 
 def test_a_missing_component_skips_saying_how_to_enable_it_and_fails_in_ci(inner, monkeypatch):
     source = """
-from tests.tiers import require
+from tests.support.tiers import require
 
 def test_needs_a_thing():
     require(False, "the thing", "apt-get install thing")

@@ -10,7 +10,8 @@ from mlflow import MlflowClient
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.cluster.job.tracking import numbers_of, step_of
-from tests.conftest import REPO, processes_of
+from tests.support.repo import REPO
+from tests.support.processes import processes_of
 
 NAME = "gpuflow-7ac0ffee0000000000000000000000a1"
 

@@ -7,7 +7,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from tests.conftest import processes_of
+from tests.support.processes import processes_of
 from tests.loops import PACED_LOOP
 
 pytestmark = pytest.mark.full
@@ -62,9 +62,9 @@ def stopped_flows(prefect_server, tmp_path_factory):
     from gpuflow.cluster.spec.notifying import NotifySpec
     from gpuflow.flows.experiment import run_experiment
     from gpuflow.flows.notify import add_webhook
-    from tests.conftest import REPO
+    from tests.support.repo import REPO
     from tests.loops import HANGING_LOOP
-    from tests.servers import webhook_receiver
+    from tests.support.servers import webhook_receiver
 
     home = tmp_path_factory.mktemp("watchdog") / "gpuflow-home"
     with pytest.MonkeyPatch.context() as env:
@@ -98,7 +98,7 @@ def stopped_flows(prefect_server, tmp_path_factory):
 
 @pytest.mark.timeout(900)  # the module's three flows run in the setup of whichever test comes first
 def test_budget_and_timeout_each_stop_a_running_job(stopped_flows):
-    from tests.servers import the_one_message
+    from tests.support.servers import the_one_message
 
     home, specs, states, messages = stopped_flows
     budget_spec, state = specs["budget"], states["budget"]

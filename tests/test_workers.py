@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, processes_of
-from tests.servers import BIN, base_env, prefect_server, started
-from tests.tiers import require
+from tests.support.repo import REPO
+
+from tests.support.processes import processes_of
+from tests.support.runs import mlflow_runs_of
+from tests.support.servers import BIN, base_env, prefect_server, started
+from tests.support.tiers import require
 
 pytestmark = pytest.mark.full
 
@@ -97,12 +100,9 @@ def final(client, flow_run_id, timeout_s: float = 600, log: Path | None = None):
         time.sleep(2)
 
 
-def mlflow_run_of(folder: Path, flow_run_id):
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{folder / '.gpuflow' / 'mlflow.db'}")
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(experiments, f"tags.`prefect.flow_run_id` = '{flow_run_id}'") if experiments else []
+def mlflow_run_in(folder: Path, flow_run_id):
+    """The flow run's MLflow run in the project folder's own store, or None while there is none."""
+    _, runs = mlflow_runs_of(f"sqlite:///{folder / '.gpuflow' / 'mlflow.db'}", flow_run_id)
     return runs[0] if runs else None
 
 
@@ -133,7 +133,7 @@ def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(rem
             completed = final(client, form, log=folder / "worker.log")
             assert completed.state_name == "Completed", completed.state.message
             deadline = time.monotonic() + 300
-            while not ((run := mlflow_run_of(folder, scheduled)) and "train_loss" in run.data.metrics):
+            while not ((run := mlflow_run_in(folder, scheduled)) and "train_loss" in run.data.metrics):
                 assert time.monotonic() < deadline, (folder / "worker.log").read_text()[-4000:]
                 time.sleep(2)
             client.set_flow_run_state(scheduled, Cancelling(), force=True)  # what the UI's Cancel does
@@ -141,5 +141,5 @@ def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(rem
     assert stopped.state.is_cancelled(), stopped.state.message
     # experiments.marker exists only in the deployed commit: both runs ran the pulled code, the scheduled one until
     # the cancel
-    assert [mlflow_run_of(folder, run_id).info.status for run_id in (form, scheduled)] == ["FINISHED", "KILLED"]
+    assert [mlflow_run_in(folder, run_id).info.status for run_id in (form, scheduled)] == ["FINISHED", "KILLED"]
     assert processes_of(folder / ".gpuflow") == [] and processes_of(folder) == []

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.tiers import require
+from tests.support.repo import REPO
+from tests.support.tiers import require
 
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOTS = REPO / "test-artifacts" / "ui"

@@ -9,9 +9,9 @@ import uuid
 import time
 
 import pytest
-from mlflow import MlflowClient
 
-from tests.test_faults import wait_until
+from tests.support.processes import wait_until
+from tests.support.runs import mlflow_run_of
 
 pytestmark = pytest.mark.browser
 PlaywrightTimeout = pytest.importorskip("playwright.sync_api").TimeoutError
@@ -101,19 +101,11 @@ def submit_until_a_run_exists(page, shot, new_runs, attempts: int = 3, wait_s: f
     raise AssertionError(f"the form made no flow run in {attempts * wait_s:.0f}s; see the screenshots")
 
 
-def mlflow_run_of(served, flow_run):
-    client = MlflowClient(served.mlflow_url)
-    experiment = client.get_experiment_by_name("digits-mlp")
-    runs = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
-    assert len(runs) == 1
-    return client, runs[0]
-
-
 def test_the_run_in_the_mlflow_ui(served, page):
     if "flow_run" not in UI_RUN:
         pytest.skip("needs the run started from the Prefect UI")
     page, shot = page
-    client, run = mlflow_run_of(served, UI_RUN["flow_run"])
+    client, run = mlflow_run_of(served.mlflow_url, UI_RUN["flow_run"].id, "digits-mlp")
     assert run.info.status == "FINISHED" and run.data.tags["prefect.deployment"] == "run-experiment"
 
     page.goto(f"{served.mlflow_url}/#/experiments")
@@ -169,7 +161,7 @@ def test_the_mlflow_run_links_back_to_the_prefect_run(served, page):
         pytest.skip("needs the run started from the Prefect UI")
     page, shot = page
     flow_run = UI_RUN["flow_run"]
-    _, run = mlflow_run_of(served, flow_run)
+    _, run = mlflow_run_of(served.mlflow_url, flow_run.id, "digits-mlp")
     url = run.data.tags["prefect.flow_run_url"]
     assert url.startswith(served.ui_url) and str(flow_run.id) in url
     page.goto(url)

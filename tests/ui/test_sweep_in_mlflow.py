@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from tests.test_sweep import children_of, mlflow_run_of_parent
+from tests.support.runs import mlflow_run_of
+from tests.test_sweep import children_of
 
 pytestmark = pytest.mark.browser
 # The runs table's expander beside a parent run (MLflow 3's run-name cell); children rows appear under it once open.
@@ -19,7 +20,7 @@ def test_a_sweeps_trials_are_nested_under_its_parent_run(tracked_sweep, mlflow_u
     page, shot = page
     spec, state = tracked_sweep.spec, tracked_sweep.state
     assert state.is_completed(), state.message
-    client, parent = mlflow_run_of_parent(spec, state.state_details.flow_run_id)
+    client, parent = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
     trials = children_of(client, parent)
     assert len(trials) == 4
 

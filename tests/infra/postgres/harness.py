@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests import tiers
+from tests.support import tiers
 
 USER = "gpuflow"
 READY_TIMEOUT_S = 60

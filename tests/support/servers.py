@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from tests import tiers
+from tests.support import tiers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 240  # generous: the machine is shared with Ray jobs
 
@@ -202,7 +202,7 @@ def stop_left_behind(gpuflow_home: Path, grace_s: float = 10) -> None:
     """Stops what serve's flow runs started in sessions of their own and left behind when serve was stopped in the
     middle of one: a reaper run that had started SkyPilot's local API server (it stops it when it finishes, not when
     it is killed). Found by the gpuflow home in their environment (processes_of names each one)."""
-    from tests.conftest import alive, processes_of
+    from tests.support.processes import alive, processes_of
 
     left = [pid for pid in processes_of(gpuflow_home) if os.getsid(pid) != os.getsid(0)]  # never the tests' own
     for pid in left:

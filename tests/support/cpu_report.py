@@ -1,4 +1,4 @@
-"""Where the suite's CPU goes: `pytest -p tests.cpu_report` prints the CPU-seconds of each test file at the end.
+"""Where the suite's CPU goes: `pytest -p tests.support.cpu_report` prints the CPU-seconds of each test file at the end.
 
 On a machine with few cores the suite's wall time is its CPU time, and a test's own process shows little of it:
 the work is done by the Ray clusters, servers, Slurm jobs and subprocesses it starts. Each pytest process therefore
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
-REPORT = Path(__file__).resolve().parents[1] / "test-artifacts" / "cpu.jsonl"
+REPORT = Path(__file__).resolve().parents[2] / "test-artifacts" / "cpu.jsonl"
 
 
 class CpuAccount:

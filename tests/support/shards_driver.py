@@ -1,6 +1,6 @@
 """A Ray Train driver for tests/test_ingest.py: trains tests.loops.plain:record_shards with gpuflow's ingest.
 
-    python -m tests.shards_driver ADDRESS OUT_FOLDER STREAMED_PARQUET ROWS
+    python -m tests.support.shards_driver ADDRESS OUT_FOLDER STREAMED_PARQUET ROWS
 """
 
 import sys
@@ -12,7 +12,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from gpuflow.cluster.job.ingest import SplitInMemory
-from tests.conftest import REPO
+from tests.support.repo import REPO
 from tests.loops.plain import record_shards
 
 address, out, streamed, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

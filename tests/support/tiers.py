@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FULL_MARKERS = ("full", "slurm", "browser", "load", "team")  # these run only in the whole matrix
 TIER_MARKERS = ("cluster", *FULL_MARKERS)
 # Shared servers a test reaches through a fixture (started once, by whichever test asks first).
@@ -175,22 +175,66 @@ def repo_files() -> set[str]:
     return found
 
 
-def carrying(name: str, value: str, besides: set[int] = frozenset()) -> list[psutil.Process]:
-    """Live (not zombie) processes whose environment has name=value, which everything a test starts inherits."""
-    found = []
-    for process in psutil.process_iter(["pid", "environ", "status"]):
+def carrying(name: str, value: str, besides: set[int] = frozenset(), settle_s: float = 2.0) -> list[psutil.Process]:
+    """Live (not zombie) processes whose environment has name=value, which everything a test starts inherits.
+
+    A process in the middle of its exec shows no environment and no command line (the kernel fills both in only once
+    the new program's memory is set up, after the parent's Popen has returned): such a process is read again until
+    it shows them (`settle_s` at most), so one just started is never missed. A process that shows a command line but
+    no environment (pytest-xdist's workers: setproctitle writes over it) is not ours to find."""
+    found, unsure = [], []
+    for process in psutil.process_iter(["pid", "ppid", "environ", "cmdline", "status"]):
         info = process.info
         if info["pid"] in besides or info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if (info["environ"] or {}).get(name) == value:
+        if mid_exec(info):
+            unsure.append(process)
+        elif (info["environ"] or {}).get(name) == value:
             found.append(process)
+    deadline = time.monotonic() + settle_s
+    while unsure and time.monotonic() < deadline:
+        time.sleep(0.05)
+        again = []
+        for process in unsure:
+            try:
+                info = process.as_dict(["pid", "ppid", "environ", "cmdline", "status"])
+            except psutil.Error:
+                continue  # gone
+            if info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if mid_exec(info):
+                again.append(process)
+            elif (info["environ"] or {}).get(name) == value:
+                found.append(process)
+        unsure = again
     return found
 
 
+def mid_exec(info: dict) -> bool:
+    """A readable, empty environment and command line: a process between exec's start and the new program's
+    memory (or exiting); a kernel thread (kthreadd, pid 2, and its children) shows the same and is not one."""
+    return info["environ"] == {} and not info["cmdline"] and 2 not in (info["pid"], info["ppid"])
+
+
 def left_running() -> list[psutil.Process]:
-    """Processes of this session still alive: they carry the session's tag (pytest-xdist's workers are gone by now)."""
+    """Processes of this session still alive (pytest-xdist's workers are gone by now): every one that carries the
+    session's tag, and every descendant of this process whatever its environment says (a test's child stays one
+    unless it double-forks)."""
     me = psutil.Process()
-    return carrying(SESSION_ENV, os.environ.get(SESSION_ENV), {me.pid} | {p.pid for p in me.parents()})
+    mine = {me.pid} | {p.pid for p in me.parents()}
+    found = carrying(SESSION_ENV, os.environ.get(SESSION_ENV), mine)
+    seen = {process.pid for process in found}
+    try:
+        below = me.children(recursive=True)
+    except psutil.Error:
+        below = []
+    for process in below:
+        try:
+            if process.pid not in seen and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
 
 
 def describe(process: psutil.Process) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.infra.postgres import harness
-from tests.servers import BIN, READY_TIMEOUT_S, base_env, prefect_server_at, serving
+from tests.support.servers import BIN, READY_TIMEOUT_S, base_env, prefect_server_at, serving
 
 MLFLOW_ADMIN = "admin"
 
