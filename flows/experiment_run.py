@@ -10,10 +10,11 @@ from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.meter import Meter
-from gpuflow.cluster.run.record import RunRecord
+from gpuflow.cluster.run.notify import for_the_job
+from gpuflow.cluster.run.record import RunRecord, run_url
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.capacity import Capacity
-from gpuflow.flows.notify import job_notify_json
+from gpuflow.flows.run_info import prefect_link
 
 
 @dataclass
@@ -45,5 +46,12 @@ class ExperimentRun:
         (and to say so, to the run's webhook)."""
         env = JobEnv(tracking_uri=self.spec.tracking_uri, mlflow_run_id=self.record.run_id,
                      artifact_uri=self.record.artifact_uri, requested_at=self.life.requested_at,
-                     hourly_usd=self.life.meter.hourly_usd(), notify_json=job_notify_json(self))
+                     hourly_usd=self.life.meter.hourly_usd(), notify_json=self.notify_json())
         return Job(train_run_name(self.spec.name, self.record.flow_run_id), env.to_env())
+
+    def notify_json(self) -> str | None:
+        """What the job needs to send the run's messages itself, should the flow die."""
+        if self.webhook is None:
+            return None
+        return for_the_job(self.webhook, self.flow_run["name"], run_url(self.spec, self.run_id),
+                           prefect_link(self.flow_run["id"], self.flow_run["url"]))

@@ -14,9 +14,10 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
-from gpuflow.cluster.run.notify import Event, for_the_job, send, send_once
+from gpuflow.cluster.run.notify import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
+from gpuflow.flows.run_info import prefect_link
 
 if TYPE_CHECKING:
     from gpuflow.flows.experiment_run import ExperimentRun
@@ -49,19 +50,6 @@ def webhook_for(spec: ExperimentSpec) -> dict | None:
         raise SpecError([f"notify.block: {spec.notify.block!r} cannot be loaded as a Prefect Custom Webhook block "
                          f"({type(exc).__name__}); make it with `gpuflow notify add {spec.notify.block} URL` "
                          "against this Prefect API"]) from None
-
-
-def prefect_link(flow_run_id, ui_url: str | None) -> str:
-    """The flow run's page; a run on Prefect's temporary API has none, and its id says which run it was."""
-    return ui_url or f"flow run {flow_run_id} (Prefect's temporary API: no UI)"
-
-
-def job_notify_json(run: ExperimentRun) -> str | None:
-    """What the job needs to send the run's messages itself, should the flow die."""
-    if run.webhook is None:
-        return None
-    return for_the_job(run.webhook, run.flow_run["name"], run_url(run.spec, run.run_id),
-                       prefect_link(run.flow_run["id"], run.flow_run["url"]))
 
 
 def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):

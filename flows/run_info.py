@@ -107,3 +107,8 @@ def flow_run_ui_url(flow_run_id) -> str | None:
     from prefect.utilities.urls import url_for
 
     return url_for("flow-run", obj_id=flow_run_id)
+
+
+def prefect_link(flow_run_id, ui_url: str | None) -> str:
+    """The flow run's page; a run on Prefect's temporary API has none, and its id says which run it was."""
+    return ui_url or f"flow run {flow_run_id} (Prefect's temporary API: no UI)"
