@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.cost.pricing import (BudgetExceeded, Estimate, check_daily_budget, check_run_budget,
                                          daily_budget_usd, hourly_cost)
-from gpuflow.cluster.run.local_store import ready_local_store
+from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
 
