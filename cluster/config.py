@@ -33,7 +33,7 @@ def default_tracking_uri() -> str:
 
 
 def daily_budget() -> str | None:
-    """The daily budget as written (cluster/cost/pricing.py checks that it is a number of dollars), or None."""
+    """The daily budget as written (cluster/cost/budget.py checks that it is a number of dollars), or None."""
     return os.environ.get(DAILY_BUDGET_ENV) or None
 
 

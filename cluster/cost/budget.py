@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.cost.pricing import (BudgetExceeded, Estimate, check_daily_budget, check_run_budget,
-                                         daily_budget_usd, hourly_cost)
+from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
+from gpuflow.cluster.cost.pricing import Estimate, hourly_cost
 from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
@@ -29,6 +29,48 @@ OWNER_TAG = "gpuflow.reserved_for"  # the flow run id, the same as the run's pre
 EXPIRES_TAG = "gpuflow.reservation_expires_at"
 LAPSE_MARGIN_S = 1800  # provisioning and teardown come on top of max_runtime_minutes
 ATTEMPTS = 4  # refused only because of rivals' reservations: release, wait a little, try again
+
+
+class BudgetExceeded(ValueError):
+    """The run could cost more than a limit allows; the message gives both figures and what to change."""
+
+
+def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
+    """Refuses a run whose hourly price × limits.max_runtime_minutes exceeds limits.max_cost_usd."""
+    limit = spec.limits.max_cost_usd
+    worst = estimate.max_runtime_cost_usd(spec)
+    if limit is None or worst <= limit:
+        return
+    affordable_minutes = limit / estimate.hourly_usd * 60
+    raise BudgetExceeded(
+        f"limits.max_cost_usd: this run may cost ${worst:.2f} (${estimate.hourly_usd:.4g}/h × "
+        f"{spec.limits.max_runtime_minutes:g} min of limits.max_runtime_minutes), more than max_cost_usd=${limit:.2f}. "
+        f"Lower limits.max_runtime_minutes to {affordable_minutes:.0f} or less, raise limits.max_cost_usd to "
+        f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})")
+
+
+def daily_budget_usd() -> float | None:
+    value = daily_budget()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise BudgetExceeded(f"{DAILY_BUDGET_ENV}={value!r} is not a number of dollars; write e.g. 50") from None
+
+
+def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd: float,
+                       budget_usd: float | None) -> None:
+    """Refuses a run that could take today's spend (runs started since 00:00 UTC) past the daily budget."""
+    if budget_usd is None:
+        return
+    worst = estimate.max_runtime_cost_usd(spec)
+    if spent_today_usd + worst <= budget_usd:
+        return
+    raise BudgetExceeded(
+        f"{DAILY_BUDGET_ENV}=${budget_usd:.2f}: runs started today (UTC) cost ${spent_today_usd:.2f} and this one "
+        f"may cost ${worst:.2f}, ${spent_today_usd + worst:.2f} in all. Lower limits.max_runtime_minutes, "
+        f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC")
 
 
 @dataclass(frozen=True)
