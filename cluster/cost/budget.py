@@ -19,14 +19,13 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
 from gpuflow.cluster.cost.pricing import Estimate, hourly_cost
+from gpuflow.cluster.protocol import RESERVATION_EXPIRES_TAG, RESERVED_FOR_TAG
 from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
 
 RESERVATIONS_EXPERIMENT = "gpuflow-budget-reservations"
 RESERVED_METRIC = "reserved_usd"
-OWNER_TAG = "gpuflow.reserved_for"  # the flow run id, the same as the run's prefect.flow_run_id tag
-EXPIRES_TAG = "gpuflow.reservation_expires_at"
 LAPSE_MARGIN_S = 1800  # provisioning and teardown come on top of max_runtime_minutes
 ATTEMPTS = 4  # refused only because of rivals' reservations: release, wait a little, try again
 
@@ -85,7 +84,7 @@ def reserve(tracking_uri: str, owner: str, amount_usd: float, hold_s: float) -> 
     """Writes a reservation of `amount_usd` for `owner`, valid for `hold_s` seconds."""
     client = MlflowClient(tracking_uri=tracking_uri)
     run = client.create_run(reservations_experiment(client), run_name=f"reserved-{owner}",
-                            tags={OWNER_TAG: owner, EXPIRES_TAG: f"{time.time() + hold_s:.0f}"})
+                            tags={RESERVED_FOR_TAG: owner, RESERVATION_EXPIRES_TAG: f"{time.time() + hold_s:.0f}"})
     client.log_metric(run.info.run_id, RESERVED_METRIC, amount_usd, synchronous=True)
     return Reservation(tracking_uri, run.info.run_id, owner, amount_usd)
 
@@ -109,9 +108,9 @@ def active_reservations(tracking_uri: str, since: float, now: float | None = Non
     now = time.time() if now is None else now
     runs = client.search_runs([experiment.experiment_id], max_results=10_000,
                               filter_string=f"attributes.status = 'RUNNING' and attributes.start_time >= {int(since * 1000)}")
-    return [Reservation(tracking_uri, run.info.run_id, run.data.tags.get(OWNER_TAG, ""),
+    return [Reservation(tracking_uri, run.info.run_id, run.data.tags.get(RESERVED_FOR_TAG, ""),
                         run.data.metrics.get(RESERVED_METRIC, 0.0))
-            for run in runs if float(run.data.tags.get(EXPIRES_TAG, 0)) > now]
+            for run in runs if float(run.data.tags.get(RESERVATION_EXPIRES_TAG, 0)) > now]
 
 
 def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | None = None) -> tuple[float, int]:
