@@ -17,7 +17,6 @@ from typing import Any
 import ray
 from mlflow import MlflowClient
 from ray import tune
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback  # the worker group: no public hook yet
 from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY, TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from ray.util import placement_group_table
@@ -27,6 +26,7 @@ from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
 from gpuflow.cluster.protocol import (BACKEND_TAG, BEST_RUN_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PLACEMENT_GROUP_TAG,
                                       STOPPED_BY_TAG, TRIAL_ID_TAG, JobEnv, trial_line)
 from gpuflow.cluster.run.mlflow_run import close_children, close_run
+from gpuflow.cluster.util.ray_internals import WorkerGroupCallback, placement_group_of  # no public hook yet
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
 from gpuflow.cluster.job.trainer import build_trainer
 
@@ -86,7 +86,7 @@ class PlacementGroupTag(WorkerGroupCallback):
         self.run_id = run_id
 
     def after_worker_group_start(self, worker_group) -> None:
-        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        group = placement_group_of(worker_group)
         MlflowClient().set_tag(self.run_id, PLACEMENT_GROUP_TAG, group.id.hex())
 
 
