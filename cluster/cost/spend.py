@@ -71,10 +71,6 @@ def row_of(run, experiments: dict[str, str]) -> RunCost:
                    tags.get(FLOW_RUN_TAG, ""))
 
 
-def spent_since_usd(tracking_uri: str, since: float) -> float:
-    return sum(row.cost_usd for row in run_costs(tracking_uri, since))
-
-
 def start_of_today_utc(now: float | None = None) -> float:
     today = datetime.fromtimestamp(now if now is not None else time.time(), timezone.utc)
     return today.replace(hour=0, minute=0, second=0, microsecond=0).timestamp()
