@@ -6,6 +6,7 @@
     GPUFLOW_STACK             "off": `gpuflow run` ignores a warm local stack (`gpuflow up`)
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
+    GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
 
 Each is read when asked for, not at import: one process may serve runs whose environments differ
 (`gpuflow serve`, a test session).
@@ -13,8 +14,11 @@ Each is read when asked for, not at import: one process may serve runs whose env
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 
 HOME_ENV = "GPUFLOW_HOME"
 DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
@@ -33,7 +37,7 @@ def default_tracking_uri() -> str:
 
 
 def daily_budget() -> str | None:
-    """The daily budget as written (cluster/cost/pricing.py checks that it is a number of dollars), or None."""
+    """The daily budget as written (cluster/cost/budget.py checks that it is a number of dollars), or None."""
     return os.environ.get(DAILY_BUDGET_ENV) or None
 
 
@@ -43,3 +47,8 @@ def stack_enabled() -> bool:
 
 def shared_path() -> str | None:
     return os.environ.get(SHARED_PATH_ENV) or None
+
+
+def serve_overrides() -> list[str]:
+    """The `--set` of the `gpuflow serve` that started this run (none outside one)."""
+    return json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")

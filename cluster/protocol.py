@@ -151,6 +151,22 @@ GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP
 STOP_DETAIL_TAG = "gpuflow.stop_detail"
 HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
+PHASE_METRIC_PREFIX = "gpuflow."  # + a phase's name: the flow's own figures, not the loop's reports
+PRICE_SOURCE_TAG = "gpuflow.price_source"  # where the run's price came from (Estimate.source)
+INSTANCE_TYPE_TAG = "gpuflow.instance_type"
+OPTION_TAG = "gpuflow.option"  # the compute option that launched
+LAUNCHED_TAG_PREFIX = "gpuflow.launched."  # + a key of what launched (its cloud, region, ...)
+ATTEMPT_TAG_PREFIX = "gpuflow.attempt."  # + the cluster's number in the run (1, 2, ...): its option, price and cost
+ATTEMPT_STARTED_TAG = "gpuflow.attempt_started_at"  # when the run's current cluster was requested
+CLOSED_BY_TAG = "gpuflow.closed_by"  # who closed a run its flow left RUNNING: "hook" or "reaper"
+NOTIFIED_TAG = "gpuflow.notified"  # the end event already sent for this run
+PREFECT_USER_TAG = "gpuflow.prefect_user"  # who (or which schedule, automation) created the Prefect run
+REGISTERED_MODEL_TAG = "gpuflow.registered_model"  # "<name>/<version>" of the model registered from the run
+TRIAL_ID_TAG = "gpuflow.trial_id"  # a sweep's trial, on its child run
+PLACEMENT_GROUP_TAG = "gpuflow.placement_group"  # the trial's Ray placement group, freed when the trial stops
+BEST_RUN_TAG = "gpuflow.best_run_id"  # a sweep's best trial, on the parent run
+RESERVED_FOR_TAG = "gpuflow.reserved_for"  # a budget reservation's flow run id, the same as its prefect.flow_run_id tag
+RESERVATION_EXPIRES_TAG = "gpuflow.reservation_expires_at"  # when a budget reservation lapses (epoch seconds)
 
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
 STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",

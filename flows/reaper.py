@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 from gpuflow.cluster.backends import Backend, flow_run_id_of
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
-from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
@@ -183,10 +183,10 @@ def close_stale_mlflow_runs(tracking_uri: str,
         if state is not None and not state[1]:
             if not lease_dead:
                 continue  # its flow is still going
-            close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", "gpuflow.closed_by": "reaper"})
+            close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"})
         else:
             status = RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED"
-            close_run(client, run.info.run_id, status, tags={"gpuflow.closed_by": "reaper"})
+            close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
         closed.append(run.info.run_id)
     return closed
 

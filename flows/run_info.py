@@ -5,14 +5,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from gpuflow.cluster.config import serve_overrides
 from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
-from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 from gpuflow.flows.deployments.known_servers import tracking_tag
 from gpuflow.flows.quota import POOL_TAG_PREFIX, need_of
@@ -29,7 +27,7 @@ def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) 
         return policy.enforce(policy.baseline, spec_file)  # refused without reading a file of the worker
     if spec_file:
         chosen = load_spec(spec_file)
-        unset = [item for item in served_overrides() if not given_in(chosen, item.partition("=")[0].strip())]
+        unset = [item for item in serve_overrides() if not given_in(chosen, item.partition("=")[0].strip())]
         chosen = load_spec(spec_file, unset) if unset else chosen  # `gpuflow serve --set` fills what the file leaves
     elif spec is None:
         raise SpecError(["spec: give an experiment spec, or spec_file with the path of a YAML spec"])
@@ -54,7 +52,7 @@ def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | N
     if entry is None or "form_policy" not in entry:
         return None
     return policy_from(deployment, entry,
-                       with_overrides(entry.get("parameters") or {}, served_overrides(), force=True)["spec"])
+                       with_overrides(entry.get("parameters") or {}, serve_overrides(), force=True)["spec"])
 
 
 def given_in(spec, dotted: str) -> bool:
@@ -65,11 +63,6 @@ def given_in(spec, dotted: str) -> bool:
             return False
         node = getattr(node, key)
     return True
-
-
-def served_overrides() -> list[str]:
-    """The `--set` of the `gpuflow serve` that started this run (none outside one)."""
-    return json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")
 
 
 def run_name_for(parameters: dict) -> str:

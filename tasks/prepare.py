@@ -3,7 +3,7 @@
 from prefect import get_run_logger, runtime, task
 
 from gpuflow.cluster.data import ensure_data
-from gpuflow.cluster.run.local_store import ready_local_store
+from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec, validate_spec
 from gpuflow.cluster.cost.budget import check_budget
 

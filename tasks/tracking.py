@@ -12,14 +12,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.lineage import source_tags
-from gpuflow.cluster.protocol import BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG
+from gpuflow.cluster.protocol import BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 from gpuflow.cluster.run.record import client_for, experiment_id, experiment_of, open_command, remember_experiment, run_url
 from gpuflow.cluster.spec import ExperimentSpec
 
 REFUSED = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # MLflow's 401 and 403: asking again gets the same answer
 USER_TAG = "mlflow.user"  # who ran it, as MLflow's UI shows it
-PREFECT_USER_TAG = "gpuflow.prefect_user"  # who (or which schedule, automation) created the Prefect run
 
 
 def not_refused(task, task_run, state) -> bool:
@@ -105,7 +104,7 @@ def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
             raise
     model_id = models[0].model_id
     version = client.create_model_version(spec.name, f"models:/{model_id}", run_id=run_id, model_id=model_id)
-    client.set_tag(run_id, "gpuflow.registered_model", f"{spec.name}/{version.version}")
+    client.set_tag(run_id, REGISTERED_MODEL_TAG, f"{spec.name}/{version.version}")
     get_run_logger().info(f"registered model {spec.name!r} version {version.version}")
     return version.version
 

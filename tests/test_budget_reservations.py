@@ -7,7 +7,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 
 from gpuflow.cluster.cost.budget import active_reservations, committed_since_usd, reserve
-from gpuflow.cluster.cost.pricing import BudgetExceeded
+from gpuflow.cluster.cost.budget import BudgetExceeded
 from gpuflow.cluster.cost.spend import start_of_today_utc
 from gpuflow.cluster.cost.budget import check_budget, settle_budget
 

@@ -8,7 +8,7 @@ from tests.support.repo import REPO
 OPEN_AND_LOG = """
 import sys
 from mlflow import MlflowClient
-from gpuflow.cluster.run.local_store import ready_local_store
+from gpuflow.cluster.util.local_store import ready_local_store
 uri = sys.argv[1]
 ready_local_store(uri)
 client = MlflowClient(uri)

@@ -17,18 +17,59 @@ from dataclasses import dataclass
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.cost.pricing import (BudgetExceeded, Estimate, check_daily_budget, check_run_budget,
-                                         daily_budget_usd, hourly_cost)
-from gpuflow.cluster.run.local_store import ready_local_store
+from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
+from gpuflow.cluster.cost.pricing import Estimate, hourly_cost
+from gpuflow.cluster.protocol import RESERVATION_EXPIRES_TAG, RESERVED_FOR_TAG
+from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
 
 RESERVATIONS_EXPERIMENT = "gpuflow-budget-reservations"
 RESERVED_METRIC = "reserved_usd"
-OWNER_TAG = "gpuflow.reserved_for"  # the flow run id, the same as the run's prefect.flow_run_id tag
-EXPIRES_TAG = "gpuflow.reservation_expires_at"
 LAPSE_MARGIN_S = 1800  # provisioning and teardown come on top of max_runtime_minutes
 ATTEMPTS = 4  # refused only because of rivals' reservations: release, wait a little, try again
+
+
+class BudgetExceeded(ValueError):
+    """The run could cost more than a limit allows; the message gives both figures and what to change."""
+
+
+def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
+    """Refuses a run whose hourly price × limits.max_runtime_minutes exceeds limits.max_cost_usd."""
+    limit = spec.limits.max_cost_usd
+    worst = estimate.max_runtime_cost_usd(spec)
+    if limit is None or worst <= limit:
+        return
+    affordable_minutes = limit / estimate.hourly_usd * 60
+    raise BudgetExceeded(
+        f"limits.max_cost_usd: this run may cost ${worst:.2f} (${estimate.hourly_usd:.4g}/h × "
+        f"{spec.limits.max_runtime_minutes:g} min of limits.max_runtime_minutes), more than max_cost_usd=${limit:.2f}. "
+        f"Lower limits.max_runtime_minutes to {affordable_minutes:.0f} or less, raise limits.max_cost_usd to "
+        f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})")
+
+
+def daily_budget_usd() -> float | None:
+    value = daily_budget()
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise BudgetExceeded(f"{DAILY_BUDGET_ENV}={value!r} is not a number of dollars; write e.g. 50") from None
+
+
+def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd: float,
+                       budget_usd: float | None) -> None:
+    """Refuses a run that could take today's spend (runs started since 00:00 UTC) past the daily budget."""
+    if budget_usd is None:
+        return
+    worst = estimate.max_runtime_cost_usd(spec)
+    if spent_today_usd + worst <= budget_usd:
+        return
+    raise BudgetExceeded(
+        f"{DAILY_BUDGET_ENV}=${budget_usd:.2f}: runs started today (UTC) cost ${spent_today_usd:.2f} and this one "
+        f"may cost ${worst:.2f}, ${spent_today_usd + worst:.2f} in all. Lower limits.max_runtime_minutes, "
+        f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC")
 
 
 @dataclass(frozen=True)
@@ -43,7 +84,7 @@ def reserve(tracking_uri: str, owner: str, amount_usd: float, hold_s: float) -> 
     """Writes a reservation of `amount_usd` for `owner`, valid for `hold_s` seconds."""
     client = MlflowClient(tracking_uri=tracking_uri)
     run = client.create_run(reservations_experiment(client), run_name=f"reserved-{owner}",
-                            tags={OWNER_TAG: owner, EXPIRES_TAG: f"{time.time() + hold_s:.0f}"})
+                            tags={RESERVED_FOR_TAG: owner, RESERVATION_EXPIRES_TAG: f"{time.time() + hold_s:.0f}"})
     client.log_metric(run.info.run_id, RESERVED_METRIC, amount_usd, synchronous=True)
     return Reservation(tracking_uri, run.info.run_id, owner, amount_usd)
 
@@ -67,9 +108,9 @@ def active_reservations(tracking_uri: str, since: float, now: float | None = Non
     now = time.time() if now is None else now
     runs = client.search_runs([experiment.experiment_id], max_results=10_000,
                               filter_string=f"attributes.status = 'RUNNING' and attributes.start_time >= {int(since * 1000)}")
-    return [Reservation(tracking_uri, run.info.run_id, run.data.tags.get(OWNER_TAG, ""),
+    return [Reservation(tracking_uri, run.info.run_id, run.data.tags.get(RESERVED_FOR_TAG, ""),
                         run.data.metrics.get(RESERVED_METRIC, 0.0))
-            for run in runs if float(run.data.tags.get(EXPIRES_TAG, 0)) > now]
+            for run in runs if float(run.data.tags.get(RESERVATION_EXPIRES_TAG, 0)) > now]
 
 
 def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | None = None) -> tuple[float, int]:

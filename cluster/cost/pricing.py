@@ -1,4 +1,5 @@
-"""What a cluster costs: the hourly price from SkyPilot's catalog (or limits.hourly_rate_usd), and the budget checks.
+"""What a cluster costs: the hourly price from SkyPilot's catalog (or limits.hourly_rate_usd); the budget checks
+are in cluster/cost/budget.py.
 
     gpuflow cost --estimate experiments/digits.yaml      # hourly price and the most a run may cost
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
 from gpuflow.cluster.spec import ExperimentSpec, billed_sweep_minutes
 from gpuflow.cluster.spec.options import Option, compute_options
 
@@ -22,10 +22,6 @@ class CatalogMissing(RuntimeError):
 
 class PriceUnknown(ValueError):
     """No catalog row matches the requested compute."""
-
-
-class BudgetExceeded(ValueError):
-    """The run could cost more than a limit allows; the message gives both figures and what to change."""
 
 
 @dataclass(frozen=True)
@@ -216,42 +212,3 @@ def gpus_per_node(accelerators: str | list[str] | None) -> float:
     first = first_accelerator(accelerators)
     return split_accelerator(first)[1] if first else 0
 
-
-# -- budgets ---------------------------------------------------------------------------------------
-
-def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
-    """Refuses a run whose hourly price × limits.max_runtime_minutes exceeds limits.max_cost_usd."""
-    limit = spec.limits.max_cost_usd
-    worst = estimate.max_runtime_cost_usd(spec)
-    if limit is None or worst <= limit:
-        return
-    affordable_minutes = limit / estimate.hourly_usd * 60
-    raise BudgetExceeded(
-        f"limits.max_cost_usd: this run may cost ${worst:.2f} (${estimate.hourly_usd:.4g}/h × "
-        f"{spec.limits.max_runtime_minutes:g} min of limits.max_runtime_minutes), more than max_cost_usd=${limit:.2f}. "
-        f"Lower limits.max_runtime_minutes to {affordable_minutes:.0f} or less, raise limits.max_cost_usd to "
-        f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})")
-
-
-def daily_budget_usd() -> float | None:
-    value = daily_budget()
-    if not value:
-        return None
-    try:
-        return float(value)
-    except ValueError:
-        raise BudgetExceeded(f"{DAILY_BUDGET_ENV}={value!r} is not a number of dollars; write e.g. 50") from None
-
-
-def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd: float,
-                       budget_usd: float | None) -> None:
-    """Refuses a run that could take today's spend (runs started since 00:00 UTC) past the daily budget."""
-    if budget_usd is None:
-        return
-    worst = estimate.max_runtime_cost_usd(spec)
-    if spent_today_usd + worst <= budget_usd:
-        return
-    raise BudgetExceeded(
-        f"{DAILY_BUDGET_ENV}=${budget_usd:.2f}: runs started today (UTC) cost ${spent_today_usd:.2f} and this one "
-        f"may cost ${worst:.2f}, ${spent_today_usd + worst:.2f} in all. Lower limits.max_runtime_minutes, "
-        f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC")

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from mlflow import MlflowClient
 from mlflow.entities import ViewType
 
-from gpuflow.cluster.protocol import BACKEND_TAG, FLOW_RUN_TAG, HOURLY_METRIC, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import ATTEMPT_STARTED_TAG, BACKEND_TAG, FLOW_RUN_TAG, HOURLY_METRIC, STOPPED_BY_TAG
 
 COST_METRICS = ("cost_usd", "gpu_hours", "cluster_hours", "provision_seconds", "idle_seconds_before_teardown")
 SINCE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -21,7 +21,6 @@ UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 # A run relaunched (a lost spot cluster, the on-demand fallback) logs what its earlier clusters cost and when the
 # current one was requested: a run still going is priced as those plus the current price since then.
 SPENT_BEFORE_METRIC = "spent_before_attempt_usd"
-ATTEMPT_STARTED_TAG = "gpuflow.attempt_started_at"
 
 
 @dataclass
@@ -70,10 +69,6 @@ def row_of(run, experiments: dict[str, str]) -> RunCost:
                    info.status, info.start_time / 1000, cost, metrics.get("gpu_hours", 0.0),
                    metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get(STOPPED_BY_TAG, ""), estimated,
                    tags.get(FLOW_RUN_TAG, ""))
-
-
-def spent_since_usd(tracking_uri: str, since: float) -> float:
-    return sum(row.cost_usd for row in run_costs(tracking_uri, since))
 
 
 def start_of_today_utc(now: float | None = None) -> float:

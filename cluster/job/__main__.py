@@ -129,7 +129,7 @@ def release_for(job: JobEnv):
 
         return lambda: stop_sessions([job.local_cluster_session])
     if os.environ.get("SKYPILOT_NODE_RANK") is not None:
-        from gpuflow.cluster.backends.skypilot import shorten_autostop_on_node
+        from gpuflow.cluster.backends.skypilot.node import shorten_autostop_on_node
 
         return shorten_autostop_on_node
     return lambda: None

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import time
 
-from gpuflow.cluster.protocol import HOURLY_METRIC
+from gpuflow.cluster.protocol import HOURLY_METRIC, PHASE_METRIC_PREFIX
 
 DERIVED_FACTOR = 5
 DERIVED_FLOOR_S = 600
-NOT_THE_LOOPS = ("system/", "gpuflow.")  # MLflow's system metrics and the flow's own figures
+NOT_THE_LOOPS = ("system/", PHASE_METRIC_PREFIX)  # MLflow's system metrics and the flow's own figures
 
 
 def last_report_ms(run) -> int | None:

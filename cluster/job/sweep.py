@@ -17,22 +17,20 @@ from typing import Any
 import ray
 from mlflow import MlflowClient
 from ray import tune
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback  # the worker group: no public hook yet
 from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY, TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
-from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG, JobEnv,
-                                      trial_line)
+from gpuflow.cluster.protocol import (BACKEND_TAG, BEST_RUN_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PLACEMENT_GROUP_TAG,
+                                      STOPPED_BY_TAG, TRIAL_ID_TAG, JobEnv, trial_line)
 from gpuflow.cluster.run.mlflow_run import close_children, close_run
+from gpuflow.cluster.util.ray_internals import WorkerGroupCallback, placement_group_of  # no public hook yet
 from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
 from gpuflow.cluster.job.trainer import build_trainer
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
-TRIAL_ID_TAG = "gpuflow.trial_id"
-PLACEMENT_GROUP_TAG = "gpuflow.placement_group"
 STOPPED_EARLY_TAG = "stopped_early"
 # The tags a child run copies from its parent: the flow run's hooks and the reaper find runs by them.
 INHERITED_TAGS = (FLOW_RUN_TAG, "prefect.flow_run_name", "prefect.flow_run_url", CLUSTER_TAG, BACKEND_TAG)
@@ -88,7 +86,7 @@ class PlacementGroupTag(WorkerGroupCallback):
         self.run_id = run_id
 
     def after_worker_group_start(self, worker_group) -> None:
-        group = worker_group.get_worker_group_state().placement_group_handle.placement_group
+        group = placement_group_of(worker_group)
         MlflowClient().set_tag(self.run_id, PLACEMENT_GROUP_TAG, group.id.hex())
 
 
@@ -236,4 +234,4 @@ def record_best(client, parent_run_id: str | None, metric: str, score: float | N
         if value is not None:
             client.log_metric(parent_run_id, key, float(value))
     if outcome["best_run_id"]:
-        client.set_tag(parent_run_id, "gpuflow.best_run_id", outcome["best_run_id"])
+        client.set_tag(parent_run_id, BEST_RUN_TAG, outcome["best_run_id"])

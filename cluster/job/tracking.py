@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlflow import MlflowClient
-from ray.train.v2._internal.execution.callback import ControllerCallback  # end of run: no public hook yet
 from ray.train.v2.api.callback import UserCallback
 
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, epoch_line
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
+from gpuflow.cluster.util.ray_internals import ControllerCallback  # end of run: no public hook yet
 
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit

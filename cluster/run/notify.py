@@ -16,7 +16,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 
-NOTIFIED_TAG = "gpuflow.notified"  # the end event already sent for this run
+from gpuflow.cluster.protocol import NOTIFIED_TAG
+
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 SEND_TIMEOUT_S = 10
 

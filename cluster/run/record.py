@@ -16,7 +16,9 @@ from mlflow.entities import Metric, Param, RunInfo, RunTag
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
 from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
-from gpuflow.cluster.protocol import CHECKPOINTS_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import (ATTEMPT_TAG_PREFIX, CHECKPOINTS_TAG, CLOSED_BY_TAG, INSTANCE_TYPE_TAG,
+                                      LAUNCHED_TAG_PREFIX, OPTION_TAG, PHASE_METRIC_PREFIX, PRICE_SOURCE_TAG,
+                                      STOPPED_BY_TAG)
 from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
@@ -84,9 +86,9 @@ def param(key, value):
 def price_entries(price) -> tuple[dict[str, float], dict[str, str]]:
     """The price the run opens with, as (metrics, tags): so a run still going (or killed with its flow) can be
     priced later (cluster/cost/spend.py reads the metric)."""
-    tags = {"spot": str(price.use_spot).lower(), "gpuflow.price_source": price.source}
+    tags = {"spot": str(price.use_spot).lower(), PRICE_SOURCE_TAG: price.source}
     if price.instance_type:
-        tags["gpuflow.instance_type"] = price.instance_type
+        tags[INSTANCE_TYPE_TAG] = price.instance_type
     return {HOURLY_METRIC: price.hourly_usd}, tags
 
 
@@ -131,10 +133,10 @@ class RunRecord:
         """Which option launched (its index and description, where it is) and the price it is metered at."""
         if not self.run_id or "launched" not in info:  # a local cluster, or one SkyPilot did not describe
             return
-        tags = {"gpuflow.option": f"{info['option']}: {info['option_text']}" if info.get("option") else
+        tags = {OPTION_TAG: f"{info['option']}: {info['option_text']}" if info.get("option") else
                 info.get("option_text", "unmatched"), "spot": str(price.use_spot).lower(),
-                "gpuflow.price_source": price.source,
-                **{f"gpuflow.launched.{key}": value for key, value in info.get("launched", {}).items()}}
+                PRICE_SOURCE_TAG: price.source,
+                **{f"{LAUNCHED_TAG_PREFIX}{key}": value for key, value in info.get("launched", {}).items()}}
         now = int(time.time() * 1000)
         client_for(self.spec).log_batch(self.run_id, metrics=[Metric(HOURLY_METRIC, price.hourly_usd, now, attempt)],
                                         tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
@@ -152,7 +154,7 @@ class RunRecord:
         if self.run_id and attempts:
             self.log_attempts(attempts)
         if self.run_id:
-            metrics = {**{f"gpuflow.{key}": value for key, value in self.phases.items()}, **bill}
+            metrics = {**{f"{PHASE_METRIC_PREFIX}{key}": value for key, value in self.phases.items()}, **bill}
             tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
             # only a sweep's run has child runs (its trials) to end with it: no search for the others
             if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags,
@@ -171,7 +173,7 @@ class RunRecord:
         now = int(time.time() * 1000)
         metrics = [Metric(name, float(attempt[key]), now, number) for number, attempt in enumerate(attempts, 1)
                    for name, key in (("attempt_cost_usd", "cost_usd"), ("attempt_hourly_usd", "hourly_usd"))]
-        tags = [RunTag(f"gpuflow.attempt.{number}", f"{a['option']}: ${a['hourly_usd']:.4g}/h, {a['seconds']:.0f} s, "
+        tags = [RunTag(f"{ATTEMPT_TAG_PREFIX}{number}", f"{a['option']}: ${a['hourly_usd']:.4g}/h, {a['seconds']:.0f} s, "
                        f"${a['cost_usd']:.4f}") for number, a in enumerate(attempts, 1)]
         try:
             client_for(self.spec).log_batch(self.run_id, metrics=metrics, tags=tags, synchronous=True)
@@ -184,7 +186,7 @@ def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) 
     client = client_for(spec)
     runs = runs_of_flow_run(client, flow_run_id, spec.experiment_name, running=True)
     for run in runs:
-        client.set_tag(run.info.run_id, "gpuflow.closed_by", "hook")
+        client.set_tag(run.info.run_id, CLOSED_BY_TAG, "hook")
         client.set_terminated(run.info.run_id, status)
     return [run.info.run_id for run in runs]
 

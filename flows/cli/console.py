@@ -196,8 +196,9 @@ def end_live_line() -> None:
 def quiet_console(log_folder: Path, metric: str | None = None) -> Path:
     """Hides the job's detail lines from Prefect's console handler and shows the run's progress in their place
     (`metric` first among an epoch's metrics); writes every line to a log file, returned."""
-    from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import PrefectConsoleHandler
+
+    from gpuflow.flows.prefect_internals import ensure_logging_setup
 
     ensure_logging_setup()  # Prefect's console handler exists from here on: the filter goes on it, not on nothing
     root = logging.getLogger()

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from gpuflow.cluster.cost.pricing import BudgetExceeded, CatalogMissing, PriceUnknown
+from gpuflow.cluster.cost.pricing import CatalogMissing, PriceUnknown
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.spec import load_spec
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
 def priced_within_budget(spec, path: str):
     """The spec's price if its budgets allow the run; otherwise says why on stderr and returns None."""
-    from gpuflow.cluster.cost.budget import check_budget
+    from gpuflow.cluster.cost.budget import BudgetExceeded, check_budget
 
     try:
         return check_budget(spec)

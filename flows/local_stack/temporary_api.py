@@ -3,9 +3,9 @@
 Prefect starts the same server itself on a flow run's first API call, but to do so it imports its server package
 (FastAPI, the ORM, every route) into the calling process: seconds of CPU that `gpuflow run` needs for nothing, since
 the server runs in a process of its own. This starts that process as Prefect 3.8 does (uvicorn of
-`prefect.server.api.server:create_app`, its UI off, ephemeral), then points this process's Prefect settings at it
-(PREFECT_API_URL), so that no part of Prefect starts another one. The server stops when this process exits, and
-a watcher (flows/local_stack/outlive.py) stops it if this process is killed.
+`prefect.server.api.server:create_app`, its UI off, ephemeral: flows/prefect_internals.py), then points this
+process's Prefect settings at it (PREFECT_API_URL), so that no part of Prefect starts another one. The server stops
+when this process exits, and a watcher (flows/local_stack/outlive.py) stops it if this process is killed.
 
 Its port is bound here and handed to uvicorn as an open socket: a port probed free and bound later by the server
 can be taken in between (Ray's servers take ports all the time), and uvicorn's exit code does not say so once
@@ -22,6 +22,7 @@ import sys
 import time
 
 from gpuflow.cluster.util.http import probe
+from gpuflow.flows.prefect_internals import refresh_settings, start_api_server
 
 
 def start() -> str:
@@ -44,7 +45,7 @@ class TemporaryApi:
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", 0))
             self.api_url = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
-            self.server = uvicorn(listener, settings_env)
+            self.server = start_api_server(listener, settings_env)
         atexit.register(stop, self.server)
         watch(self.server)
 
@@ -60,25 +61,9 @@ class TemporaryApi:
 
 def use(api_url: str) -> None:
     """Points this process's Prefect settings (every thread's client) at a server of ours, which serves no UI."""
-    from prefect.context import refresh_global_settings_context
-
     os.environ["PREFECT_API_URL"] = api_url
     os.environ["PREFECT_UI_URL"] = ""  # no "View at" link to a page that does not exist
-    refresh_global_settings_context()
-
-
-def uvicorn(listener: socket.socket, settings_env: dict[str, str]) -> subprocess.Popen:
-    """The server on `listener`, a bound socket that uvicorn inherits (it listens on it once the app is loaded)."""
-    import prefect
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-         "prefect.server.api.server:create_app", "--fd", str(listener.fileno()), "--log-level", "error",
-         "--lifespan", "on"],
-        env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-             **settings_env},
-        pass_fds=(listener.fileno(),),
-    )
+    refresh_settings()
 
 
 def wait_until_healthy(server: subprocess.Popen, api_url: str, deadline: float) -> bool:

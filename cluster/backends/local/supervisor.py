@@ -21,10 +21,10 @@ from pathlib import Path
 # Ray binds the host's primary address unless told this: every node on loopback, traffic stays local.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import ray._private.utils  # noqa: E402
+from gpuflow.cluster.util.ray_internals import dead_processes, no_ray_address_file, raylet_pid  # noqa: E402
 
 # Cluster() records its address in /tmp/ray for `ray.init()` to find: no driver but ours may attach.
-ray._private.utils.write_ray_address = lambda *args, **kwargs: None
+no_ray_address_file()
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -94,16 +94,10 @@ def current_owner(first_owner: int, owner_file: Path) -> int:
 OWNER_POLL_S = 1.0
 
 
-def raylet_pid(node) -> int:
-    from ray._private import ray_constants
-
-    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-
-
 def lost_nodes(cluster) -> str | None:
     """Says which node processes died (a lost node), or None while every node is whole."""
     dead = [f"{'head' if node is cluster.head_node else 'worker'} node's {kind} (pid {process.pid})"
-            for node in cluster.list_all_nodes() for kind, process in node.dead_processes()]
+            for node in cluster.list_all_nodes() for kind, process in dead_processes(node)]
     return ", ".join(dead) or None
 
 

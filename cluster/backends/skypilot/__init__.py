@@ -144,22 +144,6 @@ def local_api_server_up(sdk) -> bool | None:
     return common.get_api_server_status().status == common.ApiServerStatus.HEALTHY
 
 
-def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
-    """On a cluster's head node: make its autostop (with autodown) fire after `idle_minutes`, as `sky autostop`
-    would. The job calls it when it stops itself, so a cluster whose flow is gone does not idle for long."""
-    try:
-        from sky.skylet import autostop_lib
-
-        config = autostop_lib.get_autostop_config()
-        if config.autostop_idle_minutes < 0 or config.autostop_idle_minutes <= idle_minutes:
-            return False
-        autostop_lib.set_autostop(idle_minutes, config.backend, config.wait_for, config.down)
-        return True
-    except Exception as exc:  # SkyPilot's runtime not importable here: the launch's own autostop still holds
-        print(f"[gpuflow] could not shorten autostop on this node: {type(exc).__name__}: {exc}", flush=True)
-        return False
-
-
 class SkyPilotBackend:
     name = "skypilot"
     loss_poll_s = None  # `lost` asks the cloud; a lost node ends the SkyPilot job anyway, so ask only then

@@ -4,6 +4,7 @@
 
 Topology comes from SkyPilot's SKYPILOT_NODE_RANK / SKYPILOT_NODE_IPS / SKYPILOT_NUM_NODES; the
 spec and run name from the job's environment (cluster/protocol.py: JobEnv), set by the flow.
+The job on the head calls `shorten_autostop_on_node` here when it stops the run itself.
 """
 
 import json
@@ -85,6 +86,22 @@ def main() -> int:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
+    """On a cluster's head node: make its autostop (with autodown) fire after `idle_minutes`, as `sky autostop`
+    would. The job calls it when it stops itself, so a cluster whose flow is gone does not idle for long."""
+    try:
+        from sky.skylet import autostop_lib
+
+        config = autostop_lib.get_autostop_config()
+        if config.autostop_idle_minutes < 0 or config.autostop_idle_minutes <= idle_minutes:
+            return False
+        autostop_lib.set_autostop(idle_minutes, config.backend, config.wait_for, config.down)
+        return True
+    except Exception as exc:  # SkyPilot's runtime not importable here: the launch's own autostop still holds
+        print(f"[gpuflow] could not shorten autostop on this node: {type(exc).__name__}: {exc}", flush=True)
+        return False
 
 
 if __name__ == "__main__":

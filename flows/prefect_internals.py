@@ -1,0 +1,57 @@
+"""Prefect's private and internal APIs that gpuflow uses, all here: read against Prefect 3.8 (pyproject pins >=3.8,<3.9).
+
+None of them is in Prefect's documented API; each is here because that Prefect has no public way to do it. On a
+Prefect upgrade, check these first.
+
+    start_api_server        how Prefect 3.8 starts its temporary ("ephemeral") API server in a process of its own:
+                            uvicorn of the server's app factory `prefect.server.api.server:create_app` (server
+                            internals), from Prefect's own folder (`prefect.__module_path__`), with its private
+                            settings PREFECT__SERVER_EPHEMERAL and PREFECT__SERVER_FINAL. gpuflow starts it itself so
+                            that `gpuflow run` does not import Prefect's server package
+                            (flows/local_stack/temporary_api.py).
+    refresh_settings        prefect.context.refresh_global_settings_context: Prefect reads its settings once into a
+                            module global; after PREFECT_API_URL changes in os.environ, this makes every thread's
+                            client use the new server (flows/local_stack/temporary_api.py).
+    ensure_logging_setup    prefect.logging.configuration.ensure_logging_setup: Prefect configures its logging (its
+                            console handler) on first use; `gpuflow run` needs that handler now, to put its filter on
+                            it (flows/cli/console.py).
+
+Nothing of Prefect is imported with this module, only inside its functions: the command line loads it for every
+command, and `gpuflow run` must start fast.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def start_api_server(listener: socket.socket, settings_env: dict[str, str]) -> subprocess.Popen:
+    """Prefect's API server (its UI off) on `listener`, a bound socket that uvicorn inherits (it listens on it once
+    the app is loaded); `settings_env`: this process's Prefect settings, for the server's."""
+    import prefect
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+         "prefect.server.api.server:create_app", "--fd", str(listener.fileno()), "--log-level", "error",
+         "--lifespan", "on"],
+        env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+             **settings_env},
+        pass_fds=(listener.fileno(),),
+    )
+
+
+def refresh_settings() -> None:
+    """Makes this process's Prefect settings (every thread's client) read os.environ again."""
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
+
+
+def ensure_logging_setup() -> None:
+    """Configures Prefect's logging in this process now, if it is not yet."""
+    from prefect.logging.configuration import ensure_logging_setup as ensure
+
+    ensure()
