@@ -15,6 +15,9 @@ Prefect upgrade, check these first.
     ensure_logging_setup    prefect.logging.configuration.ensure_logging_setup: Prefect configures its logging (its
                             console handler) on first use; `gpuflow run` needs that handler now, to put its filter on
                             it (flows/cli/console.py).
+    extra_logger_handlers   the handlers of Prefect's `prefect.extra` logger (logging.yml): what Prefect gives each
+                            logger of its extra-loggers setting, for a process that set Prefect up before gpuflow
+                            named its loggers there (flows/run_logs.py).
 
 Nothing of Prefect is imported with this module, only inside its functions: the command line loads it for every
 command, and `gpuflow run` must start fast.
@@ -55,3 +58,11 @@ def ensure_logging_setup() -> None:
     from prefect.logging.configuration import ensure_logging_setup as ensure
 
     ensure()
+
+
+def extra_logger_handlers() -> list:
+    """The handlers Prefect attaches to each of its extra loggers (the API's, which sends to the current run)."""
+    import logging
+
+    ensure_logging_setup()
+    return list(logging.getLogger("prefect.extra").handlers)

@@ -26,11 +26,12 @@ def attach_gpuflow_loggers() -> None:
     """In a process that set up Prefect's logging before it imported gpuflow (a flow run started by Prefect from
     the deployment's entrypoint), the setting came too late: Prefect's API handler is added here, as Prefect adds
     it to each extra logger. Idempotent."""
-    from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import APILogHandler
 
-    ensure_logging_setup()
+    from gpuflow.flows.prefect_internals import extra_logger_handlers
+
     logger = logging.getLogger(LOGGER)
+    handlers = extra_logger_handlers()
     if not any(isinstance(handler, APILogHandler) for handler in logger.handlers):
-        for handler in logging.getLogger("prefect.extra").handlers:
+        for handler in handlers:
             logger.addHandler(handler)

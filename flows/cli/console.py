@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from gpuflow.cluster.run.monitor import JOB_DETAIL, PROGRESS
+from gpuflow.flows.run_logs import LOGGER
 
 # The phase of a record from a task run, by the task's name; the flow's own records say theirs (PROGRESS).
 TASK_PHASES = {"validate": "validating", "stage-data": "provisioning", "open-mlflow-run": "provisioning",
@@ -59,7 +60,7 @@ def key_metrics(metrics: dict, first: str | None = None) -> dict:
 def task_of(record: logging.LogRecord) -> str | None:
     """The task a record came from: Prefect's run loggers name it; gpuflow's module loggers log in its context."""
     name = getattr(record, "task_name", None)
-    if name is None and record.name.startswith("gpuflow."):
+    if name is None and record.name.startswith(f"{LOGGER}."):
         from prefect.context import TaskRunContext
 
         context = TaskRunContext.get()
