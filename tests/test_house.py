@@ -32,9 +32,14 @@ def modules() -> dict[str, Path]:
 
 def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
     """The gpuflow modules `path` imports, at the top or inside a function (a lazy import still makes a circle)."""
+    return imports_in(path.read_text(), known)
+
+
+def imports_in(source: str, known) -> set[str]:
+    """The modules of `known` that `source` imports, lazily or not; imports for type checkers only never run."""
     found = set()
-    tree = ast.parse(path.read_text())
-    for block in ast.walk(tree):  # imports for type checkers only never run
+    tree = ast.parse(source)
+    for block in ast.walk(tree):
         if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test):
             block.body = []
     for node in ast.walk(tree):
@@ -356,18 +361,7 @@ def room_graph(modules_source: dict[str, str]) -> dict[str, set[str]]:
         if room is None:
             continue
         graph.setdefault(room, set())
-        tree = ast.parse(source)
-        for block in ast.walk(tree):
-            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test):
-                block.body = []
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
-            else:
-                continue
-            graph[room] |= {other for name in names if (other := room_of(name)) and other != room}
+        graph[room] |= {other for name in imports_in(source, known) if (other := room_of(name)) and other != room}
     return graph
 
 
