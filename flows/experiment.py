@@ -114,7 +114,6 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
         spec_file: Path of a YAML spec on the machine that runs the flow; when set, it is used instead of spec.
     """
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
-    logger = get_run_logger()
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
