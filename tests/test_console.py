@@ -61,6 +61,35 @@ def test_prefects_notes_on_hooks_are_hidden_but_a_failing_hook_is_not():
     assert shown(logging.ERROR, "An error was encountered while running hook 'notify_end'")
     assert shown(logging.INFO, "Hook line of the user's own that says something else")
 
+def test_gpuflow_s_lines_show_as_the_run_they_were_logged_in(prefect_server):
+    """The console shows a line of gpuflow's module loggers (the lifecycle's, a backend's) as the task or flow run it
+    was logged in says it, beside Prefect's own; a line outside any run stays as it was."""
+    import logging
+
+    from prefect import flow, task
+
+    from gpuflow.flows.cli.console import as_its_run_says, task_of
+
+    def said(message: str):
+        record = logging.getLogger("gpuflow.cluster.run.lifecycle").makeRecord(
+            "gpuflow.cluster.run.lifecycle", logging.INFO, __file__, 1, message, None, None)
+        return as_its_run_says(record), task_of(record)
+
+    @task(name="teardown")
+    def tear_down():
+        return said("tearing down cluster gpuflow-x")
+
+    @flow(name="say-where")
+    def say_where():
+        return said("waiting for 2 GPUs"), tear_down()
+
+    (in_flow, flow_task), (in_task, task_name) = say_where()
+    assert (in_task.name, task_name) == ("prefect.task_runs", "teardown") and in_task.task_run_name.startswith("teardown")
+    assert (in_flow.name, flow_task) == ("prefect.flow_runs", None) and in_flow.flow_run_name
+    outside, _ = said("no run")
+    assert outside.name == "gpuflow.cluster.run.lifecycle" and not hasattr(outside, "task_run_name")
+
+
 REGISTER_TWICE = """
 import sys
 from pathlib import Path

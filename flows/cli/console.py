@@ -68,6 +68,24 @@ def task_of(record: logging.LogRecord) -> str | None:
     return name
 
 
+def as_its_run_says(record: logging.LogRecord) -> logging.LogRecord:
+    """A line of gpuflow's module loggers as the run it was logged in shows it, `Task run 'teardown-ddf' - ...`,
+    beside Prefect's own lines (the log file keeps the module's name)."""
+    if not record.name.startswith(f"{LOGGER}."):
+        return record
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    task, flow = TaskRunContext.get(), FlowRunContext.get()
+    if task is None and flow is None:
+        return record
+    shown = logging.makeLogRecord(record.__dict__)
+    if task is not None:
+        shown.name, shown.task_run_name = "prefect.task_runs", task.task_run.name
+    else:
+        shown.name, shown.flow_run_name = "prefect.flow_runs", flow.flow_run.name
+    return shown
+
+
 class Progress:
     """The run's progress, read from the flow's records: phase, the latest epoch and how fast epochs go."""
 
@@ -156,7 +174,7 @@ class Console(logging.Handler):
             self._write(self.progress.epoch_line() + "\n")
         elif not epoch and self.inner.filter(record):
             self._clear()
-            self.inner.handle(without_ray_prefix(record))
+            self.inner.handle(without_ray_prefix(as_its_run_says(record)))
         self._draw()
 
     def end(self) -> None:
