@@ -68,12 +68,13 @@ def test_gpuflow_s_lines_show_as_the_run_they_were_logged_in(prefect_server):
 
     from prefect import flow, task
 
-    from gpuflow.flows.cli.console import as_its_run_says, task_of
+    from gpuflow.flows.cli.console import as_its_run_says
 
     def said(message: str):
         record = logging.getLogger("gpuflow.cluster.run.lifecycle").makeRecord(
             "gpuflow.cluster.run.lifecycle", logging.INFO, __file__, 1, message, None, None)
-        return as_its_run_says(record), task_of(record)
+        shown = as_its_run_says(record)
+        return shown, getattr(shown, "task_name", None)
 
     @task(name="teardown")
     def tear_down():

@@ -57,20 +57,9 @@ def key_metrics(metrics: dict, first: str | None = None) -> dict:
     return {key: metrics[key] for key in keys[:SHOWN_METRICS]}
 
 
-def task_of(record: logging.LogRecord) -> str | None:
-    """The task a record came from: Prefect's run loggers name it; gpuflow's module loggers log in its context."""
-    name = getattr(record, "task_name", None)
-    if name is None and record.name.startswith(f"{LOGGER}."):
-        from prefect.context import TaskRunContext
-
-        context = TaskRunContext.get()
-        name = context.task.name if context else None
-    return name
-
-
 def as_its_run_says(record: logging.LogRecord) -> logging.LogRecord:
-    """A line of gpuflow's module loggers as the run it was logged in shows it, `Task run 'teardown-ddf' - ...`,
-    beside Prefect's own lines (the log file keeps the module's name)."""
+    """A line of gpuflow's module loggers as the run it was logged in says it, `Task run 'teardown-ddf' - ...`
+    (and its task's name, for the phase), beside Prefect's own lines; the log file keeps the module's name."""
     if not record.name.startswith(f"{LOGGER}."):
         return record
     from prefect.context import FlowRunContext, TaskRunContext
@@ -80,7 +69,7 @@ def as_its_run_says(record: logging.LogRecord) -> logging.LogRecord:
         return record
     shown = logging.makeLogRecord(record.__dict__)
     if task is not None:
-        shown.name, shown.task_run_name = "prefect.task_runs", task.task_run.name
+        shown.name, shown.task_run_name, shown.task_name = "prefect.task_runs", task.task_run.name, task.task.name
     else:
         shown.name, shown.flow_run_name = "prefect.flow_runs", flow.flow_run.name
     return shown
@@ -99,7 +88,7 @@ class Progress:
     def update(self, record: logging.LogRecord) -> dict | None:
         """Takes what `record` says of the run; returns its epoch fields, if it reports an epoch."""
         fields = getattr(record, PROGRESS, None) or {}
-        phase = fields.get("phase") or TASK_PHASES.get(task_of(record))
+        phase = fields.get("phase") or TASK_PHASES.get(getattr(record, "task_name", None))
         if phase:
             self.phase = phase
         if "epoch" not in fields:
@@ -169,12 +158,13 @@ class Console(logging.Handler):
             threading.Thread(target=self._tick, daemon=True, name="gpuflow-console").start()
 
     def emit(self, record: logging.LogRecord) -> None:
+        record = as_its_run_says(record)
         epoch = self.progress.update(record)
         if epoch and not self.live:
             self._write(self.progress.epoch_line() + "\n")
         elif not epoch and self.inner.filter(record):
             self._clear()
-            self.inner.handle(without_ray_prefix(as_its_run_says(record)))
+            self.inner.handle(without_ray_prefix(record))
         self._draw()
 
     def end(self) -> None:
