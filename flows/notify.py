@@ -17,7 +17,7 @@ from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.notify import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
-from gpuflow.flows.run_info import prefect_link
+from gpuflow.flows.run_info import flow_run_ui_url, prefect_link, spec_from
 
 if TYPE_CHECKING:
     from gpuflow.flows.experiment_run import ExperimentRun
@@ -66,8 +66,6 @@ def end_event(spec: ExperimentSpec, run, flow_run, state) -> Event:
     reason = (run.data.tags.get(STOP_DETAIL_TAG) if run and stopped_by else None) or state.message or state.name
     if stopped_by:  # the flow's own stop: "Flow run encountered an exception: RunStopped: stopped by budget: ..."
         reason = f"stopped_by={stopped_by}: {reason.split('RunStopped: ', 1)[-1]}"
-    from gpuflow.flows.run_info import flow_run_ui_url
-
     return Event(kind, flow_run.name, reason, run.data.metrics.get("cost_usd") if run else None,
                  run_url(spec, run.info.run_id) if run else None,
                  prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)))
@@ -75,8 +73,6 @@ def end_event(spec: ExperimentSpec, run, flow_run, state) -> Event:
 
 def notify_end(flow, flow_run, state) -> None:
     """A flow hook (completion, failure, crash): the run's end, said once, to the spec's webhook."""
-    from gpuflow.flows.run_info import spec_from
-
     try:
         spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
     except Exception:  # a spec that does not load names no webhook either: its refusal is the run's message
@@ -113,8 +109,6 @@ def notify_reaped(flow_run_ids: set[str], tracking_uris: list[str]) -> None:
 
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
-
-    from gpuflow.flows.run_info import spec_from
 
     with get_client(sync_client=True) as prefect:
         for flow_run_id in flow_run_ids:
