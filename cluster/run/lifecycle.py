@@ -51,7 +51,6 @@ class Lifecycle:
                  close: Callable[[Outcome, dict], None] | None = None):
         self.cluster_name, self.down, self.meter, self.close = cluster_name, down, meter, close
         self._launches: list = []  # futures of launches in flight (anything with .wait())
-        self.requested_at = meter.requested_at
         self.launched_at: float | None = None
         self.job_started_at: float | None = None  # the training job's first start (after setup): limits count from it
         self.last_output_at: float | None = None  # the job's last log line: idle from here to the teardown
@@ -68,6 +67,11 @@ class Lifecycle:
         self.stop_detail = ""
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+
+    @property
+    def requested_at(self) -> float:
+        """The provision request: the bill runs from here."""
+        return self.meter.requested_at
 
     # -- during the run ----------------------------------------------------------------------------
     def launching(self, future) -> None:

@@ -36,33 +36,31 @@ class Meter:
 
     def relaunched(self, price: Estimate | None = None) -> dict:
         """The current cluster ended and another is requested, metered at `price` until it launches. Returns the
-        attempt that ended: its option, price and cost."""
+        attempt that ended: its option, price, seconds, cost and GPU-hours."""
         now = time.time()
-        seconds = now - self._attempt_started
-        self.attempts.append({**self._attempt(seconds),
-                              "gpu_hours": seconds / 3600 * self.price.gpus_per_node * self.price.num_nodes})
+        self.attempts.append(self._attempt(now - self._attempt_started))
         self._attempt_started, self.option = now, "planned"
         self.price = price or self.price
         return self.attempts[-1]
 
     def cost(self, ended: float | None = None) -> dict[str, float]:
         """What the run's clusters cost up to `ended` (now): the ones before, and the current one."""
-        current_s = self._current_seconds(ended)
-        price = self.price
+        attempts = self.all_attempts(ended)
         return {
-            "cost_usd": sum(a["cost_usd"] for a in self.attempts) + price.cost_usd(current_s),
-            "cluster_hours": (sum(a["seconds"] for a in self.attempts) + current_s) / 3600,
-            "gpu_hours": sum(a["gpu_hours"] for a in self.attempts) + current_s / 3600 * price.gpus_per_node * price.num_nodes,
-            "hourly_cost_usd": price.hourly_usd,
+            "cost_usd": sum(a["cost_usd"] for a in attempts),
+            "cluster_hours": sum(a["seconds"] for a in attempts) / 3600,
+            "gpu_hours": sum(a["gpu_hours"] for a in attempts),
+            "hourly_cost_usd": self.price.hourly_usd,
         }
 
     def all_attempts(self, ended: float | None = None) -> list[dict]:
-        """Every cluster of the run, the current one last, each with its option, price and cost."""
+        """Every cluster of the run, the current one last, each with its option, price, seconds, cost, GPU-hours."""
         return [*self.attempts, self._attempt(self._current_seconds(ended))]
 
     def _attempt(self, seconds: float) -> dict:
-        return {"option": self.option, "hourly_usd": self.price.hourly_usd, "seconds": seconds,
-                "cost_usd": self.price.cost_usd(seconds)}
+        price = self.price
+        return {"option": self.option, "hourly_usd": price.hourly_usd, "seconds": seconds,
+                "cost_usd": price.cost_usd(seconds), "gpu_hours": seconds / 3600 * price.gpus_per_node * price.num_nodes}
 
     def _current_seconds(self, ended: float | None) -> float:
         return max(0.0, (ended or time.time()) - self._attempt_started)
