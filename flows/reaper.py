@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from prefect import flow, get_run_logger
@@ -70,7 +70,7 @@ class RunRecords:
     missing run left out), and whether its MLflow lease is stale (None: no lease found)."""
 
     states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states
-    lease_stale: Callable[[str], bool | None] = field(default=lambda flow_run_id: None)
+    lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None
 
 
 def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float) -> list[tuple[Backend, Verdict]]:

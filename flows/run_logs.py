@@ -31,7 +31,7 @@ def attach_gpuflow_loggers() -> None:
     from gpuflow.flows.prefect_internals import extra_logger_handlers
 
     logger = logging.getLogger(LOGGER)
-    handlers = extra_logger_handlers()
+    handlers = extra_logger_handlers()  # first: it sets up Prefect's logging, which may attach them itself
     if not any(isinstance(handler, APILogHandler) for handler in logger.handlers):
         for handler in handlers:
             logger.addHandler(handler)
