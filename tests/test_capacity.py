@@ -182,3 +182,51 @@ def test_a_spec_with_options_reads_back_the_same_after_a_json_round_trip():
                                                                       {"infra": "gcp"}]}})
     again = ExperimentSpec.model_validate_json(spec.model_dump_json(), context={"on_cluster": True})
     assert again == spec
+
+
+SPOT_FIELDS = {"accelerators": "L4:1", "infra": "aws", "use_spot": True, "spot_fallback_after": 2}
+SPOT_OPTIONS = {"spot_fallback_after": 2, "options": [{"infra": "aws", "accelerators": "L4:1", "use_spot": True},
+                                                      {"infra": "aws/us-west-2", "accelerators": "L4:1",
+                                                       "use_spot": True}]}
+A_GRID = {"parameters": {"train.lr": {"grid": [0.1, 0.01]}}, "metric": "val_accuracy", "mode": "max"}
+
+
+@pytest.mark.parametrize("compute, sweep", [(SPOT_FIELDS, None), (SPOT_OPTIONS, None), (SPOT_OPTIONS, A_GRID)],
+                         ids=["spot fields", "spot options", "a sweep on spot options"])
+def test_every_spec_the_flow_hands_a_node_loads_there(sky_prices, compute, sweep):
+    """A node loads the spec it is handed by its own rules (cluster/job/__main__.py), after the launch was paid for.
+    Each spec the flow may hand one: the first launch, the relaunch after a spot loss, the spot fallback's on-demand
+    relaunch, and each sweep trial's, taken from the SkyPilot task as SkyPilot delivers it, loaded by the job's loader."""
+    from pydantic import ValidationError
+
+    from gpuflow.cluster.backends.skypilot import build_task
+    from gpuflow.cluster.cost.pricing import hourly_cost
+    from gpuflow.cluster.job.sweep import trial_spec
+    from gpuflow.cluster.protocol import JobEnv
+    from gpuflow.cluster.run.lifecycle import Lifecycle
+    from gpuflow.cluster.run.meter import Meter
+    from gpuflow.cluster.run.record import RunRecord
+    from gpuflow.cluster.spec import job_spec
+    from gpuflow.flows.capacity import Capacity
+
+    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", **compute}, "sweep": sweep,
+                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    capacity = Capacity(RunRecord(spec, "flow-run"), Lifecycle("gpuflow-x", down=lambda name: True,
+                                                               meter=Meter(hourly_cost(spec))), lambda *_: None)
+    shipped = {"first launch": capacity.launch_spec}
+    assert capacity.spot_lost("preempted") is False
+    shipped["relaunch after a spot loss"] = capacity.launch_spec
+    assert capacity.spot_lost("preempted") is True
+    shipped["the spot fallback's relaunch"] = capacity.launch_spec
+    assert not shipped["the spot fallback's relaunch"].compute.use_spot
+    for name, launched in list(shipped.items()):
+        for lr in (sweep and A_GRID["parameters"]["train.lr"]["grid"]) or []:
+            shipped[f"{name}, trial lr={lr}"] = trial_spec(launched, {"train.lr": lr})
+    refused = {}
+    for name, launched in shipped.items():
+        task = build_task(launched, run_name="run", env={}, with_setup=False)
+        try:
+            job_spec(JobEnv.from_env(task.envs).spec_json).anchored()
+        except ValidationError as error:
+            refused[name] = str(error)
+    assert len(shipped) == (9 if sweep else 3) and refused == {}

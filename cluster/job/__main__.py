@@ -22,7 +22,7 @@ from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.protocol import JobEnv, result_line
-from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec import ExperimentSpec, job_spec
 from gpuflow.cluster.job.trainer import run_training
 from gpuflow.cluster.usercode import on_sys_path
 
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     tune_ray_train()
     if args.handoff:
         wait_for_handoff(args)
-    spec = ExperimentSpec.model_validate_json(Path(args.spec).read_text(), context={"on_cluster": True}).anchored()
+    spec = job_spec(Path(args.spec).read_text()).anchored()
     job = JobEnv.from_env()
     JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too: the flow may die
     preload(spec)

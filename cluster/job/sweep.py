@@ -27,7 +27,7 @@ from gpuflow.cluster.protocol import (BACKEND_TAG, BEST_RUN_TAG, CLUSTER_TAG, FL
                                       STOPPED_BY_TAG, TRIAL_ID_TAG, JobEnv, trial_line)
 from gpuflow.cluster.run.mlflow_run import close_children, close_run
 from gpuflow.cluster.util.ray_internals import WorkerGroupCallback, placement_group_of  # no public hook yet
-from gpuflow.cluster.spec import ExperimentSpec, max_epochs, trial_train
+from gpuflow.cluster.spec import ExperimentSpec, job_spec, max_epochs, trial_train
 from gpuflow.cluster.job.trainer import build_trainer
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
@@ -70,7 +70,7 @@ def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, 
 
 def run_trial(values: dict[str, Any], spec_json: str, run_name: str) -> None:
     """One trial, inside Tune: a TorchTrainer on the trial's spec, reporting to Tune and to the trial's MLflow run."""
-    spec = trial_spec(ExperimentSpec.model_validate_json(spec_json, context={"on_cluster": True}), values)
+    spec = trial_spec(job_spec(spec_json), values)
     trial_id = tune.get_context().get_trial_id()
     parent_run_id = JobEnv.from_env().mlflow_run_id
     child_run_id = open_child_run(MlflowClient(), parent_run_id, trial_id, values) if parent_run_id else None

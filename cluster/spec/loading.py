@@ -157,3 +157,9 @@ def describe(error: dict) -> str:
     if error["type"] in ("less_than_equal", "less_than"):
         return f"{field}: {message} (got {got}); that is beyond what a run can mean, lower it"
     return f"{field}: {message} (got {got})"
+
+
+def job_spec(spec_json: str) -> ExperimentSpec:
+    """The spec as the job on the cluster loads it (its JSON, by the rules of a node: whatever the flow handed it
+    must pass these, or the job fails after the launch was paid for)."""
+    return ExperimentSpec.model_validate_json(spec_json, context={"on_cluster": True})

@@ -11,6 +11,9 @@ its own order), each one `no_capacity` names (an accelerator, an infra's cloud, 
 first that remains launches (the handle's `launched_resources` says which); when none remains, SkyPilot's
 ResourcesUnavailableError, one block per resource tried and its failover_history. `preempt_spot` spot clusters
 are preempted mid-job: the cluster vanishes, as a forced status refresh then says.
+
+The node's side, where it decides: the job first loads the spec it was handed with the job's own loader, and a spec
+the node refuses fails the job (FAILED, its traceback in the log) after the launch, as on a real cluster.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import sky.exceptions
 from sky.skylet.job_lib import JobStatus
+
+from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.spec import job_spec
 
 
 @dataclass
@@ -124,7 +131,7 @@ class FakeSky:
                                                "launched_at": int(time.time()), "autostop": idle_minutes_to_autostop,
                                                "to_down": down, "jobs": {}, "spot": bool(launched.use_spot)}
             request.lines.append(f"Cluster {cluster_name} is up")
-            job_id = self._add_job(cluster_name, setup=task.setup is not None, run=task.run is not None)
+            job_id = self._add_job(cluster_name, setup=task.setup is not None, run=task.run and task)
             request.lines.append(f"Job submitted, ID: {job_id}")
             return job_id, SimpleNamespace(cluster_name=cluster_name, launched_resources=launched,
                                            launched_nodes=task.num_nodes)
@@ -154,11 +161,12 @@ class FakeSky:
         self.calls.append(("exec", cluster_name, task.to_yaml_config()))
 
         def run(request):
-            return self._add_job(cluster_name, setup=False, run=True), SimpleNamespace(cluster_name=cluster_name)
+            return self._add_job(cluster_name, setup=False, run=task), SimpleNamespace(cluster_name=cluster_name)
 
         return self._submit("exec", cluster_name, run)
 
-    def _add_job(self, cluster_name, setup: bool, run: bool) -> int:
+    def _add_job(self, cluster_name, setup: bool, run) -> int:
+        """`run`: the task whose run the job runs (None: setup only)."""
         jobs = self._cluster(cluster_name)["jobs"]
         job_id = len(jobs) + 1
         log, final = [], JobStatus.SUCCEEDED
@@ -168,8 +176,11 @@ class FakeSky:
                 log.append("(setup pid=4242) ERROR: No matching distribution found for torch==9.9")
                 final = JobStatus.FAILED_SETUP
         if run and final == JobStatus.SUCCEEDED:
-            log += self.job_log
-            if self.scenario == "job":
+            refused = node_refusal(run)
+            log += refused or self.job_log
+            if refused:
+                final = JobStatus.FAILED
+            elif self.scenario == "job":
                 log += ["Traceback (most recent call last):", "RuntimeError: fail_at_epoch=1: failing on purpose"]
                 final = JobStatus.FAILED
         jobs[job_id] = {"status": JobStatus.RUNNING, "finish_at": time.time() + self.job_s, "final": final, "log": log}
@@ -218,3 +229,13 @@ class FakeSky:
         if cluster_name not in self.clusters:
             raise sky.exceptions.ClusterNotUpError(f"Cluster {cluster_name!r} is not up.", cluster_status=None)
         return self.clusters[cluster_name]
+
+
+def node_refusal(task) -> list[str]:
+    """The traceback the node's job prints when the spec it was handed does not load (cluster/job/__main__.py)."""
+    spec_json = JobEnv.from_env(task.envs).spec_json
+    try:
+        job_spec(spec_json).anchored()
+    except Exception:  # noqa: BLE001  whatever the node would raise, it prints and fails the job
+        return traceback.format_exc().splitlines()
+    return []
