@@ -107,13 +107,13 @@ def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estima
     spec = tmp_path / "spec.yaml"
     spec.write_text(yaml.safe_dump({**A_LOOP, "workdir": str(REPO),
         "compute": {"backend": "skypilot", "spot_fallback_after": 2, "options": [
-            {"infra": "slurm/lab/gpu", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
+            {"infra": "k8s/lab", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
             {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0}]},
         "limits": {"max_runtime_minutes": 30}, "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
         "storage": {"checkpoints": str(gpuflow_home / "checkpoints")}}))
     assert main(["plan", str(spec)]) == 0
     shown = capsys.readouterr().out
-    first = shown.index("# option 1: slurm/lab/gpu A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
+    first = shown.index("# option 1: k8s/lab A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
     second = shown.index("# option 2: k8s/my-context H100:1 spot: 1 × node (H100:1, spot): $4/h")
     fallback = shown.index("# option 2 (spot fallback): k8s/my-context H100:1 on-demand")
     assert first < second < fallback

@@ -84,20 +84,8 @@ def launcher(slurm_infra, mlflow_url, shared_disk, logs: Path):
     runs = []
 
     def start(*overrides: str, epochs: int = 3) -> Run:
-        args = [GPUFLOW, "run", "experiments/digits.yaml",
-                "--set", "compute.backend=skypilot", "--set", f"compute.infra={slurm_infra.infra}",
-                "--set", "compute.workers_per_node=1", "--set", f"train.epochs={epochs}",
-                "--set", f"tracking.uri={mlflow_url}", "--set", f"storage.checkpoints={shared_disk}/checkpoints",
-                "--set", f"data.train={shared_disk}/data/train.parquet",
-                "--set", f"data.validation={shared_disk}/data/validation.parquet",
-                # one node on this machine: keep Ray on 127.0.0.1 (a real multi-node cluster must not set this)
-                "--set", 'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}',
-                "--set", f"setup={NODE_SETUP}"]
-        for item in overrides:
-            args += ["--set", item]
-        env = slurm_infra.subprocess_env({
-            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_SHARED_PATH": str(shared_disk),
-            "GPUFLOW_HOME": str(shared_disk / "home"), "PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost"})
+        args, env = digits_on_slurm("run", slurm_infra, mlflow_url, shared_disk, f"train.epochs={epochs}", *overrides)
+        env = {**env, "PREFECT_API_URL": PREFECT_API_URL.value()}
         run = Run(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True))
         runs.append(run)
@@ -118,6 +106,25 @@ def stop_what_is_left(runs: list, slurm_infra, logs: Path) -> None:
         if run.cluster:
             subprocess.run([str(Path(sys.executable).parent / "sky"), "down", "-y", run.cluster],
                            env=slurm_infra.subprocess_env(), capture_output=True, timeout=300)
+
+
+def digits_on_slurm(command: str, slurm_infra, mlflow_url, shared_disk, *overrides: str) -> tuple[list, dict]:
+    """`gpuflow COMMAND experiments/digits.yaml` for the Slurm cluster, and its environment."""
+    args = [GPUFLOW, command, "experiments/digits.yaml",
+            "--set", "compute.backend=skypilot", "--set", f"compute.infra={slurm_infra.infra}",
+            "--set", "compute.workers_per_node=1",
+            "--set", f"tracking.uri={mlflow_url}", "--set", f"storage.checkpoints={shared_disk}/checkpoints",
+            "--set", f"data.train={shared_disk}/data/train.parquet",
+            "--set", f"data.validation={shared_disk}/data/validation.parquet",
+            # one node on this machine: keep Ray on 127.0.0.1 (a real multi-node cluster must not set this)
+            "--set", 'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}',
+            "--set", f"setup={NODE_SETUP}"]
+    for item in overrides:
+        args += ["--set", item]
+    env = slurm_infra.subprocess_env({
+        "GPUFLOW_SHARED_PATH": str(shared_disk), "GPUFLOW_HOME": str(shared_disk / "home"), "PYTHONUNBUFFERED": "1",
+        "NO_PROXY": "127.0.0.1,localhost"})
+    return args, env
 
 
 class Run:
@@ -345,3 +352,18 @@ def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(digits_on
     assert tags["gpuflow.option"] == f"2: {slurm_infra.infra} CPU on-demand"
     assert tags["gpuflow.launched.region"] == slurm_infra.infra.split("/")[1]
     assert_nothing_left(slurm_infra, run.cluster)
+
+
+def test_a_partition_the_cluster_lacks_is_refused_before_anything_starts(slurm_infra, mlflow_url, shared_disk):
+    """SkyPilot checks a Slurm partition only once a launch builds its resources (a bare ValueError); validate
+    asks the cluster first, naming the field and the partitions there are."""
+    wrong = f"{slurm_infra.infra}/no-such-partition"
+    args, env = digits_on_slurm("validate", slurm_infra, mlflow_url, shared_disk, f"compute.infra={wrong}")
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"compute.infra: '{wrong}': Partition 'no-such-partition' not found" in done.stderr, done.stderr
+    assert "Available partitions: [" in done.stderr
+    args, env = digits_on_slurm("validate", slurm_infra, mlflow_url, shared_disk)
+    done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr  # the cluster as it is passes
+    assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
