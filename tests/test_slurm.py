@@ -67,11 +67,13 @@ def gpuflow_on_slurm(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_p
 
 
 @pytest.fixture(scope="module")
-def digits_on_the_second_option(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path_factory):
-    """One digits run, read by two tests (a launch is minutes of CPU): its compute options are spot nodes, which a
-    Slurm cluster has none of, then the cluster as it is."""
-    options = f'[{{infra: "{slurm_infra.infra}", use_spot: true}}, {{infra: "{slurm_infra.infra}"}}]'
-    with launcher(slurm_infra, mlflow_url, shared_disk, tmp_path_factory.mktemp("second-option")) as start:
+def digits_on_the_third_option(slurm_infra, mlflow_url, shared_disk, prefect_server, tmp_path_factory):
+    """One digits run, read by two tests (a launch is minutes of CPU). Its options fail over both ways SkyPilot does:
+    a partition that refuses the launch (sbatch fails: the harness's `closed` partition takes no jobs), spot nodes,
+    which a Slurm cluster has none of (dropped before launch), then the cluster as it is."""
+    options = (f'[{{infra: "{slurm_infra.infra}/closed"}}, {{infra: "{slurm_infra.infra}", use_spot: true}}, '
+               f'{{infra: "{slurm_infra.infra}"}}]')
+    with launcher(slurm_infra, mlflow_url, shared_disk, tmp_path_factory.mktemp("third-option")) as start:
         run = start("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}", epochs=3)
         run.wait()
         yield run
@@ -203,8 +205,8 @@ def report(name: str, run: Run, mlflow_metrics: dict):
     print(f"\n[{name}] phases from the output: {run.phases()}\n[{name}] phases in MLflow: {seconds}")
 
 
-def test_digits_trains_on_slurm_and_leaves_nothing(digits_on_the_second_option, slurm_infra, mlflow_url):
-    run = digits_on_the_second_option
+def test_digits_trains_on_slurm_and_leaves_nothing(digits_on_the_third_option, slurm_infra, mlflow_url):
+    run = digits_on_the_third_option
     assert run.process.returncode == 0, run.output[-6000:]
     assert "finished in" in run.output and "[gpuflow] setup finished" in run.output
 
@@ -338,20 +340,53 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     report("scancel", run, mlflow_run.data.metrics)
 
 
-def test_the_first_option_cannot_be_had_the_run_launches_on_the_second(digits_on_the_second_option, slurm_infra,
-                                                                       mlflow_url):
-    """compute.options: SkyPilot fails over (the ordered list of resources), the run trains on the second option and
-    its MLflow run says which option launched. (A partition that does not exist is refused by SkyPilot before any
-    launch, not failed over.)"""
-    run = digits_on_the_second_option
+def test_two_options_cannot_be_had_the_run_launches_on_the_third(digits_on_the_third_option, slurm_infra,
+                                                                  mlflow_url):
+    """compute.options: SkyPilot fails over (the ordered list of resources) from a launch refused at provision time
+    and from spot, which it drops before launching; the run trains on the third option and its MLflow run says so."""
+    run = digits_on_the_third_option
     assert run.process.returncode == 0, run.output[-6000:]
-    assert f"launched option 2: {slurm_infra.infra} CPU on-demand" in run.output
+    assert f"launched option 3: {slurm_infra.infra} CPU on-demand" in run.output
+    assert run.output.count("provisioning skypilot cluster") == 1  # SkyPilot's own failover, in one launch
     _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
     tags = mlflow_run.data.tags
     assert mlflow_run.info.status == "FINISHED"
-    assert tags["gpuflow.option"] == f"2: {slurm_infra.infra} CPU on-demand"
+    assert tags["gpuflow.option"] == f"3: {slurm_infra.infra} CPU on-demand"
     assert tags["gpuflow.launched.region"] == slurm_infra.infra.split("/")[1]
     assert_nothing_left(slurm_infra, run.cluster)
+
+
+def test_spot_only_falls_back_to_on_demand_after_a_wait_and_trains(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    """A spot-only spec on a cluster with no spot: no capacity, a bounded wait (the flow run says so), then after
+    compute.spot_fallback_after=2 the on-demand relaunch; the node accepts the spec it is handed and trains."""
+    run = gpuflow_on_slurm("compute.use_gpu=false", "compute.use_spot=true", "compute.spot_fallback_after=2",
+                           "limits.max_queue_minutes=3", epochs=2)
+    assert run.wait() == 0, run.output[-6000:]
+    assert "no option has capacity: waiting for one of 1 option(s)" in run.output
+    assert "spot loss(es) of compute.spot_fallback_after=2; relaunching on-demand" in run.output
+    assert f"launched option 1: {slurm_infra.infra} CPU on-demand" in run.output
+    _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "FINISHED", run.output[-6000:]
+    assert mlflow_run.data.tags["gpuflow.option"] == f"1: {slurm_infra.infra} CPU on-demand"
+    assert mlflow_run.data.tags["gpuflow.launched.spot"] == "false"
+    assert_nothing_left(slurm_infra, run.cluster)
+
+
+def test_no_option_has_capacity_the_wait_ends_naming_each_option_and_why(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    """Nothing to be had (a partition that takes no jobs, and spot): the run waits limits.max_queue_minutes, then
+    fails naming each option with SkyPilot's reason for it; no cluster and no Slurm job is left."""
+    options = f'[{{infra: "{slurm_infra.infra}/closed"}}, {{infra: "{slurm_infra.infra}", use_spot: true}}]'
+    run = gpuflow_on_slurm("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}",
+                           "limits.max_queue_minutes=0.3")
+    assert run.wait() == 1, run.output[-6000:]
+    final = next(line for line in run.output.splitlines() if "limits.max_queue_minutes: no capacity" in line)
+    assert f"option 1 ({slurm_infra.infra}/closed CPU on-demand): " in final, final
+    assert f"option 2 ({slurm_infra.infra} CPU spot): " in final, final
+    assert "nothing is running and nothing was billed" in final
+    print(f"\n[no capacity on slurm] {final}")
+    _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster) if run.cluster else (None, None)
+    assert mlflow_run is None or mlflow_run.info.status == "FAILED"
+    assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
 
 
 def test_a_partition_the_cluster_lacks_is_refused_before_anything_starts(slurm_infra, mlflow_url, shared_disk):

@@ -61,6 +61,9 @@ def slurm_place_problems(spec: ExperimentSpec) -> list[str]:
             continue
         cluster, partition = (option.infra.split("/") + [None, None])[1:3]
         try:
+            # SkyPilot whole first: `gpuflow run` imports it in the background, and a submodule imported beside
+            # that import can meet its parent half made (Python's deadlock breaking hands one thread a partial module)
+            import sky  # noqa: F401
             from sky.clouds import Slurm
 
             Slurm().validate_region_zone(cluster or None, partition or None)
