@@ -2,6 +2,7 @@
 
 from prefect import get_run_logger, runtime, task
 
+from gpuflow.cluster.backends.skypilot.infra import check_infra
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec, validate_spec
@@ -11,7 +12,7 @@ from gpuflow.cluster.cost.budget import check_budget
 @task(name="validate")
 def validate(spec: ExperimentSpec) -> ExperimentSpec:
     """Fails with every problem listed (field, value, fix) before anything is started or billed."""
-    spec = validate_spec(spec)
+    spec = check_infra(validate_spec(spec))
     estimate = check_budget(spec, runtime.flow_run.id)  # reserves, then refuses here, before any cluster exists
     ready_local_store(spec.tracking_uri)  # runs started at once on a fresh store must not all create it
     get_run_logger().info(

@@ -31,6 +31,28 @@ def sky_prices(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def kubeconfig(tmp_path, monkeypatch):
+    """A kubeconfig with one context, my-context, whose server nothing answers: validate and plan only read it."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "my-context",
+        "clusters": [{"name": "lab", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "me", "user": {"token": "unused"}}],
+        "contexts": [{"name": "my-context", "context": {"cluster": "lab", "user": "me"}}]}))
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    return path
+
+
+def spec_file(folder, gpuflow_home, compute: dict) -> str:
+    """A spec on this machine's stores (counted as shared), for `gpuflow validate` and `gpuflow plan`."""
+    path = folder / "spec.yaml"
+    path.write_text(yaml.safe_dump({**A_LOOP, "workdir": str(REPO), "compute": {"backend": "skypilot", **compute},
+        "limits": {"max_runtime_minutes": 30}, "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")}}))
+    return str(path)
+
+
+@pytest.fixture
 def capacity_flow(monkeypatch, gpuflow_home, prefect_server):
     """Runs the real flow on the SkyPilot double with the given compute and limits; stores on this machine count as
     shared. Returns the flow's state, its MLflow run, its log and what SkyPilot still lists."""
@@ -99,21 +121,16 @@ def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_coste
 
 
 def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estimate(tmp_path, capsys, gpuflow_home,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, kubeconfig):
     from gpuflow.flows.cli import main
 
-    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))  # stores on this machine count as shared
-
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump({**A_LOOP, "workdir": str(REPO),
-        "compute": {"backend": "skypilot", "spot_fallback_after": 2, "options": [
-            {"infra": "k8s/lab", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
-            {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0}]},
-        "limits": {"max_runtime_minutes": 30}, "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
-        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")}}))
-    assert main(["plan", str(spec)]) == 0
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
+    spec = spec_file(tmp_path, gpuflow_home, {"spot_fallback_after": 2, "options": [
+        {"infra": "k8s/my-context", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
+        {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0}]})
+    assert main(["plan", spec]) == 0
     shown = capsys.readouterr().out
-    first = shown.index("# option 1: k8s/lab A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
+    first = shown.index("# option 1: k8s/my-context A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
     second = shown.index("# option 2: k8s/my-context H100:1 spot: 1 × node (H100:1, spot): $4/h")
     fallback = shown.index("# option 2 (spot fallback): k8s/my-context H100:1 on-demand")
     assert first < second < fallback
@@ -121,6 +138,29 @@ def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estima
     assert "# budget estimate (the dearest option that may launch): 1 × node (H100:1, spot" in shown
     assert "at most $2.00 in limits.max_runtime_minutes=30" in shown
     assert "tries the options in order" in shown
+    assert "- infra: kubernetes/my-context" in shown  # the task SkyPilot gets names the context
+
+
+def test_a_kubernetes_context_is_checked_against_the_kubeconfig(tmp_path, capsys, gpuflow_home, monkeypatch,
+                                                                kubeconfig):
+    """The context of k8s/<context> (or kubernetes/<context>) must be in the kubeconfig SkyPilot reads; no
+    server is contacted (the kubeconfig's answers nowhere)."""
+    from gpuflow.flows.cli import main
+
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
+    known = spec_file(tmp_path, gpuflow_home, {"options": [
+        {"infra": "kubernetes/my-context", "accelerators": "L4:1", "hourly_rate_usd": 2.5}]})
+    assert main(["validate", known]) == 0
+    assert "$2.5/h in all [compute.options.0.hourly_rate_usd]" in capsys.readouterr().out
+    unknown = spec_file(tmp_path, gpuflow_home, {"options": [
+        {"infra": "k8s/my-context", "accelerators": "L4:1", "hourly_rate_usd": 2.5},
+        {"infra": "k8s/elsewhere", "accelerators": "L4:1", "hourly_rate_usd": 2.5}]})
+    for command in ("validate", "plan"):
+        assert main([command, unknown]) == 2
+        refused = capsys.readouterr()
+        assert "compute.options.0" not in refused.err and refused.out == ""
+        assert (f"compute.options.1.infra: 'k8s/elsewhere': no context 'elsewhere' in the kubeconfig ({kubeconfig}); "
+                "it has: my-context. Name one (e.g. k8s/my-context)") in refused.err
 
 
 @pytest.mark.parametrize("compute, field, fix", [
@@ -230,3 +270,31 @@ def test_every_spec_the_flow_hands_a_node_loads_there(sky_prices, compute, sweep
         except ValidationError as error:
             refused[name] = str(error)
     assert len(shipped) == (9 if sweep else 3) and refused == {}
+
+
+def test_no_catalog_and_no_price_is_refused_before_anything_launches(tmp_path, capsys, gpuflow_home, monkeypatch):
+    """Offline, SkyPilot would try to download its catalog at launch and fail mid-run; validate and plan refuse
+    first, naming the option, the price fields and how to install the catalog."""
+    from gpuflow.flows.cli import main
+
+    monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
+    runtime = tmp_path / "sky-runtime"
+    point_skypilot_at(runtime, monkeypatch)
+    catalog = runtime / ".sky" / "catalogs" / "v8"
+    unpriced = spec_file(tmp_path, gpuflow_home, {"options": [{"infra": "aws", "accelerators": "L4:1"}]})
+    for command in ("validate", "plan"):
+        assert main([command, unpriced]) == 2
+        refused = capsys.readouterr().err
+        assert "compute.options.0: aws L4:1 on-demand has no price: compute.options.0.hourly_rate_usd or " \
+               "limits.hourly_rate_usd is unset" in refused
+        assert f"{catalog / 'aws' / 'vms.csv'}, {catalog / 'common' / 'accelerators.csv'}" in refused
+        assert "run `sky show-gpus` once where the internet is reachable" in refused
+    # the cloud's instance list alone is not enough: SkyPilot checks an accelerator's name in common/ at launch
+    (catalog / "aws").mkdir(parents=True)
+    shutil.copy(CATALOG / "v8" / "aws" / "vms.csv", catalog / "aws")
+    assert main(["validate", unpriced]) == 2
+    refused = capsys.readouterr().err
+    assert "accelerators.csv" in refused and "vms.csv" not in refused
+    shutil.copytree(CATALOG / "v8" / "common", catalog / "common")
+    assert main(["validate", unpriced]) == 0
+    assert "$0.8048/h in all [catalog]" in capsys.readouterr().out

@@ -103,7 +103,9 @@ def option_price(spec: ExperimentSpec, option: Option) -> Estimate:
         return Estimate(0.0, 0.0, nodes, option.use_spot,
                         f"{cloud} (no price catalog: set {option.field}.{USER_RATE} or limits.{USER_RATE})",
                         cloud=cloud, region=region, accelerators=option.accelerators, gpus_per_node=gpus)
-    clouds = [cloud] if cloud else catalog_clouds()
+    clouds = [cloud] if cloud else catalog_clouds(option)
+    for each in clouds:
+        require_catalog(option, each)
     # For one option SkyPilot's optimizer picks the cheapest cloud that offers it.
     priced = [estimate for estimate in (catalog_price(spec, c, region, option.accelerators, option.use_spot)
                                         for c in clouds) if estimate]
@@ -129,7 +131,6 @@ def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelera
     from sky.utils import registry
 
     compute = spec.compute
-    require_catalog(cloud)
     cloud_object = registry.CLOUD_REGISTRY.from_str(cloud)
     accelerators = None
     try:
@@ -162,26 +163,37 @@ def catalog_dir() -> Path:
     return Path(common.get_catalog_path(""))
 
 
-def catalog_clouds() -> list[str]:
-    """Clouds whose price list is on this machine."""
+def catalog_clouds(option: Option) -> list[str]:
+    """Clouds whose price list is on this machine (an option that names no cloud may launch on any of them)."""
     folder = catalog_dir()
     clouds = sorted(p.parent.name for p in folder.glob("*/vms.csv")) if folder.is_dir() else []
     if not clouds:
-        raise CatalogMissing(missing_message(folder))
+        raise CatalogMissing(missing_message(option, [folder / "<cloud>" / "vms.csv"]))
     return clouds
 
 
-def require_catalog(cloud: str) -> None:
-    # SkyPilot downloads a missing catalog with no timeout: offline, that is a hang or a late traceback.
-    path = catalog_dir() / cloud / "vms.csv"
-    if not path.is_file():
-        raise CatalogMissing(missing_message(path))
+def catalog_files(option: Option, cloud: str) -> list[Path]:
+    """What SkyPilot reads to launch the option: the cloud's instance list, and for an accelerator the
+    list it checks the name against (read for every cloud, Slurm and Kubernetes included)."""
+    folder = catalog_dir()
+    return [folder / cloud / "vms.csv", *([folder / "common" / "accelerators.csv"] if option.accelerators else [])]
 
 
-def missing_message(path: Path) -> str:
-    return (f"no SkyPilot price catalog at {path}: SkyPilot downloads it on first use and this machine did not. "
-            "Run `sky show-gpus` once where the internet is reachable (or copy the catalog there), "
-            "or set limits.hourly_rate_usd to price the cluster yourself")
+def require_catalog(option: Option, cloud: str) -> None:
+    # SkyPilot downloads a missing catalog with no timeout: offline, that is a hang or a late traceback
+    # (the API server's CloudError: requests error (ConnectionError)) after the run has started.
+    missing = [path for path in catalog_files(option, cloud) if not path.is_file()]
+    if missing:
+        raise CatalogMissing(missing_message(option, missing))
+
+
+def missing_message(option: Option, missing: list[Path]) -> str:
+    rate = f"{option.field}.{USER_RATE} or limits.{USER_RATE}" if option.field != "compute" else f"limits.{USER_RATE}"
+    return (f"{option.field}: {option.describe()} has no price: {rate} is unset and SkyPilot's price catalog is "
+            f"not on this machine ({', '.join(map(str, missing))}). Install the catalog, which SkyPilot also reads "
+            "when it launches (offline it would try to download it then, and fail): run `sky show-gpus` once where "
+            f"the internet is reachable, or copy those files from ~/.sky/catalogs/{catalog_dir().name}/ of a machine "
+            f"that has them to {catalog_dir()}; or set {rate} to price the option yourself")
 
 
 def cloud_and_region(where) -> tuple[str | None, str | None]:

@@ -34,8 +34,6 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     unwritable = checks.storage_write_problem(spec.checkpoint_uri)
     if unwritable:
         problems.append(f"storage.checkpoints: {unwritable}; give a folder or bucket this machine can write")
-    if spec.compute.backend == "skypilot":
-        problems += slurm_place_problems(spec)
     down = checks.tracking_server_problem(spec.tracking_uri)
     if down:
         problems.append(f"tracking.uri: {down}")
@@ -48,29 +46,6 @@ def check_entrypoints(spec: ExperimentSpec):
     """Starts (or finds) the check that the spec's loop and data generator import and take the right arguments."""
     entrypoints = {"train.loop": spec.train.loop, "data.generate": spec.data.generate if spec.data else None}
     return entrypoint_check(spec.workdir, {field: value for field, value in entrypoints.items() if value})
-
-
-def slurm_place_problems(spec: ExperimentSpec) -> list[str]:
-    """A Slurm infra's cluster and partition exist: SkyPilot checks them only when the launch builds its resources,
-    and then says so in a bare ValueError."""
-    from gpuflow.cluster.spec.options import compute_options
-
-    problems = []
-    for option in compute_options(spec.compute):
-        if not (option.infra or "").lower().startswith("slurm/"):
-            continue
-        cluster, partition = (option.infra.split("/") + [None, None])[1:3]
-        try:
-            # SkyPilot whole first: `gpuflow run` imports it in the background, and a submodule imported beside
-            # that import can meet its parent half made (Python's deadlock breaking hands one thread a partial module)
-            import sky  # noqa: F401
-            from sky.clouds import Slurm
-
-            Slurm().validate_region_zone(cluster or None, partition or None)
-        except ValueError as error:
-            problems.append(f"{option.field}.infra: {option.infra!r}: {error}; name a cluster of SkyPilot's Slurm "
-                            "config and one of its partitions (or none, for its default)")
-    return problems
 
 
 def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:

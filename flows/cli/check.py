@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from gpuflow.cluster.backends.skypilot.infra import check_infra
 from gpuflow.cluster.spec import load_spec, validate_spec
 
 HELP = {"validate": "check a spec without running anything",
@@ -30,7 +32,7 @@ def validate(spec, path: str) -> int:
     """Checks the spec and its budget; prints the price it would run at."""
     from gpuflow.flows.cli.cost import priced_within_budget
 
-    validate_spec(spec)
+    check_infra(validate_spec(spec))
     if spec.notify:  # the block lives in Prefect: the API `gpuflow run` would use
         from gpuflow.flows.local_stack.prefect_api import temporary_api_launched
         from gpuflow.flows.notify import webhook_for
@@ -84,10 +86,10 @@ def describe(spec) -> str:
 
 def plan(spec) -> int:
     """Prints what would be launched and billed; launches nothing."""
-    from gpuflow.cluster.cost.pricing import hourly_cost, option_prices
+    from gpuflow.cluster.cost.pricing import CatalogMissing, hourly_cost, option_prices
     from gpuflow.cluster.spec.options import compute_options
 
-    validate_spec(spec)
+    check_infra(validate_spec(spec))
     print(f"# {describe(spec)}")
     if spec.compute.backend == "local":
         for line in sweep_lines(spec, hourly_cost(spec)):
@@ -104,6 +106,9 @@ def plan(spec) -> int:
         price = hourly_cost(spec)
         print(f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
               f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
+    except CatalogMissing as exc:  # not a plan that can launch: SkyPilot would fail at launch, offline
+        print(f"gpuflow: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # a plan is still worth showing without a price
         print(f"# price unknown: {exc}")
     print(f"# SkyPilot tries the options {'cheapest first (compute.any_of)' if spec.compute.any_of else 'in order'}; "
