@@ -13,6 +13,7 @@ from gpuflow.cluster.backends import Job, NoCapacity, cluster_name_for
 from gpuflow.cluster.backends.skypilot import (
     DEFAULT_SETUP, RUN, WHEEL_MOUNT, SkyPilotBackend, build_task, resources_for, task_yaml,
 )
+from gpuflow.cluster.backends.skypilot.options import no_capacity
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.flows.experiment import run_experiment
 from tests.support.repo import A_LOOP, REPO
@@ -127,6 +128,36 @@ def test_capacity_error_leaves_nothing():
     with pytest.raises(NoCapacity, match="Relax"):  # SkyPilot's ResourcesUnavailableError, each option's reason
         SkyPilotBackend(fake).launch(gpu_spec(), NAME)
     assert fake.clusters == {}
+
+
+# SkyPilot 0.14.1's own message, as the Slurm tier got it: a partition that refused the launch, spot not tried
+SLURM_REFUSAL = (
+    "\x1b[31mFailed to provision all possible launchable resources.\x1b[0m Relax the task's resource requirements: "
+    "1x Slurm(cpus=1+)\nTo keep retrying until the cluster is up, use the `--retry-until-up` flag.\n"
+    "Reasons for provision failures (for details, please check the log above):\nProvision failures (tried 1 infra):"
+    "\n\n\u2717 Slurm (skyci) \u2014 (cpus=1, mem=1, ...)\n  Failed to acquire resources in closed for "
+    "{Slurm([Spot], cpus=1+), Slurm(cpus=1+)}.\n")
+TWO_AT_ONE_PLACE = (
+    "Reasons for provision failures (for details, please check the log above):\nProvision failures (tried 2 infra):"
+    "\n\n\u2717 AWS (us-east-1) \u2014 (gpus=H100:1, p5.4xlarge, ...)\n  InsufficientInstanceCapacity (spot)\n\n"
+    "\u2717 AWS (us-east-1) \u2014 (gpus=H100:1, p5.4xlarge, ...)\n  InsufficientInstanceCapacity (on-demand)\n")
+
+
+@pytest.mark.parametrize("options, message, reasons", [
+    ([{"infra": "slurm/skyci", "use_spot": True}, {"infra": "slurm/skyci/closed"}], SLURM_REFUSAL,
+     ["not tried: slurm has no spot instances", "Failed to acquire resources in closed for {Slurm([Spot]"]),
+    ([{"infra": "aws/us-east-1", "accelerators": "H100:1", "use_spot": True},
+      {"infra": "aws/us-east-1", "accelerators": "H100:1"}], TWO_AT_ONE_PLACE,
+     ["InsufficientInstanceCapacity (spot)", "InsufficientInstanceCapacity (on-demand)"]),
+], ids=["spot never tried on slurm", "two options at one place"])
+def test_no_capacity_names_each_option_with_its_own_reason(options, message, reasons):
+    """SkyPilot's block headers name the place and GPUs, never spot: each option gets the block of its own try, in
+    the order tried, and an option SkyPilot never tried says so; no colour codes reach the user."""
+    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "options": options},
+                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    refusal = no_capacity(spec, sky.exceptions.ResourcesUnavailableError(message))
+    assert [why.split(" {")[0] for _, why in refusal.reasons] == [reason.split(" {")[0] for reason in reasons]
+    assert all(f"option {n}" in str(refusal) for n in (1, 2)) and "\x1b" not in str(refusal)
 
 
 def test_setup_failure_leaves_a_cluster_that_down_removes(caplog):

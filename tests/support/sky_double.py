@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import sky.exceptions
 from sky.skylet.job_lib import JobStatus
 
+from gpuflow.cluster.backends.skypilot.options import NO_SPOT
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.spec import job_spec
 
@@ -141,6 +142,8 @@ class FakeSky:
     def _first_with_capacity(self, task, request):
         tried, history = {}, []
         for resources in task.resources:
+            if resources.use_spot and str(resources.cloud).lower() in NO_SPOT:
+                continue  # the optimizer drops it: never tried, no block
             words = {str(resources.cloud).lower(), *(k.lower() for k in resources.accelerators or {}),
                      *(["spot"] if resources.use_spot else [])}
             if not words & {word.lower() for word in self.no_capacity}:
@@ -150,10 +153,14 @@ class FakeSky:
                 f"{resources.accelerators}. Try changing resource requirements or use another region.")
             tried[resources], history = error, [*history, error]
             request.lines.append(f"Failed to provision {resources}: trying other potential resources.")
-        blocks = "".join(  # SkyPilot's own layout (cloud_vm_ray_backend._format_provision_failure_blocks)
-            f"\u2717 {r.infra.formatted_str()} \u2014 {r.accelerators}{' [Spot]' if r.use_spot else ''}\n  {e}\n\n"
-            for r, e in tried.items())
+        blocks = "".join(  # SkyPilot's own layout (cloud_vm_ray_backend._format_provision_failure_blocks): the
+            # header names the place and GPUs, never spot; the SDK puts its summary (coloured) in front
+            f"\u2717 {r.infra.formatted_str()} \u2014 ({''.join(f'gpus={k}:{v}, ' for k, v in (r.accelerators or {}).items())}"
+            f"...)\n  {e}\n\n" for r, e in tried.items())
         raise sky.exceptions.ResourcesUnavailableError(
+            "\x1b[31mFailed to provision all possible launchable resources.\x1b[0m Relax the task's resource "
+            f"requirements: {task.num_nodes}x {list(task.resources)[0]}\n"
+            "To keep retrying until the cluster is up, use the `--retry-until-up` flag.\n"
             "Reasons for provision failures (for details, please check the log above):\n"
             f"Provision failures (tried {len(tried)} infra):\n\n{blocks}", failover_history=history)
 

@@ -5,11 +5,15 @@ has one block per option tried) becomes NoCapacity with each option's reason."""
 
 from __future__ import annotations
 
+import re
+
 from gpuflow.cluster.backends.base import NoCapacity
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import Option, compute_options
 
 CLOUD_ALIASES = {"k8s": "kubernetes"}
+NO_SPOT = {"slurm", "kubernetes", "ssh"}  # SkyPilot drops a spot option there before it launches anything
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # SkyPilot colours its messages
 FAILED_BLOCK = "\u2717 "  # SkyPilot's mark before each failed option's infra, in a ResourcesUnavailableError
 
 
@@ -84,17 +88,30 @@ def option_launched(spec: ExperimentSpec, resources) -> Option | None:
 
 
 def no_capacity(spec: ExperimentSpec, error: Exception) -> NoCapacity:
-    """SkyPilot's ResourcesUnavailableError as NoCapacity: each option with the reason SkyPilot gave for it."""
-    text = str(error)
+    """SkyPilot's ResourcesUnavailableError as NoCapacity: each option with the reason SkyPilot gave for it, or
+    why it was not tried (SkyPilot drops an option it finds nothing to launch for before it launches anything)."""
+    text = ANSI.sub("", str(error))
     blocks = failed_blocks(text)
     summary = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
-    reasons = []
+    reasons, unread = [], list(blocks)
     for option in options_of(spec):
-        found = [reason for header, reason in blocks if header_names(header, option)]
-        reasons.append((f"option {option.index} ({option.describe()})", found[0] if found else summary))
+        # one block per option tried, in the order tried: two options at one place have a block each
+        found = next((block for block in unread if header_names(block[0], option)), None)
+        if found:
+            unread.remove(found)
+        reasons.append((f"option {option.index} ({option.describe()})",
+                        found[1] if found else not_tried(option) if blocks else summary))
     options = options_of(spec)
     return NoCapacity(f"no capacity in any of {len(options)} option(s): " + "; ".join(
         f"{what}: {why}" for what, why in reasons), reasons, spot=all(o.use_spot for o in options))
+
+
+def not_tried(option: Option) -> str:
+    if option.use_spot and place_of(option)[0] in NO_SPOT:
+        return f"not tried: {place_of(option)[0]} has no spot instances"
+    if option.use_spot:
+        return "not tried: SkyPilot found no spot offer for it"
+    return "not tried: SkyPilot found nothing to launch for it (check the accelerator, region and `sky check`)"
 
 
 def failed_blocks(text: str) -> list[tuple[str, str]]:
@@ -109,10 +126,15 @@ def failed_blocks(text: str) -> list[tuple[str, str]]:
 
 
 def header_names(header: str, option: Option) -> bool:
+    """Whether a block's header ('AWS (us-east-1) — (gpus=L4:1, g6.xlarge, ...)') may be the option's. It says the
+    place and the GPUs, never spot or not: blocks come in the order tried, and spot where the infra has none is
+    never tried."""
     lowered = header.lower()
     cloud, region, _ = place_of(option)
+    if option.use_spot and cloud in NO_SPOT:
+        return False
     wanted = [option.accelerators.split(":")[0] if option.accelerators else None, cloud, region]
-    return all(word.lower() in lowered for word in wanted if word) and ("spot" in lowered) == option.use_spot
+    return all(word.lower() in lowered for word in wanted if word)
 
 
 def launched_facts(spec: ExperimentSpec, resources) -> dict:
