@@ -11,7 +11,8 @@ and keeps its state stamped ("Waiting for GPUs", with its place in the queue), a
 asks for slots only when no run of its pool submitted before it waits or is still on its way to the queue; a
 waiter whose stamp went stale (killed while waiting) is passed over. The slots are held on a Prefect lease that is renewed while the run's
 process lives: a run that dies gives them back when the lease lapses, after the grace its job takes to stop itself
-and its cluster to go.
+and its cluster to go. A run tags itself `quota-slots:<n>` and, while it asks for them, `quota-taking:`: what the
+recount (flows/quota_recount.py) reads to give back slots whose lease the server forgot.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ LIMIT_PREFIX = "gpuflow-quota-"
 POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_info.py)
 WAIT_TAG_PREFIX = "quota-wait:"  # while it waits
 HELD_TAG_PREFIX = "quota-held:"  # once it holds
+TAKING_TAG_PREFIX = "quota-taking:"  # while it asks for slots: it may hold them from the server's answer on
+SLOTS_TAG_PREFIX = "quota-slots:"  # the slots it asks for (read by the recount, flows/quota_recount.py)
 WAITING = "Waiting for GPUs"  # the state's name while it waits, in the UI and `gpuflow status`
 POLL_S = 2.0
 STAMP_S = 20.0  # a waiter re-stamps its state this often, even with nothing new to say
@@ -142,12 +145,13 @@ class QuotaHold:
                                    f"all; make the cluster smaller, or raise the quota (gpuflow quota set "
                                    f"{self.need.pool} {self.need.slots})")
             started = time.monotonic()
-            self._retag(client, add=WAIT_TAG_PREFIX)
+            self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
             try:
                 self._wait(client, started)
             finally:
                 self.waited_s = time.monotonic() - started
-                self._retag(client, add=HELD_TAG_PREFIX if self.lease_id else None, remove=WAIT_TAG_PREFIX)
+                self._retag(client, add=[HELD_TAG_PREFIX + self.need.pool] if self.lease_id else [],
+                            remove=[WAIT_TAG_PREFIX + self.need.pool, TAKING_TAG_PREFIX + self.need.pool])
         threading.Thread(target=self._renew, daemon=True, name="gpuflow-quota-lease").start()
         return True
 
@@ -208,20 +212,23 @@ class QuotaHold:
         import httpx
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
+        # tagged before it can hold: a recount then never takes the slots of a run not yet tagged held for a leak
+        self._retag(client, add=[TAKING_TAG_PREFIX + self.need.pool])
         try:
             response = client.increment_concurrency_slots_with_lease(
                 names=[self.need.limit_name], slots=self.need.slots, mode="concurrency",
                 lease_duration=self.lease_s, holder=ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id))
         except httpx.HTTPStatusError as exc:
             if exc.response.status_code == 423:  # not enough free slots yet
+                self._retag(client, remove=[TAKING_TAG_PREFIX + self.need.pool])
                 return False
             raise
         self.lease_id = response.json()["lease_id"]
         return True
 
-    def _retag(self, client, add: str | None = None, remove: str | None = None) -> None:
-        tags = set(client.read_flow_run(self.flow_run_id).tags) - {f"{remove}{self.need.pool}"}
-        client.update_flow_run(self.flow_run_id, tags=sorted(tags | ({add + self.need.pool} if add else set())))
+    def _retag(self, client, add: list[str] = (), remove: list[str] = ()) -> None:
+        tags = set(client.read_flow_run(self.flow_run_id).tags) - set(remove)
+        client.update_flow_run(self.flow_run_id, tags=sorted(tags | set(add)))
 
     def _renew(self) -> None:
         from prefect.client.orchestration import get_client

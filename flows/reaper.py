@@ -216,31 +216,55 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
     chosen = available_backends(backends or ["local", "skypilot"])
     try:
         verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, records=RunRecords(lease_stale=lease_reader(uris)))
+        for verdict in verdicts:
+            logger.info(f"{verdict.action} {verdict.backend} cluster {verdict.cluster}: {verdict.reason}"
+                        + (" (dry run)" if dry_run and verdict.action == "down" else ""))
+        dead = {v.flow_run_id for v in verdicts if DEAD in v.reason}
+        closed = []
+        for uri in uris:
+            try:
+                closed += [f"{uri} {run_id}" for run_id in close_stale_mlflow_runs(uri, dead=dead)] if not dry_run else []
+            except Exception as exc:  # one unreachable store must not stop the cluster work above from being reported
+                logger.warning(f"reaper: cannot read MLflow at {uri}: {type(exc).__name__}: {str(exc)[:300]}")
+        for run in closed:
+            logger.info(f"closed MLflow run left RUNNING: {run}")
+        crashed = [] if dry_run else mark_crashed(dead, "its process died: found by the reaper (lease stale); "
+                                                        "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
+        for flow_run_id in crashed:
+            logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
+        if crashed:
+            from gpuflow.flows.notify import notify_reaped
+
+            notify_reaped(set(crashed), uris)  # unless the job's guard already said it
+        recounted = recount_quotas(chosen, dry_run)  # after the downs and the crashes: their slots can be given back
+        for found in recounted:
+            logger.info(f"quota {found.pool}: gave back {found.freed} leaked slot(s) (Prefect counted {found.counted}, "
+                        f"the runs hold {found.held})" if found.freed else f"quota {found.pool}: {found.note}")
     finally:
         for backend in chosen:  # e.g. the SkyPilot API server that listing the clusters started
             getattr(backend, "close", lambda: None)()
-    for verdict in verdicts:
-        logger.info(f"{verdict.action} {verdict.backend} cluster {verdict.cluster}: {verdict.reason}"
-                    + (" (dry run)" if dry_run and verdict.action == "down" else ""))
-    dead = {v.flow_run_id for v in verdicts if DEAD in v.reason}
-    closed = []
-    for uri in uris:
-        try:
-            closed += [f"{uri} {run_id}" for run_id in close_stale_mlflow_runs(uri, dead=dead)] if not dry_run else []
-        except Exception as exc:  # one unreachable store must not stop the cluster work above from being reported
-            logger.warning(f"reaper: cannot read MLflow at {uri}: {type(exc).__name__}: {str(exc)[:300]}")
-    for run in closed:
-        logger.info(f"closed MLflow run left RUNNING: {run}")
-    crashed = [] if dry_run else mark_crashed(dead, "its process died: found by the reaper (lease stale); "
-                                                    "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
-    for flow_run_id in crashed:
-        logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
-    if crashed:
-        from gpuflow.flows.notify import notify_reaped
-
-        notify_reaped(set(crashed), uris)  # unless the job's guard already said it
-    create_markdown_artifact(report(verdicts, closed, crashed), key="reaper", description="clusters the reaper downed and why")
+    create_markdown_artifact(report(verdicts, closed, crashed, recounted), key="reaper",
+                             description="clusters the reaper downed and why")
     return [asdict(verdict) for verdict in verdicts]
+
+
+def recount_quotas(chosen: list[Backend], dry_run: bool) -> list:
+    """The quotas' recount (flows/quota_recount.py) on the backends of this pass: the leaks it found, given back
+    unless dry_run (a dead run's slots only once its cluster is gone)."""
+    from gpuflow.flows.quota_recount import recount
+
+    by_name = {backend.name: backend for backend in chosen}
+
+    def backend_for(name: str) -> Backend:
+        if name not in by_name:
+            raise LookupError(f"this reaper does not use the {name} backend")
+        return by_name[name]
+
+    try:
+        return [found for found in recount(backend_for, dry_run) if found.freed or found.note]
+    except Exception as exc:  # the clusters' work above is done and reported either way
+        log.warning(f"reaper: cannot recount the quotas: {type(exc).__name__}: {str(exc)[:300]}")
+        return []
 
 
 def tracking_uris_or_local() -> list[str]:
@@ -252,7 +276,7 @@ def tracking_uris_or_local() -> list[str]:
         return [default_tracking_uri()]
 
 
-def report(verdicts: list[Verdict], closed: list[str], crashed: list[str] = ()) -> str:
+def report(verdicts: list[Verdict], closed: list[str], crashed: list[str] = (), recounted: list = ()) -> str:
     lines = ["# Reaper", "", "| cluster | backend | flow run state | action | why |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{v.cluster}` | {v.backend} | {v.flow_run_state or 'missing'} | "
               f"{'downed' if v.downed else v.action} | {v.reason} |" for v in verdicts]
@@ -260,6 +284,8 @@ def report(verdicts: list[Verdict], closed: list[str], crashed: list[str] = ()) 
         lines.append("| (no gpuflow clusters) | | | | |")
     lines += ["", f"MLflow runs closed: {len(closed)}", *[f"- `{run}`" for run in closed]]
     lines += ["", f"Flow runs marked Crashed: {len(crashed)}", *[f"- `{run}`" for run in crashed]]
+    lines += [f"- quota `{found.pool}`: " + (f"gave back {found.freed} leaked slot(s)" if found.freed else found.note)
+              for found in recounted]
     return "\n".join(lines)
 
 

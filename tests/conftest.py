@@ -66,11 +66,20 @@ def digits_spec(gpuflow_home):
 
 
 @pytest.fixture(scope="session")
-def prefect_server():
-    """A real Prefect API (temporary server and database) for every flow run of the session."""
+def prefect_server(tmp_path_factory):
+    """A real Prefect API (temporary server and database) for every flow run of the session. Its concurrency leases
+    are kept on disk as gpuflow's own servers keep them, in a Prefect home of the session's: never in a folder that
+    another server's lease expiry would read (the user's ~/.prefect)."""
+    from prefect.settings import (PREFECT_HOME, PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE, get_current_settings,
+                                  temporary_settings)
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    from gpuflow.flows.local_stack.temporary_api import FILESYSTEM_LEASES, LEASE_STORAGE
+
+    leases = {PREFECT_HOME: tmp_path_factory.mktemp("prefect-home")}
+    if LEASE_STORAGE not in get_current_settings().to_environment_variables(exclude_unset=True):  # else the user's
+        leases[PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE] = FILESYSTEM_LEASES
+    with temporary_settings(leases), prefect_test_harness(server_startup_timeout=120):
         yield
 
 

@@ -2,7 +2,7 @@
 
     gpuflow quota set aws-h100 8      # the team's runs hold at most 8 GPUs of pool aws-h100 at once
     gpuflow quota set local 2         # on the local backend the unit is the worker
-    gpuflow quota list                # each quota: size, held now, runs waiting
+    gpuflow quota list                # each quota: size, held now, runs waiting; gives back leaked slots
     gpuflow quota remove aws-h100     # runs of that pool no longer wait
 """
 
@@ -38,9 +38,18 @@ def run(args: argparse.Namespace) -> int:
         quota.remove_quota(args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
-        rows = [(limit.name.removeprefix(quota.LIMIT_PREFIX), limit.limit, limit.active_slots,
-                 len(quota.waiting_runs(limit.name.removeprefix(quota.LIMIT_PREFIX)))) for limit in quota.quotas()]
+        from gpuflow.flows.quota_recount import recount
+
+        counts = recount()  # held: what the runs truly hold, once a leak is given back
+        rows = [(found.pool, found.size, found.counted - found.freed, len(quota.waiting_runs(found.pool)))
+                for found in counts]
         print("no quotas: runs never wait (gpuflow quota set POOL SIZE)" if not rows else
               "\n".join([f"{'quota':<24} {'size':>5} {'held':>5} {'waiting runs':>13}",
                          *[f"{name:<24} {size:>5} {held:>5} {waiting:>13}" for name, size, held, waiting in rows]]))
+        for found in counts:
+            if found.freed:
+                print(f"quota {found.pool}: gave back {found.freed} leaked slot(s): Prefect counted {found.counted} "
+                      f"held, the runs hold {found.held} (a lease the Prefect server forgot)")
+            elif found.note:
+                print(f"quota {found.pool}: {found.note}")
     return 0

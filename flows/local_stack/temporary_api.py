@@ -35,8 +35,19 @@ def launch() -> TemporaryApi:
     which overlap whatever this process does meanwhile."""
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
 
-    return TemporaryApi(get_current_settings().to_environment_variables(exclude_unset=True),
+    return TemporaryApi(with_lasting_leases(get_current_settings().to_environment_variables(exclude_unset=True)),
                         time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+
+
+LEASE_STORAGE = "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"
+FILESYSTEM_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
+
+
+def with_lasting_leases(settings_env: dict[str, str]) -> dict[str, str]:
+    """A server's settings with its concurrency leases kept on disk (under PREFECT_HOME), unless the lease storage is
+    set already: Prefect's default keeps them in memory, and a restart would leak every slot held on the GPU quota
+    (flows/quota.py)."""
+    return {LEASE_STORAGE: FILESYSTEM_LEASES, **settings_env}
 
 
 class TemporaryApi:

@@ -128,8 +128,19 @@ def base_env(**extra: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def prefect_server(home: Path):
-    """`prefect server start` with its own database; yields the API URL (the UI is the same origin)."""
+def prefect_server(home: Path, port: int | None = None, lease_storage: str | None = None):
+    """`prefect server start` with its own database; yields the API URL (the UI is the same origin). The same home
+    and port again: the same server, restarted. Its concurrency leases are kept on disk, in its home (lease_storage:
+    another of Prefect's lease storages)."""
+    with prefect_server_process(home, port, lease_storage) as (_, api_url):
+        yield api_url
+
+
+@contextlib.contextmanager
+def prefect_server_process(home: Path, port: int | None = None, lease_storage: str | None = None):
+    """prefect_server's process (the leader of its process group) and API URL."""
+    from gpuflow.flows.local_stack.temporary_api import LEASE_STORAGE
+
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(
         PREFECT_HOME=str(home), PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
@@ -137,16 +148,22 @@ def prefect_server(home: Path):
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
     )
     env.pop("GPUFLOW_HOME", None)  # not a process of any run: the fault tests find a run's processes by this
-    with serving(prefect_server_at(env), home / "server.log", "/api/health") as (_, url):
-        yield f"{url}/api"
+    if lease_storage:
+        env[LEASE_STORAGE] = lease_storage
+    with serving(prefect_server_at(env), home / "server.log", "/api/health", port) as (process, url):
+        yield process, f"{url}/api"
 
 
 def prefect_server_at(env: dict[str, str]):
-    """`prefect server start` on a port, with its UI (same origin) and its own settings pointed at that port."""
+    """`prefect server start` on a port, with its UI (same origin) and its own settings pointed at that port; its
+    concurrency leases on disk unless env names a lease storage (as gpuflow's own servers: flows/local_stack)."""
+    from gpuflow.flows.local_stack.temporary_api import with_lasting_leases
+
     def launch_at(port: int) -> tuple[list[str], dict[str, str]]:
         url = f"http://127.0.0.1:{port}"
         return ([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                {**env, "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api", "PREFECT_UI_URL": url})
+                with_lasting_leases({**env, "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api",
+                                     "PREFECT_UI_URL": url}))
     return launch_at
 
 

@@ -1,0 +1,191 @@
+"""The quota's recount: gives back slots that Prefect counts as held and no run holds (a leak).
+
+    recount()                     # every gpuflow-quota-* limit; run by the reaper's pass and `gpuflow quota list`
+
+A slot leaks when Prefect forgets the lease it was held on: a server restart with the in-memory lease storage
+(Prefect's default). Then neither the holder's release nor the lease's expiry gives it back, and the runs of the
+pool wait for good. The recount counts what the runs truly hold: a run tagged `quota-held:` or `quota-taking:`
+(flows/quota.py) that is not over, or whose cluster a backend still lists; a run that is over gives its slots back
+only once no backend lists its cluster. Prefect's count above that is lowered to it.
+
+Two recounts at once (the reaper, a `gpuflow quota list`) take turns on a one-slot limit named gpuflow-recount,
+whose slot decays in LOCK_S should a recount die holding it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from gpuflow.cluster.backends import Backend, flow_run_id_of
+from gpuflow.flows.quota import (HELD_TAG_PREFIX, LIMIT_PREFIX, SLOTS_TAG_PREFIX, TAKING_TAG_PREFIX, need_of,
+                                 quotas)
+
+log = logging.getLogger(__name__)
+
+LOCK = "gpuflow-recount"
+LOCK_S = 60.0  # a recount's few API calls take far less
+BACKENDS = ("local", "skypilot")
+FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
+PAGE = 200
+
+
+@dataclass
+class Recount:
+    pool: str
+    size: int
+    counted: int  # Prefect's count of held slots, before the recount
+    held: int  # what the runs truly hold
+    freed: int = 0
+    note: str = ""  # why a leak was left as it is
+
+
+def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool = False) -> list[Recount]:
+    """Recounts every quota; frees its leaked slots unless dry_run. backend_for: a backend by name (raising when it
+    cannot be used here); by default a new one, closed after the recount."""
+    from prefect.client.orchestration import get_client
+
+    opened: dict[str, Backend] = {}
+
+    def backend(name: str) -> Backend:
+        if name not in opened:
+            opened[name] = backend_for(name) if backend_for else get_backend_here(name)
+        return opened[name]
+
+    try:
+        with get_client(sync_client=True) as client:
+            first = [count_pool(client, limit, {}) for limit in quotas()]
+            if not any(found.counted > found.held for found in first):
+                return first
+            clusters = listed_clusters(backend, {found.pool for found in first if found.counted > found.held}, client)
+            with turn(client) as ours:
+                results = [count_pool(client, limit, clusters or {}) for limit in quotas()]
+                for found in results:
+                    free(client, found, clusters, "dry run" if dry_run else None if ours else "another recount is on")
+            return results
+    finally:
+        if backend_for is None:
+            for made in opened.values():
+                getattr(made, "close", lambda: None)()
+
+
+def get_backend_here(name: str) -> Backend:
+    from gpuflow.cluster.backends import get_backend
+
+    return get_backend(name)
+
+
+def count_pool(client, limit, clusters: dict) -> Recount:
+    """The pool's slots held by its live runs (read before and after Prefect's count: a run that takes slots in
+    between is tagged from before it takes them) and by the runs whose cluster is listed in `clusters`."""
+    pool = limit.name.removeprefix(LIMIT_PREFIX)
+    before = live_runs(client, pool)
+    counted = client.read_global_concurrency_limit_by_name(limit.name).active_slots
+    runs = {run.id: run for run in [*before, *live_runs(client, pool)]}
+    runs.update({run.id: run for run in clusters.get(pool, [])})
+    slots = [slots_of(run) for run in runs.values()]
+    if None in slots:
+        return Recount(pool, limit.limit, counted, counted, note="a run of the pool holds an unknown number of slots")
+    return Recount(pool, limit.limit, counted, sum(slots))
+
+
+def live_runs(client, pool: str) -> list:
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                FlowRunFilterTags)
+
+    found, offset = [], 0
+    while True:
+        page = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool, TAKING_TAG_PREFIX + pool]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=FINAL))), limit=PAGE, offset=offset)
+        found += page
+        if len(page) < PAGE:
+            return found
+        offset += PAGE
+
+
+def listed_clusters(backend: Callable[[str], Backend], pools: set[str], client) -> dict | None:
+    """pool → the runs that held it and whose cluster a backend lists; None when a backend its runs used cannot be
+    listed (nothing can then be said gone)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
+
+    run_ids = set()
+    for name in BACKENDS:
+        used = any(client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
+            all_=[HELD_TAG_PREFIX + pool, f"backend:{name}"])), limit=1) for pool in pools)
+        if not used:
+            continue
+        try:
+            run_ids |= {flow_run_id_of(status.name) for status in backend(name).status()} - {None}
+        except Exception as exc:  # not set up here, or its API down: its clusters may all be up
+            log.warning(f"quota recount: cannot list the {name} clusters ({type(exc).__name__}: {exc}); "
+                        f"no slot of its runs is given back")
+            return None
+    clusters = {pool: [] for pool in pools}
+    ids = sorted(run_ids)
+    for start in range(0, len(ids), PAGE):
+        for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+                any_=ids[start:start + PAGE])), limit=PAGE):
+            for pool in pools & {tag.removeprefix(HELD_TAG_PREFIX) for tag in run.tags}:
+                clusters[pool].append(run)
+    return clusters
+
+
+def free(client, found: Recount, clusters: dict | None, not_now: str | None) -> None:
+    """Gives back the pool's leak, unless its runs' clusters could not be listed or `not_now` says why not."""
+    leaked = found.counted - found.held
+    if leaked <= 0 or found.note:
+        return
+    if clusters is None or found.pool not in clusters:
+        found.note, found.held = "leak unknown: cannot tell which clusters are gone", found.counted
+    elif not_now:
+        found.note = f"{leaked} held by no run, not freed ({not_now})"
+    else:
+        client.release_concurrency_slots(names=[LIMIT_PREFIX + found.pool], slots=leaked, occupancy_seconds=None)
+        found.freed = leaked
+        log.warning(f"quota {found.pool}: gave back {leaked} slot(s) Prefect counted as held and no run holds "
+                    f"(a lease the server forgot)")
+
+
+class turn:
+    """The recounts' turn: entered as True when this recount has it, False when another has."""
+
+    def __init__(self, client):
+        self.client, self.ours = client, False
+
+    def __enter__(self) -> bool:
+        import httpx
+        from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+        from prefect.exceptions import ObjectAlreadyExists
+
+        try:
+            self.client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(
+                name=LOCK, limit=1, slot_decay_per_second=1 / LOCK_S))
+        except ObjectAlreadyExists:
+            pass
+        try:
+            self.client.increment_concurrency_slots(names=[LOCK], slots=1, mode="concurrency")
+            self.ours, self.taken = True, time.monotonic()
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 423:
+                raise
+        return self.ours
+
+    def __exit__(self, *exc) -> None:
+        if self.ours and time.monotonic() - self.taken < LOCK_S:  # else it decayed, and may be another's now
+            self.client.release_concurrency_slots(names=[LOCK], slots=1, occupancy_seconds=None)
+
+
+def slots_of(run) -> int | None:
+    """What a run holds: its quota-slots: tag, or for a run from before the tag, its spec's need; None if neither."""
+    for tag in run.tags:
+        if tag.startswith(SLOTS_TAG_PREFIX) and tag.removeprefix(SLOTS_TAG_PREFIX).isdigit():
+            return int(tag.removeprefix(SLOTS_TAG_PREFIX))
+    try:
+        from gpuflow.cluster.spec import parse_spec
+
+        return need_of(parse_spec(run.parameters["spec"])).slots
+    except Exception:  # a spec file, or a spec that no longer parses
+        return None
