@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from gpuflow.cluster.backends.local import drop_prewarmed
 from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
@@ -171,6 +172,8 @@ class QuotaHold:
                 log.info(f"quota: holding {self.need.describe()} after {time.monotonic() - started:.0f} s",
                          extra=progress(phase="waiting for GPUs"))
                 return
+            if said is None:
+                drop_prewarmed()  # a waiting run holds nothing, not even a warm cluster
             held = client.read_global_concurrency_limit_by_name(self.need.limit_name)
             message = (f"waiting for {self.need.describe()}: {len(ahead)} run(s) ahead, "
                        f"{held.active_slots} of {held.limit} held")

@@ -356,3 +356,46 @@ def test_a_slot_held_when_the_prefect_server_restarts_is_given_back(tmp_path):
 def test_a_slot_that_a_server_restart_leaked_is_given_back_by_the_recount(tmp_path):
     said = held_across_a_restart(tmp_path, "prefect.server.concurrency.lease_storage.memory", recount_after=True)
     assert said.startswith("held") and float(said.split()[-2]) < 15, said
+
+
+@pytest.mark.full
+def test_a_run_waiting_for_the_quota_holds_no_cluster(tmp_path):
+    """`gpuflow run` starts its local cluster early, while Prefect's API and the flow start; a run that then has to
+    wait for the quota gives that cluster back first: while it waits it holds nothing, spare or not."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Running
+
+    from gpuflow.flows.quota import set_quota
+
+    home = tmp_path / "home"
+    with prefect_server(tmp_path / "prefect") as api_url, temporary_settings({PREFECT_API_URL: api_url}):
+        set_quota("local", 1)
+        with get_client(sync_client=True) as client:
+            taken = holder(api_url, "local", holder_run(client, "local", Running()).id)
+        run = None
+        try:
+            assert taken.stdout.readline().startswith("held")
+            run = subprocess.Popen([str(BIN / "gpuflow"), "run", "experiments/digits.yaml", "--set",
+                                    "compute.workers_per_node=1"], cwd=REPO, start_new_session=True,
+                                   env=base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(home)),
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+            def waiting():
+                with get_client(sync_client=True) as client:
+                    return [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
+                        all_=["quota-wait:local"]))) if r.state and r.state.name == WAITING]
+
+            wait_until(waiting, 120, "the run waiting for the quota")
+            # the wait is stamped after the early cluster went: none is left while it waits
+            assert LocalBackend(home / "clusters").status() == []
+            assert not any("raylet" in " ".join(process.cmdline()) for process in carrying("GPUFLOW_HOME", str(home)))
+        finally:
+            if run is not None:
+                os.killpg(run.pid, signal.SIGTERM)
+                run.wait(timeout=120)
+            taken.stdin.write("release\n")
+            taken.stdin.flush()
+            taken.wait(timeout=30)
+    wait_until(lambda: processes_of(home) == [], 60, "nothing of the run left")

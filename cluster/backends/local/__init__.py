@@ -260,6 +260,13 @@ class LocalBackend:
         write_atomically(self.root / cluster_name / "cluster.json", json.dumps(record))
 
 
+def drop_prewarmed() -> None:
+    """Downs the cluster `prewarm` started for this process's next launch, if any: a run that must wait (for the GPU
+    quota) holds nothing meanwhile, and its launch starts a cluster once its turn comes."""
+    while PREWARMED:
+        LocalBackend().down(PREWARMED.pop())
+
+
 def shape_of(spec: ExperimentSpec) -> dict:
     """What a local cluster for the spec is made of: its nodes and each node's logical CPUs."""
     cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
