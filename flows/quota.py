@@ -37,12 +37,14 @@ WAIT_TAG_PREFIX = "quota-wait:"  # while it waits
 HELD_TAG_PREFIX = "quota-held:"  # once it holds
 TAKING_TAG_PREFIX = "quota-taking:"  # while it asks for slots: it may hold them from the server's answer on
 SLOTS_TAG_PREFIX = "quota-slots:"  # the slots it asks for (read by the recount, flows/quota_recount.py)
+LEASE_TAG_PREFIX = "quota-lease:"  # the lease it holds them on: the recount gives a dead run's back by it
 WAITING = "Waiting for GPUs"  # the state's name while it waits, in the UI and `gpuflow status`
 POLL_S = 2.0
 STAMP_S = 20.0  # a waiter re-stamps its state this often, even with nothing new to say
 STALE_S = 75.0  # a waiter not stamped for this long is dead
 JOIN_S = 120.0  # a run of the pool that started this recently and has not reached the queue yet (validating) is ahead
 TEARDOWN_MARGIN_S = 30.0  # the lease outlives the job's orphan grace by this: time for the cluster to go
+CLOUD_DOWN_S = 600.0  # after its autostop, SkyPilot's down of a cloud cluster: minutes at worst
 
 
 class QueueTimeout(RuntimeError):
@@ -79,8 +81,13 @@ def need_of(spec: ExperimentSpec) -> Need:
 
 
 def lease_seconds(spec: ExperimentSpec) -> float:
-    """Prefect's lease on the slots: the job's orphan grace and the teardown after it (Prefect's minimum is 60 s)."""
-    return max(60.0, spec.limits.orphan_grace_minutes * 60 + TEARDOWN_MARGIN_S)
+    """Prefect's lease on the slots, from the holder's last renewal: as long as its cluster may outlive it (the job's
+    orphan grace and teardown; on a cloud, SkyPilot's autostop and down after it), so that a dead run's slots never
+    come back while its GPUs still bill. The reaper's recount gives them back as soon as it sees the cluster gone."""
+    after = spec.limits.orphan_grace_minutes * 60 + TEARDOWN_MARGIN_S
+    if spec.compute.backend == "skypilot":
+        after += spec.limits.idle_minutes_to_autostop * 60 + CLOUD_DOWN_S
+    return max(60.0, after)
 
 
 def set_quota(pool: str, slots: int) -> None:
@@ -151,7 +158,8 @@ class QuotaHold:
                 self._wait(client, started)
             finally:
                 self.waited_s = time.monotonic() - started
-                self._retag(client, add=[HELD_TAG_PREFIX + self.need.pool] if self.lease_id else [],
+                self._retag(client, add=[HELD_TAG_PREFIX + self.need.pool, f"{LEASE_TAG_PREFIX}{self.lease_id}"]
+                            if self.lease_id else [],
                             remove=[WAIT_TAG_PREFIX + self.need.pool, TAKING_TAG_PREFIX + self.need.pool])
         threading.Thread(target=self._renew, daemon=True, name="gpuflow-quota-lease").start()
         return True
@@ -244,14 +252,14 @@ class QuotaHold:
                 pass
 
     def release(self) -> None:
-        """Gives the slots back: the cluster is down."""
+        """Gives the slots back (and says so on the flow run): the cluster is down."""
         from prefect.client.orchestration import get_client
-
         self._stop.set()
         if self.lease_id is not None:
             try:
                 with get_client(sync_client=True) as client:
                     client.release_concurrency_slots_with_lease(self.lease_id)
+                    self._retag(client, remove=[HELD_TAG_PREFIX + self.need.pool, LEASE_TAG_PREFIX + self.lease_id])
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
                 log.warning(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
                             f"its lease lapses within {self.lease_s:.0f} s")

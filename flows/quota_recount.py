@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.flows.quota import (HELD_TAG_PREFIX, LIMIT_PREFIX, SLOTS_TAG_PREFIX, TAKING_TAG_PREFIX, need_of,
-                                 quotas)
+from gpuflow.flows.quota import (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, LIMIT_PREFIX, SLOTS_TAG_PREFIX,
+                                 TAKING_TAG_PREFIX, need_of, quotas)
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ LOCK_S = 60.0  # a recount's few API calls take far less
 BACKENDS = ("local", "skypilot")
 FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
 PAGE = 200
+RENEW_S = 3600.0  # a dead run's lease, renewed by each pass while its cluster is listed: until the next pass at least
 
 
 @dataclass
@@ -56,6 +57,7 @@ def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool =
 
     try:
         with get_client(sync_client=True) as client:
+            give_back_dead_holders(client, backend, dry_run)
             first = [count_pool(client, limit, {}) for limit in quotas()]
             if not any(found.counted > found.held for found in first):
                 return first
@@ -69,6 +71,54 @@ def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool =
         if backend_for is None:
             for made in opened.values():
                 getattr(made, "close", lambda: None)()
+
+
+def give_back_dead_holders(client, backend: Callable[[str], Backend], dry_run: bool) -> list[str]:
+    """Gives back the lease of each run that is over and whose cluster no backend lists any more, by its id, as the
+    run would have; while its cluster is listed, renews it: a dead run's slots come back once its GPUs stop billing,
+    never before. Returns the runs given back."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
+                                                FlowRunFilterTags)
+
+    pools = [limit.name.removeprefix(LIMIT_PREFIX) for limit in quotas()]
+    over = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool for pool in pools]),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))), limit=PAGE) if pools else []
+    if not over:
+        return []
+    listed: dict[str, set[str] | None] = {}  # a backend's clusters, by flow run id; None: not to be listed here
+
+    def cluster_listed(run) -> bool | None:
+        name = next((tag.removeprefix("backend:") for tag in run.tags if tag.startswith("backend:")), None)
+        if name not in listed:
+            try:
+                listed[name] = {flow_run_id_of(status.name) for status in backend(name).status()} - {None}
+            except Exception as exc:  # not set up here, or its API down: its clusters may all be up
+                log.warning(f"quota: cannot list the {name} clusters ({type(exc).__name__}: {exc}); the slots of "
+                            "its runs stay held")
+                listed[name] = None
+        return None if listed[name] is None else str(run.id) in listed[name]
+
+    given = []
+    for run in over:
+        lease = next((tag.removeprefix(LEASE_TAG_PREFIX) for tag in run.tags if tag.startswith(LEASE_TAG_PREFIX)), None)
+        up = cluster_listed(run)
+        if up is None:
+            continue
+        try:
+            if up:
+                if lease:
+                    client.renew_concurrency_lease(lease, RENEW_S)
+            elif not dry_run:
+                if lease:
+                    client.release_concurrency_slots_with_lease(lease)
+                client.update_flow_run(run.id, tags=sorted(tag for tag in run.tags if not tag.startswith(
+                    (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, TAKING_TAG_PREFIX))))
+                given.append(str(run.id))
+                log.info(f"quota: gave back the slots of flow run {run.id} ({run.state_name}): its cluster is gone")
+        except Exception as exc:  # its lease lapsed meanwhile, or the API blinked: the next pass tries again
+            log.warning(f"quota: flow run {run.id}: {type(exc).__name__}: {str(exc)[:200]}")
+    return given
 
 
 def get_backend_here(name: str) -> Backend:

@@ -16,6 +16,7 @@ import time
 import uuid
 
 import pytest
+import sky
 from prefect import flow
 
 from gpuflow.cluster.backends import cluster_name_for
@@ -48,7 +49,7 @@ def test_a_run_needs_its_clusters_gpus_of_its_pool():
     options = parse_spec({"train": loop, "compute": {"backend": "skypilot", "options": [  # the first option's pool
         {"infra": "k8s/ctx", "accelerators": "L4:2"}, {"cloud": "aws", "accelerators": "H100:1"}]}, **remote})
     assert (need_of(options).pool, need_of(options).slots) == ("k8s-l4", 2)
-    assert lease_seconds(cloud) == 150 and lease_seconds(parse_spec(
+    assert lease_seconds(cloud) == 120 + 30 + 600 + 600 and lease_seconds(parse_spec(  # + its autostop and down
         {"train": loop, "limits": {"orphan_grace_minutes": 0.2}})) == 60  # Prefect's shortest lease
 
 
@@ -399,3 +400,62 @@ def test_a_run_waiting_for_the_quota_holds_no_cluster(tmp_path):
             taken.stdin.flush()
             taken.wait(timeout=30)
     wait_until(lambda: processes_of(home) == [], 60, "nothing of the run left")
+
+
+@pytest.mark.full
+def test_a_dead_runs_slot_comes_back_only_once_its_cloud_cluster_is_gone(prefect_server, gpuflow_home, monkeypatch):
+    """A holder dies (no one renews its lease) while its SkyPilot cluster lives on, and deleting it takes longer than
+    the job's orphan grace: the reaper's pass downs it, and the slot comes back once it is gone, never before (its
+    GPUs would bill beside the next run's)."""
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Running
+
+    from gpuflow.cluster.backends.skypilot import SkyPilotBackend
+    from gpuflow.cluster.config import default_tracking_uri
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.flows.quota import QuotaHold, set_quota
+    from gpuflow.flows.reaper import reap_clusters
+    from tests.support.sky_double import FakeSky
+
+    pool = f"cloud-{uuid.uuid4().hex[:8]}"
+    fake = FakeSky(down_s=100)  # past the old lease (grace + 30 s, Prefect's 60 s at least) and its repossessor's pass
+    monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
+    spec = parse_spec({"train": {"loop": "experiments.digits:train_loop"}, "compute": {
+        "backend": "skypilot", "infra": "aws", "accelerators": "H100:1", "quota": pool},
+        "limits": {"orphan_grace_minutes": 0.2, "idle_minutes_to_autostop": 1, "hourly_rate_usd": 2.0},
+        "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    set_quota(pool, 1)
+    try:
+        with get_client(sync_client=True) as client:
+            run_id = str(client.create_flow_run(quota_holder, tags=[f"quota:{pool}", "backend:skypilot"],
+                                                state=Running()).id)
+            hold = QuotaHold(spec, run_id)
+            assert hold.acquire()
+            hold._stop.set()  # its process dies: the lease is renewed no more
+            client.set_flow_run_state(run_id, Crashed(message="kill -9"), force=True)
+        cluster = cluster_name_for(run_id)
+        fake.clusters[cluster] = {"name": cluster, "status": sky.ClusterStatus.UP, "launched_at": int(time.time()),
+                                  "autostop": 1, "to_down": True, "jobs": {}, "spot": False}
+        samples, done = [], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                listed = cluster in {c.name for c in SkyPilotBackend(fake).status()}
+                samples.append((listed, quota_of(pool).active_slots))
+                done.wait(2)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            reap_clusters(backends=["skypilot"], tracking_uris=[default_tracking_uri()])
+        finally:
+            done.set()
+            sampler.join()
+        assert cluster not in fake.clusters and sum(listed for listed, _ in samples) > 30, samples
+        assert all(slots == 1 for listed, slots in samples if listed), f"the slot came back first: {samples}"
+        assert quota_of(pool).active_slots == 0  # and back once the cluster was gone, in the same pass
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)

@@ -4,7 +4,8 @@ Calls return request ids; results and errors come out of `stream_and_get`/`get`;
 time and can be cancelled (`api_cancel`) while in flight; `launch` submits setup (and run) as one job and
 returns its id at once; a failed setup ends that job FAILED_SETUP and leaves the cluster UP (SkyPilot does
 this on purpose, even with down=True); `down` of an unknown cluster raises
-ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job; `down_failures` makes deletions fail.
+ClusterDoesNotExist. Scenarios choose the failure: capacity, setup, job; `down_failures` makes deletions fail,
+`down_s` makes them slow.
 
 Capacity as SkyPilot fails over: the task's resources are tried in order (a list; a set cheapest first, here in
 its own order), each one `no_capacity` names (an accelerator, an infra's cloud, or "spot") is skipped, and the
@@ -52,8 +53,8 @@ class FakeSky:
     StatusRefreshMode = sky.StatusRefreshMode
 
     def __init__(self, scenario: str = "ok", launch_s: float = 0.5, job_s: float = 0.5, job_log: list[str] = (),
-                 down_failures: int = 0, no_capacity=(), preempt_spot: int = 0):
-        self.scenario, self.launch_s, self.job_s = scenario, launch_s, job_s
+                 down_failures: int = 0, no_capacity=(), preempt_spot: int = 0, down_s: float = 0.05):
+        self.scenario, self.launch_s, self.job_s, self.down_s = scenario, launch_s, job_s, down_s
         self.down_failures = down_failures  # a cloud API that refuses the next N deletions, as in an outage
         self.job_log = list(job_log) or ["[gpuflow] epoch 0: train_loss=1.0 val_accuracy=0.9"]
         self.no_capacity = no_capacity  # words: a resource naming any of them has none (until changed)
@@ -230,7 +231,7 @@ class FakeSky:
                 if self.clusters.pop(cluster_name, None) is None:
                     raise sky.exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
 
-        return self._submit("down", cluster_name, run)
+        return self._submit("down", cluster_name, run, self.down_s)  # the cluster is listed until its deletion ends
 
     def _cluster(self, cluster_name):
         if cluster_name not in self.clusters:
