@@ -153,7 +153,10 @@ def claim(client, run_id: str) -> bool:
     if not may_claim(client.get_run(run_id).data.tags, time.time()):
         return False
     mine = f"{time.time():.3f} {uuid.uuid4().hex}"
-    client.set_tag(run_id, NOTIFY_SENDING_TAG, mine)
+    try:
+        client.set_tag(run_id, NOTIFY_SENDING_TAG, mine)
+    except Exception:  # e.g. a rival's claim written at the same instant (a unique key): reading back decides
+        pass
     time.sleep(CLAIM_SETTLE_S)
     return client.get_run(run_id).data.tags.get(NOTIFY_SENDING_TAG) == mine
 
