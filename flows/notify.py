@@ -8,11 +8,13 @@ Sending is cluster/run/notify.py's (the job's guard sends too, with no Prefect).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG,
+                                      STOPPED_BY_TAG)
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.notify import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
@@ -71,13 +73,18 @@ def end_event(spec: ExperimentSpec, run, flow_run, state) -> Event:
                  prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)))
 
 
+def says(spec: ExperimentSpec, state) -> bool:
+    """Whether a run's end is one its webhook hears: not a cancel (the user asked for it), a completion if asked."""
+    return bool(spec.notify) and not state.is_cancelled() and (not state.is_completed() or spec.notify.completed)
+
+
 def notify_end(flow, flow_run, state) -> None:
     """A flow hook (completion, failure, crash): the run's end, said once, to the spec's webhook."""
     try:
         spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
     except Exception:  # a spec that does not load names no webhook either: its refusal is the run's message
         return
-    if not spec.notify or (state.is_completed() and not spec.notify.completed) or state.is_cancelled():
+    if not says(spec, state):
         return
     try:
         webhook = webhook_of(spec.notify.block)
@@ -103,28 +110,56 @@ def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:
         log.warning(failure)
 
 
-def notify_reaped(flow_run_ids: set[str], tracking_uris: list[str]) -> None:
-    """The reaper's messages for the dead runs it closed or marked Crashed, unless their job already said so."""
+UNSAID_WITHIN_S = 3 * 24 * 3600  # an end older than this is no news any more: the reaper stops trying to say it
+
+
+def notify_undelivered(tracking_uris: list[str]) -> list[str]:
+    """The reaper's pass: each run that ended badly, names a webhook and has no delivery recorded (its sender died,
+    or the webhook was down for all of its tries) gets its message, once. Returns what happened, a line per run."""
+    from mlflow.entities import ViewType
+    from prefect.client.orchestration import get_client
+
+    since_ms = int((time.time() - UNSAID_WITHIN_S) * 1000)
+    unsaid = f"tags.`{NOTIFY_BLOCK_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL AND attributes.end_time > {since_ms}"
+    said = []
+    with get_client(sync_client=True) as prefect:
+        for uri in tracking_uris:
+            try:
+                client = MlflowClient(uri)
+                experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+                runs = [run for status in ("FAILED", "KILLED") for run in client.search_runs(
+                    experiments, f"attributes.status = '{status}' AND {unsaid}", max_results=500)] if experiments else []
+            except Exception as exc:  # one store down: the others' messages still go
+                said.append(f"{uri}: cannot read its runs: {type(exc).__name__}")
+                continue
+            said += [line for run in runs if (line := say_unsaid(prefect, client, run))]
+    return said
+
+
+def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
+    """One run's end, sent unless its flow is still ending (its hook says it) or its end is not one to say."""
     from uuid import UUID
 
-    from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
+    from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as prefect:
-        for flow_run_id in flow_run_ids:
-            try:
-                flow_run = prefect.read_flow_run(UUID(flow_run_id))
-                spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
-                if not spec.notify or spec.tracking_uri not in tracking_uris:
-                    continue
-                client = MlflowClient(spec.tracking_uri)
-                run = main_run(client, spec, flow_run_id)
-                event = end_event(spec, run, flow_run, Crashed(message="its process died: found by the reaper"))
-                failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event) if run else None
-            except Exception as exc:  # one run's message must not stop the others'
-                failure = f"notification not sent: {type(exc).__name__}"
-            if failure:
-                log.warning(f"reaper: flow run {flow_run_id}: {failure}")
+    flow_run_id = run.data.tags.get(FLOW_RUN_TAG)
+    if not flow_run_id:
+        return None
+    try:
+        flow_run = prefect.read_flow_run(UUID(flow_run_id))
+        spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
+        if not (flow_run.state and flow_run.state.is_final() and says(spec, flow_run.state)):
+            return None
+        event = end_event(spec, run, flow_run, flow_run.state)
+        failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event)
+    except ObjectNotFound:  # no flow run, no spec: nothing to say it with
+        return None
+    except Exception as exc:  # one run's message must not stop the others'
+        failure = f"notification not sent: {type(exc).__name__}"
+    if failure:
+        return f"flow run {flow_run_id}: {failure}"
+    return f"flow run {flow_run_id}: message delivered" if client.get_run(run.info.run_id).data.tags.get(
+        NOTIFIED_TAG) else None
 
 
 def add_webhook(name: str, url: str, format: str = "json") -> str:

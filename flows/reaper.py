@@ -232,10 +232,11 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                                                         "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
         for flow_run_id in crashed:
             logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
-        if crashed:
-            from gpuflow.flows.notify import notify_reaped
+        if not dry_run:  # the ends no one said yet: the runs marked Crashed above, those whose sender died
+            from gpuflow.flows.notify import notify_undelivered
 
-            notify_reaped(set(crashed), uris)  # unless the job's guard already said it
+            for line in notify_undelivered(uris):
+                logger.info(f"message: {line}")
         recounted = recount_quotas(chosen, dry_run)  # after the downs and the crashes: their slots can be given back
         for found in recounted:
             logger.info(f"quota {found.pool}: gave back {found.freed} leaked slot(s) (Prefect counted {found.counted}, "

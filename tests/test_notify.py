@@ -2,9 +2,19 @@
 whose block does not exist refused before anything starts. Real Prefect (its test API), real MLflow, a real HTTP
 receiver; the runs that send them for real are in the fault tests (failing loop, budget, kill -9, recovery)."""
 
+import logging
+import threading
+import time
+import urllib.error
+
 from mlflow import MlflowClient
 
-from gpuflow.cluster.run.notify import NOTIFIED_TAG, Event, send, send_once, short_reason
+from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, NOTIFY_FAILED_TAG,
+                                      NOTIFY_SENDING_TAG, STOPPED_BY_TAG)
+from gpuflow.cluster.run import notify
+from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
+from gpuflow.cluster.run.notify import Event, send, send_once, short_reason
+from gpuflow.cluster.spec.notifying import NotifySpec
 from gpuflow.flows.cli import main as gpuflow
 from tests.support.servers import the_one_message, webhook_receiver
 
@@ -40,10 +50,11 @@ def test_an_end_is_sent_once_whoever_sends_it(tmp_path):
         assert send_once(client, run_id, webhook, EVENT) is None  # the job's guard, say
         assert send_once(client, run_id, webhook, EVENT) is None  # then the reaper: already said
         assert len(messages) == 1
-    assert client.get_run(run_id).data.tags[NOTIFIED_TAG] == "stopped"
+    assert client.get_run(run_id).data.tags[NOTIFIED_TAG].startswith("stopped 20"), "the event, and when"
 
 
-def test_an_unreachable_webhook_is_reported_without_its_address():
+def test_an_unreachable_webhook_is_reported_without_its_address(monkeypatch):
+    quick_retries(monkeypatch, 1)
     with webhook_receiver() as (url, _):
         pass  # stopped: nothing listens there now
     failure = send({"url": url, "json_data": {"text": "{{body}}"}}, EVENT)
@@ -76,3 +87,130 @@ def test_validate_refuses_a_missing_block_naming_the_field(prefect_server, capsy
     code = gpuflow(["validate", str(REPO / "experiments" / "digits.yaml"), "--set", "notify.block=no-such-block"])
     err = capsys.readouterr().err
     assert code == 2 and "notify.block: 'no-such-block' cannot be loaded" in err, err
+
+
+# -- at least once, said once (issue #38): a webhook down for a while, one never up, a sender that died -----------
+
+def quick_retries(monkeypatch, bound_s: float) -> None:
+    """The retry bound shortened so that a test lasts seconds: first retry after 0.1 s, then 0.2, 0.4 ..."""
+    monkeypatch.setattr(notify, "RETRY_BOUND_S", bound_s)
+    monkeypatch.setattr(notify, "FIRST_RETRY_S", 0.1)
+
+
+def test_a_webhook_down_for_its_first_tries_gets_the_message_once(tmp_path, monkeypatch, caplog):
+    quick_retries(monkeypatch, 10)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("down-then-up")).info.run_id
+    with webhook_receiver(down_for=3) as (url, messages), caplog.at_level(logging.WARNING, notify.__name__):
+        assert send_once(client, run_id, {"url": url, "json_data": {"text": "{{body}}"}}, EVENT) is None
+        assert send_once(client, run_id, {"url": url, "json_data": {"text": "{{body}}"}}, EVENT) is None
+        assert len(messages) == 1, messages
+    tags = client.get_run(run_id).data.tags
+    assert tags[NOTIFIED_TAG].startswith("stopped 20") and NOTIFY_FAILED_TAG not in tags
+    assert NOTIFY_SENDING_TAG not in tags, "the claim is let go once the message is out"
+    tries = [r.getMessage() for r in caplog.records if "failed: HTTP 503" in r.getMessage()]
+    assert len(tries) == 3 and url not in " ".join(tries), tries
+
+
+def test_two_senders_at_once_send_one_message(tmp_path, monkeypatch):
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("race")).info.run_id
+    with webhook_receiver() as (url, messages):
+        webhook = {"url": url, "json_data": {"text": "{{body}}"}}
+        senders = [threading.Thread(target=send_once, args=(client, run_id, webhook, EVENT)) for _ in range(2)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(30)
+        assert len(messages) == 1, messages
+
+
+def test_a_client_error_is_not_retried_a_busy_webhook_is():
+    error = lambda code: urllib.error.HTTPError("http://x", code, "", {}, None)  # noqa: E731
+    assert notify.failure_of(error(404)) == ("HTTP 404", True)
+    assert notify.failure_of(error(429)) == ("HTTP 429", False) and notify.failure_of(error(503))[1] is False
+
+
+def failing_flow_run(spec, block: str):
+    """A flow run that fails as an experiment does, with the real end hook: its MLflow run FAILED, then raised."""
+    from prefect import flow, runtime
+
+    from gpuflow.flows.notify import notify_end
+
+    @flow(name="run-experiment", on_failure=[notify_end])
+    def failing_experiment(spec: dict):
+        client = MlflowClient(spec_obj.tracking_uri)
+        experiment = client.get_experiment_by_name(spec_obj.experiment_name)
+        run = client.create_run(experiment.experiment_id if experiment else client.create_experiment(
+            spec_obj.experiment_name), tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: block})
+        client.set_terminated(run.info.run_id, "FAILED")
+        raise RuntimeError("fail_at_epoch=2: failing on purpose")
+
+    spec_obj = spec.model_copy(update={"notify": NotifySpec(block=block)})
+    state = failing_experiment(spec_obj.model_dump(mode="json"), return_state=True)
+    client = MlflowClient(spec_obj.tracking_uri)
+    [run] = runs_of_flow_run(client, str(state.state_details.flow_run_id), spec_obj.experiment_name)
+    return state, client.get_run(run.info.run_id)
+
+
+def test_a_flow_whose_webhook_is_down_at_first_says_its_end_once(prefect_server, digits_spec, monkeypatch):
+    quick_retries(monkeypatch, 10)
+    with webhook_receiver(down_for=2) as (url, messages):
+        assert gpuflow(["notify", "add", "down-at-first", url]) == 0
+        state, run = failing_flow_run(digits_spec, "down-at-first")
+        assert len(messages) == 1 and messages[0]["subject"].endswith(" failed"), messages
+    assert state.is_failed() and "failing on purpose" in state.message
+    assert run.info.status == "FAILED" and run.data.tags[NOTIFIED_TAG].startswith("failed 20")
+
+
+def test_a_webhook_never_up_leaves_the_end_as_it_was_and_says_so(prefect_server, digits_spec, monkeypatch, caplog):
+    from gpuflow.flows.cli.status import status, table
+
+    quick_retries(monkeypatch, 1.5)
+    with webhook_receiver() as (url, _):
+        assert gpuflow(["notify", "add", "never-up", url]) == 0
+    with caplog.at_level(logging.WARNING):
+        state, run = failing_flow_run(digits_spec, "never-up")
+    assert state.is_failed() and "failing on purpose" in state.message, "the run's end is its own, not the message's"
+    assert run.info.status == "FAILED" and NOTIFIED_TAG not in run.data.tags
+    when, _, failure = run.data.tags[NOTIFY_FAILED_TAG].partition(" ")
+    assert when.startswith("20") and "ConnectionRefusedError" in failure and url not in failure, failure
+    logged = caplog.text
+    assert "try 1 failed: ConnectionRefusedError" in logged and "notification not delivered after" in logged, logged
+    lines = [line for line in table(status()).splitlines() if "not delivered" in line]
+    assert len(lines) == 1 and run.info.run_name in lines[0] and "ConnectionRefusedError" in lines[0], lines
+
+
+def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, digits_spec, monkeypatch):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from gpuflow.flows.reaper import reap_clusters
+
+    quick_retries(monkeypatch, 5)
+    with webhook_receiver() as (url, messages):
+        assert gpuflow(["notify", "add", "reaped", url]) == 0
+        spec = digits_spec.model_copy(update={"notify": NotifySpec(block="reaped")})
+        with get_client(sync_client=True) as prefect:  # the flow and its job killed: nobody said the end
+            flow_run = prefect.create_flow_run(reap_clusters.with_options(name="run-experiment"),
+                                               parameters={"spec": spec.model_dump(mode="json")})
+            prefect.set_flow_run_state(flow_run.id, Crashed(message="its process died"), force=True)
+        client = MlflowClient(spec.tracking_uri)
+        experiment = client.get_experiment_by_name(spec.experiment_name) or client.create_experiment(
+            spec.experiment_name)
+        experiment = getattr(experiment, "experiment_id", experiment)
+        run_id = client.create_run(experiment, tags={FLOW_RUN_TAG: str(flow_run.id), NOTIFY_BLOCK_TAG: "reaped",
+                                                     STOPPED_BY_TAG: "orphaned",
+                                                     NOTIFY_SENDING_TAG: f"{time.time() - 3600:.3f} dead"}).info.run_id
+        client.set_terminated(run_id, "FAILED")  # its claim is an hour old: the sender died holding it
+        said_before = client.create_run(experiment, tags={FLOW_RUN_TAG: str(flow_run.id), NOTIFY_BLOCK_TAG: "reaped",
+                                                          NOTIFIED_TAG: "crashed 2026-11-26T00:00:00Z"}).info.run_id
+        client.set_terminated(said_before, "FAILED")
+
+        reap_clusters(backends=["local"], tracking_uris=[spec.tracking_uri])
+        assert len(messages) == 1 and messages[0]["subject"] == f"gpuflow: {flow_run.name} crashed", messages
+        reap_clusters(backends=["local"], tracking_uris=[spec.tracking_uri])
+        time.sleep(0.5)
+        assert len(messages) == 1, "a second pass sends nothing"
+    tags = client.get_run(run_id).data.tags
+    assert tags[NOTIFIED_TAG].startswith("crashed 20") and NOTIFY_SENDING_TAG not in tags

@@ -119,7 +119,7 @@ def test_gpuflow_status_reads_as_a_table():
                       "alive, renewed 3 s ago (grace 120 s)", None, "http://mlflow:5000/#/experiments/1/runs/a"),
             RunStatus("digits-mlp-2", "2", WAITING, "local", gpus="1 worker", queue="1 of 1 in local")]
     header, first, second = table(rows).splitlines()
-    assert header.split() == ["run", "state", "cluster", "GPUs", "$/h", "spent", "lease", "queue", "MLflow"]
+    assert header.split() == ["run", "state", "cluster", "GPUs", "$/h", "spent", "lease", "queue", "MLflow", "message"]
     assert "$0.50" in first and "$0.01" in first and "alive, renewed 3 s ago" in first
     assert "Waiting for GPUs" in second and "1 of 1 in local" in second
     assert second.index("1 of 1 in local") == header.index("queue")  # columns line up

@@ -6,20 +6,35 @@ it closes. An end is said once: whoever sends it first tags the MLflow run (NOTI
 
 The webhook is a Prefect Custom Webhook block (flows/notify.py loads it); here it is a plain dict (url, method,
 params, headers, json_data or form_data, values), so that the job sends with no Prefect. Its URL is a secret: it
-reaches the job in its environment only (JobEnv.notify_json), never a log, a tag or a file."""
+reaches the job in its environment only (JobEnv.notify_json), never a log, a tag or a file.
+
+At least once, said once: `send` retries a webhook that is down for up to RETRY_BOUND_S; `send_once` claims the
+run's message (NOTIFY_SENDING_TAG) before sending and records the outcome on the run (NOTIFIED_TAG, or
+NOTIFY_FAILED_TAG); what no one delivered, the reaper's next pass sends (flows/notify.py: notify_undelivered)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 
-from gpuflow.cluster.protocol import NOTIFIED_TAG
+from gpuflow.cluster.protocol import NOTIFIED_TAG, NOTIFY_FAILED_TAG, NOTIFY_SENDING_TAG
+
+log = logging.getLogger(__name__)
 
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
-SEND_TIMEOUT_S = 10
+SEND_TIMEOUT_S = 10  # one try
+RETRY_BOUND_S = 120.0  # all the tries of one message: 1, 2, 4, 8 ... s apart
+FIRST_RETRY_S = 1.0
+CLAIM_SETTLE_S = 0.5  # between writing a claim and reading it back: a rival's write lands in between
+RETRIED_HTTP = {408, 429}  # the 4xx worth another try; any other 4xx will not change
 
 
 EXCEPTION_LINE = re.compile(r"^\w*(Error|Exception|Interrupt)\b[^:]*: .+")
@@ -85,21 +100,79 @@ def send(webhook: dict, event: Event) -> str | None:
         form = render(webhook["form_data"], values)
         data = (form if isinstance(form, str) else urllib.parse.urlencode(form)).encode()
     request = urllib.request.Request(url, data=data, headers=headers, method=webhook.get("method", "POST"))
-    try:
-        with urllib.request.urlopen(request, timeout=SEND_TIMEOUT_S):
-            return None
-    except Exception as exc:  # the URL is a secret: the error names the kind of failure, not the address
-        return f"notification not delivered: {type(exc).__name__}"
+    deadline, delay, tries = time.monotonic() + RETRY_BOUND_S, FIRST_RETRY_S, 0
+    while True:
+        tries += 1
+        try:
+            with urllib.request.urlopen(request, timeout=max(0.1, min(SEND_TIMEOUT_S, deadline - time.monotonic()))):
+                return None
+        except Exception as exc:
+            error, final = failure_of(exc)
+        left = deadline - time.monotonic()
+        if final or left <= 0:
+            return f"notification not delivered after {tries} tries: {error}"
+        log.warning(f"notification of {event.run} ({event.event}): try {tries} failed: {error}; "
+                    f"again in {min(delay, left):g} s")
+        time.sleep(min(delay, left))
+        delay *= 2
+
+
+def failure_of(exc: Exception) -> tuple[str, bool]:
+    """(what failed, in words that never name the URL: it is a secret; whether another try cannot help)."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code}", 400 <= exc.code < 500 and exc.code not in RETRIED_HTTP
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, Exception):
+        return type(exc.reason).__name__, False
+    if isinstance(exc, ValueError):  # a malformed URL (unknown url type): the block must be fixed
+        return f"{type(exc).__name__} (check the block's URL)", True
+    return type(exc).__name__, False
 
 
 def send_once(client, run_id: str, webhook: dict, event: Event) -> str | None:
-    """Sends the run's end event unless someone already did; then tags the run so that no one else does."""
-    if client.get_run(run_id).data.tags.get(NOTIFIED_TAG):
+    """Sends the run's end event unless it is delivered already or someone else is sending it now; records on the
+    run what came of it: delivered (NOTIFIED_TAG) or the failure (NOTIFY_FAILED_TAG), for the reaper to retry."""
+    if not claim(client, run_id):
         return None
-    failure = send(webhook, event)
-    if failure is None:
-        client.set_tag(run_id, NOTIFIED_TAG, event.event)
+    failure = None
+    try:
+        failure = send(webhook, event)
+    except Exception as exc:  # e.g. a template that does not render: recorded like any failure
+        failure = f"notification not sent: {type(exc).__name__}"
+    finally:
+        if failure is None:
+            client.set_tag(run_id, NOTIFIED_TAG, f"{event.event} {utc_now()}")
+        else:
+            client.set_tag(run_id, NOTIFY_FAILED_TAG, f"{utc_now()} {failure}")
+        client.delete_tag(run_id, NOTIFY_SENDING_TAG)
     return failure
+
+
+def claim(client, run_id: str) -> bool:
+    """Takes the run's message for this process: nobody delivered it, nobody else holds a live claim (a claim older
+    than one whole send is its dead sender's), and our claim is the one read back."""
+    if not may_claim(client.get_run(run_id).data.tags, time.time()):
+        return False
+    mine = f"{time.time():.3f} {uuid.uuid4().hex}"
+    try:
+        client.set_tag(run_id, NOTIFY_SENDING_TAG, mine)
+    except Exception:  # e.g. a rival's claim written at the same instant (a unique key): reading back decides
+        pass
+    time.sleep(CLAIM_SETTLE_S)
+    return client.get_run(run_id).data.tags.get(NOTIFY_SENDING_TAG) == mine
+
+
+def may_claim(tags: dict[str, str], now: float) -> bool:
+    if tags.get(NOTIFIED_TAG):
+        return False
+    held = tags.get(NOTIFY_SENDING_TAG)
+    try:
+        return held is None or now - float(held.split()[0]) > RETRY_BOUND_S + SEND_TIMEOUT_S
+    except ValueError:  # not a claim of ours
+        return True
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def for_the_job(webhook: dict, run: str, mlflow_url: str | None, prefect_url: str | None) -> str:

@@ -17,8 +17,8 @@ from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
 from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
 from gpuflow.cluster.protocol import (ATTEMPT_TAG_PREFIX, CHECKPOINTS_TAG, CLOSED_BY_TAG, INSTANCE_TYPE_TAG,
-                                      LAUNCHED_TAG_PREFIX, OPTION_TAG, PHASE_METRIC_PREFIX, PRICE_SOURCE_TAG,
-                                      STOPPED_BY_TAG)
+                                      LAUNCHED_TAG_PREFIX, NOTIFY_BLOCK_TAG, OPTION_TAG, PHASE_METRIC_PREFIX,
+                                      PRICE_SOURCE_TAG, STOPPED_BY_TAG)
 from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
@@ -121,6 +121,8 @@ class RunRecord:
         metrics, tags = price_entries(price)
         tags[CHECKPOINTS_TAG] = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
         tags.update(lease_tags(grace_s))
+        if self.spec.notify:  # how the reaper finds the runs whose end may still be unsaid
+            tags[NOTIFY_BLOCK_TAG] = self.spec.notify.block
         now = int(time.time() * 1000)
         client_for(self.spec).log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
                                         params=[param(k, v) for k, v in flat_params(self.spec).items()],

@@ -1,11 +1,12 @@
 """`gpuflow status`: what of ours is running or waiting right now, on every backend, and what it costs so far.
 
-    gpuflow status            # a table: run, state, cluster, GPUs, $/h, spent, lease, queue, MLflow
+    gpuflow status            # a table: run, state, cluster, GPUs, $/h, spent, lease, queue, MLflow, message
     gpuflow status --json     # the same, for scripts
 
 Read from where each fact lives: the Prefect server (the runs, their state, their place in a quota's queue), each
 backend (the clusters), and each run's MLflow run (its price, its start, its lease as the reaper judges it). A
-cluster of ours whose run is over or gone is listed too: the reaper downs it at its next pass.
+cluster of ours whose run is over or gone is listed too: the reaper downs it at its next pass; so is a run that ended
+with its message not delivered (the reaper's pass tries again).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from gpuflow.cluster.backends import flow_run_id_of
 from gpuflow.cluster.cost.spend import HOURLY_METRIC
-from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, RENEWED_TAG
+from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, NOTIFIED_TAG, NOTIFY_FAILED_TAG, RENEWED_TAG
 from gpuflow.cluster.run.lease import stale
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
@@ -40,6 +41,7 @@ class RunStatus:
     lease: str | None = None  # "alive" or "dead", and the age of its last renewal
     queue: str | None = None  # "2 of 3 in aws-h100" while waiting for the quota
     mlflow: str | None = None
+    message: str | None = None  # the run's end message, when its webhook did not get it
 
 
 def add_parser(commands, name: str) -> None:
@@ -88,7 +90,36 @@ def status(now: float | None = None) -> list[RunStatus]:
             if row.flow_run_id in queue and row.state == WAITING:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
     add_mlflow_facts(rows, runs, now)
+    rows += add_unsaid(rows, now)
     return rows + add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
+
+
+def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
+    """The runs whose end message is not delivered (the reaper's pass tries again): on their row, or a row each."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    from gpuflow.flows.notify import UNSAID_WITHIN_S
+    from gpuflow.flows.reaper import tracking_uris_or_local
+
+    by_id, added = {row.flow_run_id: row for row in rows}, []
+    where = (f"tags.`{NOTIFY_FAILED_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL "
+             f"AND attributes.end_time > {int((now - UNSAID_WITHIN_S) * 1000)}")
+    for uri in tracking_uris_or_local():
+        try:
+            client = MlflowClient(uri)
+            experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+            found = client.search_runs(experiments, where, max_results=200) if experiments else []
+        except Exception:  # a store down: its live runs already say "unreachable"
+            continue
+        for run in found:
+            flow_run_id = run.data.tags.get(FLOW_RUN_TAG, "-")
+            when, _, failure = run.data.tags[NOTIFY_FAILED_TAG].partition(" ")
+            row = by_id.get(flow_run_id)
+            if row is None:
+                added.append(row := RunStatus(run.info.run_name or "-", flow_run_id, run.info.status))
+            row.message = f"not delivered ({when}): {failure.removeprefix('notification ')}"
+    return added
 
 
 def tag_value(run, prefix: str) -> str | None:
@@ -174,7 +205,8 @@ def table(rows: list[RunStatus]) -> str:
     columns = [("run", lambda r: r.flow_run), ("state", lambda r: r.state), ("cluster", lambda r: r.cluster or "-"),
                ("GPUs", lambda r: r.gpus or "-"), ("$/h", lambda r: money(r.hourly_usd)),
                ("spent", lambda r: money(r.spent_usd)), ("lease", lambda r: r.lease or "-"),
-               ("queue", lambda r: r.queue or "-"), ("MLflow", lambda r: r.mlflow or "-")]
+               ("queue", lambda r: r.queue or "-"), ("MLflow", lambda r: r.mlflow or "-"),
+               ("message", lambda r: r.message or "-")]
     cells = [[name for name, _ in columns]] + [[value(row) for _, value in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)

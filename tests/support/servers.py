@@ -303,17 +303,25 @@ def run_on_a_schedule_a_minute_away(served: ServedDeployments, name: str, overri
 
 
 @contextlib.contextmanager
-def webhook_receiver():
+def webhook_receiver(down_for: int = 0):
     """A webhook on 127.0.0.1 keeping the JSON of every message it gets. Its URL carries a token of its own, for
-    tests that look for the URL where it must not be (a webhook's URL is a secret)."""
+    tests that look for the URL where it must not be (a webhook's URL is a secret). down_for: it answers 503 to that
+    many requests first (a webhook down for a while), keeping none of them."""
     import json
     import uuid
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     messages: list[dict] = []
+    refused = 0
 
     class Receiver(BaseHTTPRequestHandler):
         def do_POST(self):
+            nonlocal refused
+            if refused < down_for:
+                refused += 1
+                self.send_response(503)
+                self.end_headers()
+                return
             messages.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null"))
             self.send_response(204)
             self.end_headers()
