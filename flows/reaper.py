@@ -25,6 +25,7 @@ from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
+from gpuflow.flows.run_info import dead_without_lease
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,10 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
             from gpuflow.flows.notify import notify_reaped
 
             notify_reaped(set(crashed), uris)  # unless the job's guard already said it
+        kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
+        for flow_run_id, why in ({} if dry_run else dead_without_lease(kept, uris, time.time())).items():
+            crashed += mark_crashed({flow_run_id}, why)
+            logger.info(f"marked flow run {flow_run_id} Crashed: {why}")
         recounted = recount_quotas(chosen, dry_run)  # after the downs and the crashes: their slots can be given back
         for found in recounted:
             logger.info(f"quota {found.pool}: gave back {found.freed} leaked slot(s) (Prefect counted {found.counted}, "
