@@ -6,7 +6,8 @@ The backstop for what no hook can cover (flow and runner both killed, a cancelle
 server down). A flow run that Prefect still calls RUNNING is dead when its lease on the MLflow run is stale
 (cluster/run/lease.py): its cluster is downed, its MLflow run closed FAILED (stopped_by=orphaned) and the flow run
 marked Crashed, so the UI tells the truth. It never touches a cluster whose name is not gpuflow-<flow run id>,
-and keeps a cluster whose run is alive until the TTL.
+and keeps a cluster whose run is alive until the TTL. A live run that no lease covers (killed waiting for GPUs, or
+before its MLflow run opened) is judged by what Prefect keeps (cluster/run/liveness.py) and marked Crashed too.
 """
 
 from __future__ import annotations
