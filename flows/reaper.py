@@ -6,7 +6,8 @@ The backstop for what no hook can cover (flow and runner both killed, a cancelle
 server down). A flow run that Prefect still calls RUNNING is dead when its lease on the MLflow run is stale
 (cluster/run/lease.py): its cluster is downed, its MLflow run closed FAILED (stopped_by=orphaned) and the flow run
 marked Crashed, so the UI tells the truth. It never touches a cluster whose name is not gpuflow-<flow run id>,
-and keeps a cluster whose run is alive until the TTL.
+and keeps a cluster whose run is alive until the TTL. A live run that no lease covers (killed waiting for GPUs, or
+before its MLflow run opened) is judged by what Prefect keeps (cluster/run/liveness.py) and marked Crashed too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
+from gpuflow.flows.run_info import dead_without_lease
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 
 log = logging.getLogger(__name__)
@@ -232,6 +234,10 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                                                         "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
         for flow_run_id in crashed:
             logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
+        kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
+        for flow_run_id, why in ({} if dry_run else dead_without_lease(kept, uris, time.time())).items():
+            crashed += mark_crashed({flow_run_id}, why)
+            logger.info(f"marked flow run {flow_run_id} Crashed: {why}")
         if not dry_run:  # the ends no one said yet: the runs marked Crashed above, those whose sender died
             from gpuflow.flows.notify import notify_undelivered
 

@@ -43,7 +43,7 @@ class Job:
 class ClusterStatus:
     name: str
     backend: str
-    status: str  # UP, INIT, STOPPED, ...
+    status: str  # UP, INIT, STOPPED, ...; GONE: its processes are dead (local)
     launched_at: float | None = None
 
 

@@ -19,10 +19,13 @@ from pathlib import Path
 
 from gpuflow.cluster.backends import flow_run_id_of
 from gpuflow.cluster.cost.spend import HOURLY_METRIC
+from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, NOTIFIED_TAG, NOTIFY_FAILED_TAG, RENEWED_TAG
 from gpuflow.cluster.run.lease import stale
+from gpuflow.cluster.run.liveness import age_s
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
+from gpuflow.flows.run_info import dead_without_lease
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
 DEFAULT_GRACE_S = 120.0
@@ -90,8 +93,13 @@ def status(now: float | None = None) -> list[RunStatus]:
             if row.flow_run_id in queue and row.state == WAITING:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
     add_mlflow_facts(rows, runs, now)
-    rows += add_unsaid(rows, now)
-    return rows + add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
+    rows += add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
+    with_cluster = {row.flow_run_id for row in rows if row.cluster and not row.cluster.endswith("(GONE)")}
+    dead = dead_without_lease(with_cluster, [default_tracking_uri()], now)
+    for row in rows:
+        if row.flow_run_id in dead:
+            row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id].split(':')[0]}", None
+    return rows + add_unsaid(rows, now)
 
 
 def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
@@ -165,13 +173,20 @@ def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:
                 continue
             tags, hourly = mlflow_run.data.tags, mlflow_run.data.metrics.get(HOURLY_METRIC)
             row.hourly_usd = hourly
-            row.spent_usd = None if hourly is None else round(hourly * (now - mlflow_run.info.start_time / 1000) / 3600, 4)
+            started = mlflow_run.info.start_time / 1000
+            row.spent_usd = None if hourly is None else round(hourly * age_s(now, started) / 3600, 4)
             if RENEWED_TAG in tags:
                 verdict = "dead" if stale(tags, now, DEFAULT_GRACE_S) else "alive"
-                row.lease = f"{verdict}, renewed {now - float(tags[RENEWED_TAG]):.0f} s ago " \
+                row.lease = f"{verdict}, {renewed(now, float(tags[RENEWED_TAG]))} " \
                             f"(grace {float(tags.get(GRACE_TAG, DEFAULT_GRACE_S)):g} s)"
             base = uri if uri.startswith("http") else "http://127.0.0.1:5000"
             row.mlflow = f"{base.rstrip('/')}/#/experiments/{mlflow_run.info.experiment_id}/runs/{mlflow_run.info.run_id}"
+
+
+def renewed(now: float, at: float) -> str:
+    """The renewal's age; `at` is the flow's clock, which may run ahead of this machine's."""
+    ahead = at - now
+    return f"renewed {age_s(now, at):.0f} s ago" + (f" (its clock {ahead:.0f} s ahead of this one)" if ahead >= 1 else "")
 
 
 def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:

@@ -213,8 +213,9 @@ class LocalBackend:
         found = []
         for folder in sorted(self.root.glob("*")) if self.root.exists() else []:
             record = self.record(folder.name) or {}
-            up = bool(record) and session_alive(record.get("session", -1))
-            found.append(ClusterStatus(folder.name, self.name, "UP" if up else "INIT", record.get("launched_at")))
+            # no record yet: starting; a record whose processes are dead: downed, or killed, its folder left
+            state = "INIT" if not record else "UP" if session_alive(record.get("session", -1)) else "GONE"
+            found.append(ClusterStatus(folder.name, self.name, state, record.get("launched_at")))
         return found
 
     def lost(self, cluster_name: str) -> str | None:

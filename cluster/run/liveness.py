@@ -1,0 +1,66 @@
+"""Whether a flow run that Prefect still calls live has died, when no lease of ours can say (cluster/run/lease.py).
+
+A run killed while it waits for the quota, or before its MLflow run opens, has no MLflow lease and no cluster: the
+reaper judges it by what Prefect keeps. A waiter re-stamps its state every few seconds (flows/quota.py); any other
+run is judged by Prefect's flow-run heartbeats when it sends them (PREFECT_FLOWS_HEARTBEAT_FREQUENCY), else by how
+long it has gone without a cluster or an MLflow run. Prefect-free: the facts are read in flows/run_info.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROVISION_GRACE_S = 600.0  # with no heartbeats: validate and stage may be slow before the MLflow run opens
+HEARTBEAT_LATE_S = 180.0  # Prefect's heartbeats come every 30 s or more often: six missed
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    """What is known of a live flow run; ages in seconds, never negative (another machine's clock may be ahead)."""
+
+    flow_run_id: str
+    waiting: bool  # in the quota's queue, stamping its state
+    state_age_s: float  # since its state was last set or stamped
+    heartbeat_age_s: float | None  # since its last Prefect heartbeat; None: it sends none
+    has_cluster: bool  # a backend lists a cluster of it
+    has_mlflow_run: bool | None  # None: a tracking server could not be read
+
+
+def silent_death(run: LiveRun, stale_s: float) -> str | None:
+    """Why the run is dead (for its Crashed message), or None when it may live or a lease or cluster judges it."""
+    if run.waiting:
+        if run.state_age_s > stale_s:
+            return (f"its process died while waiting for GPUs (state unstamped for {run.state_age_s:.0f} s): "
+                    "found by the reaper")
+        return None
+    if run.has_cluster or run.has_mlflow_run is not False:
+        return None  # the reaper's cluster and lease checks judge it, or it cannot be told now
+    if run.heartbeat_age_s is not None:
+        if run.heartbeat_age_s > HEARTBEAT_LATE_S:
+            return (f"its process died before its MLflow run opened (no Prefect heartbeat for "
+                    f"{run.heartbeat_age_s:.0f} s, no cluster): found by the reaper")
+        return None
+    if run.state_age_s > PROVISION_GRACE_S:
+        return (f"its process died before its MLflow run opened (no cluster nor MLflow run "
+                f"{run.state_age_s / 60:.0f} min after it started): found by the reaper")
+    return None
+
+
+def age_s(now: float, then: float) -> float:
+    """now - then, never negative: `then` may come from a machine whose clock is ahead of this one."""
+    return max(0.0, now - then)
+
+
+def mlflow_run_exists(clients, flow_run_id: str) -> bool | None:
+    """Whether any of the MLflow clients holds a run of the flow run; None when one could not be read and none
+    had it."""
+    from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
+
+    unread = False
+    for client in clients:
+        try:
+            if runs_of_flow_run(client, flow_run_id):
+                return True
+        except Exception:  # a tracking server down: not a proof the run is gone
+            unread = True
+    return None if unread else False

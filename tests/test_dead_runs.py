@@ -1,0 +1,188 @@
+"""Runs killed where no lease of ours covers them (#38): while waiting for the quota, before their MLflow run opens.
+Real processes killed with SIGKILL, a real Prefect API, one reaper pass: Crashed, not live in `gpuflow status`."""
+
+import os
+import signal
+import sys
+import subprocess
+import time
+import uuid
+
+import pytest
+from mlflow import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL
+from prefect.states import Cancelled, Running
+
+from gpuflow.cluster.backends import cluster_name_for
+from gpuflow.cluster.backends.local import LocalBackend
+from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.protocol import FLOW_RUN_TAG, RENEWED_TAG
+from gpuflow.cluster.run import liveness
+from gpuflow.flows import quota
+from gpuflow.flows.cli.status import status
+from gpuflow.flows.quota import LIMIT_PREFIX, WAITING, set_quota
+from gpuflow.flows.reaper import reap_clusters
+from gpuflow.flows.run_info import last_heartbeat
+from tests.loops import PLAIN_LOOP
+from tests.support.processes import alive, processes_of, wait_until
+from tests.support.servers import BIN, REPO, base_env
+from tests.test_quota import holder, quota_of
+
+STARTED = """
+import time
+from prefect import flow
+
+@flow(name="run-experiment")
+def run_experiment():
+    print("started", flush=True)
+    time.sleep(600)  # provisioning, its MLflow run not open yet
+
+run_experiment()
+"""
+
+
+@flow(name="run-experiment")
+def run_experiment_standin():
+    pass
+
+
+def state_of(flow_run_id):
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def killed(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(prefect_server, gpuflow_home,
+                                                                                 monkeypatch):
+    pool, api_url = f"dead-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
+    set_quota(pool, 1)
+    with get_client(sync_client=True) as client:
+        holding, waiting = (client.create_flow_run(run_experiment_standin, tags=[f"quota:{pool}", "backend:local"],
+                                                   state=Running()).id for _ in range(2))
+    processes = [holder(api_url, pool, holding)]
+    try:
+        assert processes[0].stdout.readline().startswith("held")
+        processes.append(holder(api_url, pool, waiting))  # waits behind the holder, stamping its state
+        # and one killed before its MLflow run opens: a real flow run of its own, sending Prefect's heartbeats
+        processes.append(subprocess.Popen(
+            [str(BIN / "python"), "-c", STARTED], stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+            env=base_env(PREFECT_API_URL=api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")))
+        assert processes[2].stdout.readline() == "started\n"
+        wait_until(lambda: state_of(waiting).name == WAITING, 60, "the second run waits for the quota")
+        row = next(row for row in status() if row.flow_run_id == str(waiting))
+        assert (row.state, row.queue, row.cluster, row.lease, row.mlflow) == (WAITING, f"1 of 1 in {pool}", None,
+                                                                              None, None)
+        provisioning = wait_until(lambda: [row for row in status() if row.state == "Running" and row.flow_run_id
+                                           not in (str(holding), str(waiting))], 60, "the third run is Running")[0]
+        with get_client(sync_client=True) as client:
+            beat = wait_until(lambda: last_heartbeat(client, provisioning.flow_run_id), 60, "a Prefect heartbeat")
+        assert abs(time.time() - beat) < 60
+
+        for process in processes[1:]:
+            killed(process)
+        monkeypatch.setattr(quota, "STALE_S", 2.0)  # the reaper's reading: no waiting the 75 s out here
+        monkeypatch.setattr(liveness, "HEARTBEAT_LATE_S", 2.0)
+        time.sleep(3)
+        shown = {row.flow_run_id: row.state for row in status()}
+        assert shown[str(waiting)].startswith("dead, not yet marked Crashed: its process died while waiting")
+        assert shown[provisioning.flow_run_id].startswith("dead, not yet marked Crashed: its process died before")
+        assert shown[str(holding)] == "Running"  # alive: it holds a slot and renews its lease
+
+        started = time.monotonic()
+        reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
+        print(f"one reaper pass: {time.monotonic() - started:.1f} s")
+        for flow_run_id, why in [(str(waiting), "while waiting for GPUs"),
+                                 (provisioning.flow_run_id, "before its MLflow run opened")]:
+            state = state_of(flow_run_id)
+            assert state.type.value == "CRASHED" and why in state.message and "found by the reaper" in state.message
+        assert [row.flow_run_id for row in status()] == [str(holding)]  # the dead are no longer live
+        assert quota_of(pool).active_slots == 1  # the holder's: the dead waiter holds none
+        assert state_of(holding).type.value == "RUNNING"
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                killed(process)
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+    assert alive([process.pid for process in processes]) == []
+
+
+@pytest.mark.full  # `gpuflow run` prewarms a local Ray cluster: tens of seconds on a shared machine
+def test_a_gpuflow_run_killed_while_waiting_for_the_quota_is_crashed_by_one_pass(prefect_server, gpuflow_home,
+                                                                                 monkeypatch):
+    pool, api_url = f"killed-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
+    set_quota(pool, 1)
+    with get_client(sync_client=True) as client:
+        holding = client.create_flow_run(run_experiment_standin, tags=[f"quota:{pool}"], state=Running()).id
+    processes = [holder(api_url, pool, holding)]
+    try:
+        assert processes[0].stdout.readline().startswith("held")
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"),
+             *[f"--set={override}" for override in (f"workdir={REPO}", f"train.loop={PLAIN_LOOP}", "data=null",
+                                                    "compute.workers_per_node=1", f"compute.quota={pool}",
+                                                    "tracking.register_model=false")]],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
+            env=base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(gpuflow_home))))
+
+        def waiter():
+            with get_client(sync_client=True) as client:
+                return [run for run in client.read_flow_runs(limit=50)
+                        if f"quota-wait:{pool}" in run.tags and run.state and run.state.name == WAITING]
+        flow_run_id = str(wait_until(waiter, 180, "`gpuflow run` waits for the quota")[0].id)
+        assert [row.queue for row in status() if row.flow_run_id == flow_run_id] == [f"1 of 1 in {pool}"]
+        killed(processes[1])
+        wait_until(lambda: processes_of(gpuflow_home) == [processes[0].pid], 60, "its prewarmed cluster stops with it")
+
+        monkeypatch.setattr(quota, "STALE_S", 2.0)
+        time.sleep(3)
+        reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
+        state = state_of(flow_run_id)
+        assert state.type.value == "CRASHED" and "while waiting for GPUs" in state.message, state
+        assert flow_run_id not in [row.flow_run_id for row in status()]
+        assert quota_of(pool).active_slots == 1  # the holder's only
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                killed(process)
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+    assert alive([process.pid for process in processes]) == [] and not processes_of(gpuflow_home)
+
+
+def test_status_tells_a_gone_cluster_and_a_lease_from_a_clock_ahead(prefect_server, gpuflow_home):
+    """A live run whose MLflow lease was renewed by a clock 30 s ahead of this one, and whose local cluster's
+    processes were killed (SIGKILL) with its folder left."""
+    with get_client(sync_client=True) as client:
+        flow_run_id = str(client.create_flow_run(run_experiment_standin, state=Running(),
+                                                 tags=[f"tracking:{default_tracking_uri()}"]).id)
+    mlflow = MlflowClient(default_tracking_uri())
+    experiment = mlflow.create_experiment(f"status-{uuid.uuid4().hex[:8]}")
+    mlflow_run = mlflow.create_run(experiment, tags={FLOW_RUN_TAG: flow_run_id})
+    mlflow.set_tag(mlflow_run.info.run_id, RENEWED_TAG, f"{time.time() + 30:.3f}")
+    backend = LocalBackend()
+    cluster = backend.root / cluster_name_for(flow_run_id)
+    session = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        cluster.mkdir(parents=True)
+        (cluster / "cluster.json").write_text(f'{{"session": {session.pid}, "temp_dir": "{cluster / "tmp"}"}}')
+        row = next(row for row in status() if row.flow_run_id == flow_run_id)
+        assert (row.state, row.cluster) == ("Running", f"{cluster.name} (UP)")
+        assert row.lease.startswith("alive, renewed 0 s ago (its clock 3") and "grace 120 s" in row.lease
+        assert row.mlflow.endswith(f"/runs/{mlflow_run.info.run_id}")
+        killed(session)
+        row = next(row for row in status() if row.flow_run_id == flow_run_id)
+        assert row.cluster == f"{cluster.name} (GONE)"
+    finally:
+        backend.down(cluster.name)
+        if session.poll() is None:
+            killed(session)
+        mlflow.set_terminated(mlflow_run.info.run_id, "KILLED")
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelled(), force=True)
