@@ -161,6 +161,10 @@ ATTEMPT_STARTED_TAG = "gpuflow.attempt_started_at"  # when the run's current clu
 CLOSED_BY_TAG = "gpuflow.closed_by"  # who closed a run its flow left RUNNING: "hook" or "reaper"
 NOTIFIED_TAG = "gpuflow.notified"  # the end event already sent for this run
 PREFECT_USER_TAG = "gpuflow.prefect_user"  # who (or which schedule, automation) created the Prefect run
+# The MLflow user of whoever started the run through a deployment (`gpuflow run --deployment`), as that command
+# declared it on the flow run's Prefect tag below: a self-hosted Prefect server has no users to tell it otherwise.
+TRIGGERED_BY_TAG = "gpuflow.triggered_by"
+TRIGGERED_BY_PREFECT_TAG_PREFIX = "triggered-by:"
 REGISTERED_MODEL_TAG = "gpuflow.registered_model"  # "<name>/<version>" of the model registered from the run
 TRIAL_ID_TAG = "gpuflow.trial_id"  # a sweep's trial, on its child run
 PLACEMENT_GROUP_TAG = "gpuflow.placement_group"  # the trial's Ray placement group, freed when the trial stops

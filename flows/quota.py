@@ -45,7 +45,8 @@ TEARDOWN_MARGIN_S = 30.0  # the lease outlives the job's orphan grace by this: t
 
 
 class QueueTimeout(RuntimeError):
-    """Waited limits.max_queue_minutes for the quota: the run ends before anything exists."""
+    """Waited limits.max_queue_minutes for the quota, or the quota is smaller than the run: the run ends before
+    anything exists. Its message is the flow run's state message, whole (flows/experiment.py)."""
 
 
 @dataclass(frozen=True)
@@ -135,15 +136,18 @@ class QuotaHold:
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
 
+        from gpuflow.flows.run_info import holding
+
         with get_client(sync_client=True) as client:
             try:
                 limit = client.read_global_concurrency_limit_by_name(self.need.limit_name)
             except ObjectNotFound:
                 return False
             if self.need.slots > limit.limit:
-                raise QueueTimeout(f"compute: the run needs {self.need.describe()}, and the quota has {limit.limit} in "
-                                   f"all; make the cluster smaller, or raise the quota (gpuflow quota set "
-                                   f"{self.need.pool} {self.need.slots})")
+                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is "
+                                   f"{limit.limit}{holding(client, self.need.pool)}: it can never start; make the "
+                                   f"cluster smaller (compute), or raise the quota: gpuflow quota set "
+                                   f"{self.need.pool} {self.need.slots}")
             started = time.monotonic()
             self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
             try:
@@ -157,6 +161,8 @@ class QuotaHold:
 
     def _wait(self, client, started: float) -> None:
         from prefect.states import Running
+
+        from gpuflow.flows.run_info import holding
 
         said, stamped = None, 0.0
         while True:
@@ -181,10 +187,11 @@ class QuotaHold:
                     log.info(message, extra=progress(phase="waiting for GPUs"))
                 said, stamped = message, time.monotonic()
             if time.monotonic() - started > self.max_wait_s:
-                raise QueueTimeout(f"limits.max_queue_minutes: waited {self.max_wait_s / 60:g} min for "
-                                   f"{self.need.describe()} ({len(ahead)} run(s) ahead, {held.active_slots} of "
-                                   f"{held.limit} held) and started nothing; raise the limit or the quota "
-                                   f"(gpuflow quota set {self.need.pool} N), or run later")
+                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {held.limit} "
+                                   f"with {held.active_slots} held{holding(client, self.need.pool)}, "
+                                   f"{len(ahead)} run(s) ahead; waited {self.max_wait_s / 60:g} min "
+                                   f"(limits.max_queue_minutes) and started nothing; raise limits.max_queue_minutes "
+                                   f"or the quota (gpuflow quota set {self.need.pool} N), or run later")
             time.sleep(POLL_S)
 
     def _queue(self, client) -> tuple:
