@@ -14,13 +14,14 @@ from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check, lost_after
+from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, QueueTimeout, turn_for_gpus
-from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run, triggered_by
+from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate

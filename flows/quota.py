@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
@@ -45,8 +46,7 @@ TEARDOWN_MARGIN_S = 30.0  # the lease outlives the job's orphan grace by this: t
 
 
 class QueueTimeout(RuntimeError):
-    """Waited limits.max_queue_minutes for the quota, or the quota is smaller than the run: the run ends before
-    anything exists. Its message is the flow run's state message, whole (flows/experiment.py)."""
+    """Waited limits.max_queue_minutes for the quota, or it is smaller than the run: nothing started. Says why."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,16 @@ def remove_quota(pool: str) -> None:
         client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
 
 
+def holding(client, pool: str) -> str:
+    """", held by <run> (<who triggered it>), ...": the live runs holding the pool's slots ("" when none)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType, FlowRunFilterTags
+
+    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[HELD_TAG_PREFIX + pool]),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))), limit=20)
+    named = [run.name + (f" ({who})" if (who := triggered_by(run.tags)) else "") for run in runs]
+    return f", held by {', '.join(named)}" if named else ""
+
+
 def waiting_runs(pool: str, client=None) -> list:
     """The live runs waiting for the pool's quota, first submitted first."""
     from prefect.client.orchestration import get_client
@@ -136,18 +146,15 @@ class QuotaHold:
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
 
-        from gpuflow.flows.run_info import holding
-
         with get_client(sync_client=True) as client:
             try:
                 limit = client.read_global_concurrency_limit_by_name(self.need.limit_name)
             except ObjectNotFound:
                 return False
             if self.need.slots > limit.limit:
-                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is "
-                                   f"{limit.limit}{holding(client, self.need.pool)}: it can never start; make the "
-                                   f"cluster smaller (compute), or raise the quota: gpuflow quota set "
-                                   f"{self.need.pool} {self.need.slots}")
+                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {limit.limit}"
+                                   f"{holding(client, self.need.pool)}: it can never start; make the cluster smaller "
+                                   f"(compute), or raise the quota: gpuflow quota set {self.need.pool} {self.need.slots}")
             started = time.monotonic()
             self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
             try:
@@ -161,8 +168,6 @@ class QuotaHold:
 
     def _wait(self, client, started: float) -> None:
         from prefect.states import Running
-
-        from gpuflow.flows.run_info import holding
 
         said, stamped = None, 0.0
         while True:

@@ -9,12 +9,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gpuflow.cluster.config import serve_overrides
-from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
 from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 from gpuflow.flows.deployments.known_servers import tracking_tag
-from gpuflow.flows.quota import HELD_TAG_PREFIX, POOL_TAG_PREFIX, need_of
+from gpuflow.flows.quota import POOL_TAG_PREFIX, need_of
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
@@ -106,21 +105,3 @@ def flow_run_ui_url(flow_run_id) -> str | None:
 def prefect_link(flow_run_id, ui_url: str | None) -> str:
     """The flow run's page; a run on Prefect's temporary API has none, and its id says which run it was."""
     return ui_url or f"flow run {flow_run_id} (Prefect's temporary API: no UI)"
-
-
-def triggered_by(tags) -> str | None:
-    """The MLflow user that `gpuflow run --deployment` put on a flow run's tags (None: started otherwise)."""
-    return next((tag.removeprefix(TRIGGERED_BY_PREFECT_TAG_PREFIX) for tag in tags or ()
-                 if tag.startswith(TRIGGERED_BY_PREFECT_TAG_PREFIX)), None)
-
-
-def holding(client, pool: str) -> str:
-    """", held by <run> (<who>), ...": the live runs holding the pool's slots, for a message ("" when none)."""
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                FlowRunFilterTags)
-
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        tags=FlowRunFilterTags(all_=[HELD_TAG_PREFIX + pool]),
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))), limit=20)
-    named = [run.name + (f" ({triggered_by(run.tags)})" if triggered_by(run.tags) else "") for run in runs]
-    return f", held by {', '.join(named)}" if named else ""

@@ -394,10 +394,9 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
 def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(prefect_server, gpuflow_home, monkeypatch):
     from prefect.client.orchestration import get_client
 
-    from gpuflow.cluster.protocol import TRIGGERED_BY_TAG
+    from gpuflow.cluster.protocol import TRIGGERED_BY_TAG, triggered_by
     from gpuflow.flows.deployments.deploy import runner_deployments
     from gpuflow.flows.deployments.trigger import trigger
-    from gpuflow.flows.run_info import triggered_by
     from gpuflow.tasks.tracking import open_mlflow_run
     from mlflow import MlflowClient
 
