@@ -164,6 +164,16 @@ NOTIFY_SENDING_TAG = "gpuflow.notify_sending"  # "<epoch> <token>": who is sendi
 NOTIFY_FAILED_TAG = "gpuflow.notify_failed"  # "<when, UTC> <error>": the last try at the end event that failed
 NOTIFY_BLOCK_TAG = "gpuflow.notify_block"  # the spec's notify.block (its name, not its secret URL)
 PREFECT_USER_TAG = "gpuflow.prefect_user"  # who (or which schedule, automation) created the Prefect run
+# The MLflow user of whoever started the run through a deployment (`gpuflow run --deployment`), as that command
+# declared it on the flow run's Prefect tag below: a self-hosted Prefect server has no users to tell it otherwise.
+TRIGGERED_BY_TAG = "gpuflow.triggered_by"
+TRIGGERED_BY_PREFECT_TAG_PREFIX = "triggered-by:"
+
+
+def triggered_by(prefect_tags) -> str | None:
+    """The MLflow user that `gpuflow run --deployment` put on a flow run's tags (None: started otherwise)."""
+    return next((tag.removeprefix(TRIGGERED_BY_PREFECT_TAG_PREFIX) for tag in prefect_tags or ()
+                 if tag.startswith(TRIGGERED_BY_PREFECT_TAG_PREFIX)), None)
 REGISTERED_MODEL_TAG = "gpuflow.registered_model"  # "<name>/<version>" of the model registered from the run
 TRIAL_ID_TAG = "gpuflow.trial_id"  # a sweep's trial, on its child run
 PLACEMENT_GROUP_TAG = "gpuflow.placement_group"  # the trial's Ray placement group, freed when the trial stops

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from prefect import flow, get_run_logger, runtime
-from prefect.states import Cancelled
+from prefect.states import Cancelled, Failed
 
 from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, cluster_names_for, flow_run_id_of, get_backend
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
@@ -14,12 +14,13 @@ from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check, lost_after
+from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
-from gpuflow.flows.quota import QueueCancelled, turn_for_gpus
+from gpuflow.flows.quota import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
@@ -48,7 +49,8 @@ def this_flow_run() -> dict[str, str | None]:
     return {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
             "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name,
             "created_by": f"{(creator.type or '').lower()}:{creator.display_value}"
-                          if creator and creator.display_value else None}
+                          if creator and creator.display_value else None,
+            "triggered_by": triggered_by(FlowRunContext.get().flow_run.tags)}
 
 
 def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
@@ -128,6 +130,9 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
             return run_on_a_cluster(run)
     except QueueCancelled:
         return Cancelled(message="cancelled while waiting for the team's GPU quota: nothing was started")
+    except QueueTimeout as exc:  # the sentence whole, not Prefect's "QueueTimeout: ..." with a traceback in the log
+        get_run_logger().error(str(exc))
+        return Failed(message=str(exc))
 
 
 def run_on_a_cluster(run: ExperimentRun):

@@ -4,15 +4,12 @@ concurrency limits, so every process that talks to the same Prefect server share
     gpuflow quota set aws-h100 8          # at most 8 GPUs held at once by the team's runs in pool aws-h100
     compute.quota: aws-h100               # the pool a spec's runs count against (default: pool_of below)
 
-A run holds its cluster's GPUs (nodes × GPUs per node; on the local backend, its workers) from before it
-provisions until its cluster is down. Prefect grants free slots to whoever asks first; this queue makes that the
-run submitted first. Every run tags its flow run `quota:<pool>` when it starts; a waiting one adds `quota-wait:`
-and keeps its state stamped ("Waiting for GPUs", with its place in the queue), a holding one `quota-held:`. A run
-asks for slots only when no run of its pool submitted before it waits or is still on its way to the queue; a
-waiter whose stamp went stale (killed while waiting) is passed over. The slots are held on a Prefect lease that is renewed while the run's
-process lives: a run that dies gives them back when the lease lapses, after the grace its job takes to stop itself
-and its cluster to go. A run tags itself `quota-slots:<n>` and, while it asks for them, `quota-taking:`: what the
-recount (flows/quota_recount.py) reads to give back slots whose lease the server forgot.
+A run holds its cluster's GPUs (nodes × GPUs per node; on the local backend, its workers) from before it provisions
+until its cluster is down, first submitted first served. Its flow run's tags say where it is: `quota:<pool>` from its
+start, `quota-wait:` while it waits (its state stamped "Waiting for GPUs" with its place; a stale stamp is passed
+over), `quota-taking:` while it asks, `quota-held:`, `quota-slots:<n>` and `quota-lease:<id>` while it holds. The
+lease, renewed while the run's process lives, lasts as long as its cluster may outlive it; the reaper's recount
+(flows/quota_recount.py) gives a dead run's slots back once its cluster is gone, a leaked one at once.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from gpuflow.cluster.backends.local import drop_prewarmed
+from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
@@ -48,7 +46,7 @@ CLOUD_DOWN_S = 600.0  # after its autostop, SkyPilot's down of a cloud cluster: 
 
 
 class QueueTimeout(RuntimeError):
-    """Waited limits.max_queue_minutes for the quota: the run ends before anything exists."""
+    """Waited limits.max_queue_minutes for the quota, or it is smaller than the run: nothing started. Says why."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ class Need:
         return LIMIT_PREFIX + self.pool
 
     def amount(self) -> str:
-        return f"{self.slots} {self.unit}{'s' if self.slots != 1 else ''}"
+        return f"{self.slots} {self.unit}{'s' * (self.slots != 1)}"
 
     def describe(self) -> str:
         return f"{self.amount()} of quota {self.pool!r}"
@@ -81,9 +79,8 @@ def need_of(spec: ExperimentSpec) -> Need:
 
 
 def lease_seconds(spec: ExperimentSpec) -> float:
-    """Prefect's lease on the slots, from the holder's last renewal: as long as its cluster may outlive it (the job's
-    orphan grace and teardown; on a cloud, SkyPilot's autostop and down after it), so that a dead run's slots never
-    come back while its GPUs still bill. The reaper's recount gives them back as soon as it sees the cluster gone."""
+    """Prefect's lease on the slots, from the last renewal: as long as the cluster may outlive its run (the orphan
+    grace and teardown; on a cloud, SkyPilot's autostop and down too): a dead run's GPUs never bill past it."""
     after = spec.limits.orphan_grace_minutes * 60 + TEARDOWN_MARGIN_S
     if spec.compute.backend == "skypilot":
         after += spec.limits.idle_minutes_to_autostop * 60 + CLOUD_DOWN_S
@@ -106,11 +103,14 @@ def quotas() -> list:
     return [limit for limit in limits if limit.name.startswith(LIMIT_PREFIX)]
 
 
-def remove_quota(pool: str) -> None:
-    from prefect.client.orchestration import get_client
+def holding(client, pool: str) -> str:
+    """", held by <run> (<who triggered it>), ...": the live runs holding the pool's slots ("" when none)."""
+    from prefect.client.schemas import filters as f
 
-    with get_client(sync_client=True) as client:
-        client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+    runs = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(tags=f.FlowRunFilterTags(all_=[HELD_TAG_PREFIX + pool]),
+                                 state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=["RUNNING"]))), limit=20)
+    named = [run.name + (f" ({who})" if (who := triggered_by(run.tags)) else "") for run in runs]
+    return f", held by {', '.join(named)}" if named else ""
 
 
 def waiting_runs(pool: str, client=None) -> list:
@@ -149,9 +149,9 @@ class QuotaHold:
             except ObjectNotFound:
                 return False
             if self.need.slots > limit.limit:
-                raise QueueTimeout(f"compute: the run needs {self.need.describe()}, and the quota has {limit.limit} in "
-                                   f"all; make the cluster smaller, or raise the quota (gpuflow quota set "
-                                   f"{self.need.pool} {self.need.slots})")
+                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {limit.limit}"
+                                   f"{holding(client, self.need.pool)}: it can never start; make the cluster smaller "
+                                   f"(compute), or raise the quota: gpuflow quota set {self.need.pool} {self.need.slots}")
             started = time.monotonic()
             self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
             try:
@@ -192,10 +192,11 @@ class QuotaHold:
                     log.info(message, extra=progress(phase="waiting for GPUs"))
                 said, stamped = message, time.monotonic()
             if time.monotonic() - started > self.max_wait_s:
-                raise QueueTimeout(f"limits.max_queue_minutes: waited {self.max_wait_s / 60:g} min for "
-                                   f"{self.need.describe()} ({len(ahead)} run(s) ahead, {held.active_slots} of "
-                                   f"{held.limit} held) and started nothing; raise the limit or the quota "
-                                   f"(gpuflow quota set {self.need.pool} N), or run later")
+                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {held.limit} "
+                                   f"with {held.active_slots} held{holding(client, self.need.pool)}, "
+                                   f"{len(ahead)} run(s) ahead; waited {self.max_wait_s / 60:g} min "
+                                   f"(limits.max_queue_minutes) and started nothing; raise limits.max_queue_minutes "
+                                   f"or the quota (gpuflow quota set {self.need.pool} N), or run later")
             time.sleep(POLL_S)
 
     def _queue(self, client) -> tuple:

@@ -25,7 +25,7 @@ from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.config import default_tracking_uri
-from gpuflow.flows.deployments.known_servers import known_tracking_uris
+from gpuflow.flows.deployments.known_servers import backends_in_use, known_tracking_uris
 from gpuflow.flows.run_info import dead_without_lease
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 
@@ -215,7 +215,7 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
     logger = get_run_logger()
     uris = tracking_uris or tracking_uris_or_local()
     logger.info(f"reading the MLflow runs of {', '.join(uris)}")
-    chosen = available_backends(backends or ["local", "skypilot"])
+    chosen = available_backends(backends or backends_in_use(["local", "skypilot"]))
     try:
         verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, records=RunRecords(lease_stale=lease_reader(uris)))
         for verdict in verdicts:

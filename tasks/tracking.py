@@ -12,7 +12,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.lineage import source_tags
-from gpuflow.cluster.protocol import BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG
+from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG,
+                                      TRIGGERED_BY_TAG)
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 from gpuflow.cluster.run.record import client_for, experiment_id, experiment_of, open_command, remember_experiment, run_url
 from gpuflow.cluster.spec import ExperimentSpec
@@ -69,6 +70,8 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         tags[USER_TAG] = os.environ["MLFLOW_TRACKING_USERNAME"]
     if flow_run.get("created_by"):
         tags[PREFECT_USER_TAG] = flow_run["created_by"]
+    if flow_run.get("triggered_by"):
+        tags[TRIGGERED_BY_TAG] = flow_run["triggered_by"]
     try:
         experiment = experiment_id(client, spec)
         run = client.create_run(experiment, run_name=flow_run["name"], tags=tags)

@@ -22,7 +22,7 @@ def test_prefect_yaml_declares_the_deployments():
     assert deployments["run-experiment"]["entrypoint"] == "flows/experiment.py:run_experiment"
     assert deployments["nightly-digits"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC"}]
     assert deployments["reap-clusters"]["entrypoint"] == "flows/reaper.py:reap_clusters"
-    assert deployments["reap-clusters"]["schedules"] == [{"interval": 600}]
+    assert deployments["reap-clusters"]["schedules"] == [{"interval": 600, "anchor_date": "2026-01-01T00:00:00+00:00"}]
     for name in ("run-experiment", "nightly-digits"):
         spec = parse_spec(deployments[name]["parameters"]["spec"])
         assert spec.name == "digits-mlp" and spec.data.generate, name
@@ -110,3 +110,42 @@ def test_spec_file_is_used_instead_of_the_form(served, tmp_path):
     flow_run = served.wait_until_final(flow_run.id)
     assert flow_run.state.is_failed() and "data.train" in flow_run.state.message, flow_run.state.message
     assert flow_run.name.startswith("from-file-") and "experiment:from-file" in flow_run.tags
+
+
+def next_reaper_run(client, deployment_id):
+    """When the server's scheduler puts the deployment's next run, from the schedule it holds."""
+    import asyncio
+
+    from prefect.server.schemas.schedules import IntervalSchedule
+
+    (schedule,) = client.read_deployment_schedules(deployment_id)
+    return asyncio.run(IntervalSchedule(**schedule.schedule.model_dump()).get_dates(n=1))[0]
+
+
+def test_a_serve_restart_keeps_the_reapers_next_run(prefect_server):
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        first = runner_deployments(only=["reap-clusters"])[0].apply()
+        before = next_reaper_run(client, first)
+        time.sleep(1.5)  # a restart: Prefect's own default anchor would now be 1.5 s later
+        again = runner_deployments(only=["reap-clusters"])[0].apply()
+        assert again == first
+        assert next_reaper_run(client, again) == before
+    assert before.minute % 10 == 0 and before.second == 0, before
+
+
+def test_a_serve_start_asks_for_one_reaper_pass(prefect_server):
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.deployments.serve import reap_on_start
+
+    assert reap_on_start(runner_deployments(only=["run-experiment"])) is None
+    flow_run_id = reap_on_start(runner_deployments(only=["reap-clusters"]))
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+        deployment = client.read_deployment(flow_run.deployment_id)
+    assert deployment.name == "reap-clusters" and not flow_run.auto_scheduled
+    assert flow_run.state.is_scheduled() and "serve-start" in flow_run.tags

@@ -459,3 +459,60 @@ def test_a_dead_runs_slot_comes_back_only_once_its_cloud_cluster_is_gone(prefect
     finally:
         with get_client(sync_client=True) as client:
             client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
+def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and_the_fix(prefect_server, gpuflow_home):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from gpuflow.flows.experiment import run_experiment
+    from gpuflow.flows.quota import QuotaHold, QueueTimeout, set_quota
+
+    pool = f"small-{uuid.uuid4().hex[:8]}"
+    set_quota(pool, 1)
+    try:
+        with get_client(sync_client=True) as client:
+            held_by = holder_run(client, pool, Running(), f"quota-held:{pool}", "triggered-by:alice")
+            client.increment_concurrency_slots(names=[LIMIT_PREFIX + pool], slots=1, mode="concurrency")
+            waiter = holder_run(client, pool, Running())
+        with pytest.raises(QueueTimeout) as timed_out:  # the slot is taken: waits its 1.2 s, then says why
+            QuotaHold(local_spec(pool, max_queue_minutes=0.02), str(waiter.id)).acquire()
+        assert str(timed_out.value).startswith(f"the run needs 1 worker, quota '{pool}' is 1 with 1 held, held by "
+                                               f"{held_by.name} (alice), 0 run(s) ahead; waited 0.02 min")
+        assert f"raise limits.max_queue_minutes or the quota (gpuflow quota set {pool} N)" in str(timed_out.value)
+
+        too_big = local_spec(pool).model_dump(mode="json", exclude={"secrets"})
+        too_big["compute"].update(workers_per_node=2, num_workers=2)
+        too_big["limits"]["max_queue_minutes"] = 0.02  # should it wait after all, not for 5 min
+        state = run_experiment(spec=too_big, return_state=True)  # a real flow run: its state is what the UI shows
+        assert state.is_failed()
+        assert state.message == (f"the run needs 2 workers, quota '{pool}' is 1, held by {held_by.name} (alice): it "
+                                 f"can never start; make the cluster smaller (compute), or raise the quota: gpuflow "
+                                 f"quota set {pool} 2")
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
+def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(prefect_server, gpuflow_home, monkeypatch):
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.cluster.protocol import TRIGGERED_BY_TAG, triggered_by
+    from gpuflow.flows.deployments.deploy import runner_deployments
+    from gpuflow.flows.deployments.trigger import trigger
+    from gpuflow.tasks.tracking import open_mlflow_run
+    from mlflow import MlflowClient
+
+    monkeypatch.chdir(REPO)
+    runner_deployments(only=["run-experiment"])[0].apply()
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
+    flow_run_id = trigger("run-experiment/run-experiment", ["train.epochs=3"])
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+        client.delete_flow_run(flow_run.id)  # nothing serves it here: no run left scheduled
+    assert triggered_by(flow_run.tags) == "bob" and flow_run.parameters["spec"]["train"]["epochs"] == 3
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")  # the serve's user is another: the trigger's is what is recorded
+
+    spec = local_spec("any")
+    run = open_mlflow_run(spec, "gpuflow-x", {"id": flow_run_id, "name": flow_run.name, "triggered_by": "bob"})
+    assert MlflowClient(spec.tracking_uri).get_run(run.run_id).data.tags[TRIGGERED_BY_TAG] == "bob"

@@ -127,3 +127,13 @@ def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpu
     assert found[0] == default_tracking_uri()
     assert {"http://mlflow.team:5000", "https://other.team"} <= set(found)
     assert not any("elsewhere" in uri for uri in found)  # another machine's local store is not opened here
+
+
+def test_the_reaper_lists_only_the_backends_runs_used(prefect_server):
+    from gpuflow.flows.deployments.known_servers import backends_in_use
+
+    unused = f"cloud-{uuid.uuid4().hex[:8]}"  # the session's server is shared: a name no other test tags
+    assert backends_in_use(["local", unused]) == ["local"]  # listing it could start its API server, for nothing
+    with get_client(sync_client=True) as client:
+        client.create_flow_run(finished_experiment, tags=[f"backend:{unused}"])
+    assert backends_in_use(["local", unused]) == ["local", unused]

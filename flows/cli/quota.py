@@ -35,7 +35,10 @@ def run(args: argparse.Namespace) -> int:
         quota.set_quota(args.pool, args.size)
         print(f"quota {args.pool}: {args.size} at once")
     elif args.action == "remove":
-        quota.remove_quota(args.pool)
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(quota.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
         from gpuflow.flows.quota_recount import recount

@@ -2,6 +2,7 @@
 the console, a cluster warmed while the flow starts, the flow run itself, and the summary a person reads.
 
     gpuflow run experiments/digits.yaml [-v] [--set field=value ...]
+    gpuflow run --deployment run-experiment/run-experiment [--set ...]   # a run of a served deployment, as yours
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, temporary
 
 def add_parser(commands, name: str) -> None:
     command = commands.add_parser(name, help="run an experiment: provision, train, track, tear down")
-    command.add_argument("spec", help="experiment spec (YAML)")
+    command.add_argument("spec", nargs="?", help="experiment spec (YAML)")
+    command.add_argument("--deployment", metavar="FLOW/NAME",
+                         help="instead: start a run of this deployment (served elsewhere), tagged with your MLflow user")
     command.add_argument("-v", "--verbose", action="store_true",
                          help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
     command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -28,6 +31,14 @@ def add_parser(commands, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.deployment:
+        from gpuflow.flows.deployments.trigger import trigger
+
+        trigger(args.deployment, args.overrides)
+        return 0
+    if not args.spec:
+        print("gpuflow run: give a spec file, or --deployment FLOW/NAME", file=sys.stderr)
+        return 2
     return run_spec(load_spec(args.spec, args.overrides), args.verbose)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import yaml
@@ -20,6 +20,9 @@ from gpuflow.cluster.spec.loading import DuplicateKey, safe_load
 
 PREFECT_YAML = Path("prefect.yaml")
 DEFAULT_POOL = "gpuflow-process"
+# Prefect anchors an interval without one at the moment it is built: every `gpuflow serve` start would move the next
+# run a whole interval away, and a serve restarted more often than that would never run it.
+INTERVAL_ANCHOR = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def declared(prefect_yaml: Path = PREFECT_YAML) -> list[dict]:
@@ -83,7 +86,8 @@ def schedules_of(entry: dict) -> list:
         if "cron" in schedule:
             made.append(Cron(schedule["cron"], **options))
         elif "interval" in schedule:
-            made.append(Interval(timedelta(seconds=schedule["interval"]), **options))
+            anchor = schedule.get("anchor_date") or INTERVAL_ANCHOR
+            made.append(Interval(timedelta(seconds=schedule["interval"]), anchor_date=anchor, **options))
         else:
             raise ValueError(f"deployment {entry['name']}: only cron and interval schedules are supported here")
     return made

@@ -10,7 +10,10 @@ run is that machine's, and opening its path here would create an empty one.
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timedelta, timezone
+
+log = logging.getLogger(__name__)
 
 TRACKING_TAG_PREFIX = "tracking:"
 SERVER_SCHEMES = ("http://", "https://", "databricks")
@@ -36,6 +39,22 @@ def known_tracking_uris(local_uri: str, within_hours: float = 48.0) -> list[str]
                   if tag.startswith(TRACKING_TAG_PREFIX)]
     servers = [uri.rstrip("/") for uri in found if uri and uri.startswith(SERVER_SCHEMES)]
     return list(dict.fromkeys([local_uri, *servers]))
+
+
+def backends_in_use(candidates: list[str]) -> list[str]:
+    """The candidates that a flow run on the Prefect server ever used (its `backend:<name>` tag), and "local"
+    always (listing it costs nothing). A backend no run used has no cluster of ours: listing SkyPilot's would
+    start its API server, seconds of every reaper pass, for nothing."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    try:
+        with get_client(sync_client=True) as client:
+            return [name for name in candidates if name == "local" or client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"backend:{name}"])), limit=1)]
+    except Exception as exc:  # the Prefect API down: list them all, as before
+        log.warning(f"cannot ask Prefect which backends runs used, listing all: {type(exc).__name__}: {exc}")
+        return list(candidates)
 
 
 def deployment_uri(parameters: dict) -> str | None:

@@ -20,6 +20,7 @@ from gpuflow.flows.deployments.deploy import runner_deployments
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
 
 SETTLE_S = 3.0  # for this serve's own last poll to reach the server's record
+REAPER = "reap-clusters"
 
 
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:
@@ -27,11 +28,27 @@ def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1
     deployments = runner_deployments(overrides, only)
     # The runs this process starts inherit it: a form_policy compares a run with the spec as served here.
     os.environ[SERVE_OVERRIDES_ENV] = json.dumps(list(overrides))
+    reap_on_start(deployments)
     # limit=1 by default: two experiments at once would fight over the same machine's CPUs.
     try:
         prefect_serve(*deployments, limit=limit, pause_on_shutdown=False)
     finally:
         pause_unless_served_elsewhere([f"{d.flow_name}/{d.name}" for d in deployments])
+
+
+def reap_on_start(deployments: list) -> str | None:
+    """Registers the reaper (when served here) and asks for one pass now, which this serve runs first: what the last
+    serve on this machine left behind is reconciled at once, not at the next interval. Returns the flow run's id."""
+    from prefect.client.orchestration import get_client
+
+    reaper = next((d for d in deployments if d.name == REAPER), None)
+    if reaper is None:
+        return None
+    deployment_id = reaper.apply()  # prefect_serve registers it again: same schedule, the run made here is kept
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run_from_deployment(deployment_id, tags=["serve-start"])
+    print(f"gpuflow serve: a reaper pass first ({flow_run.name})", flush=True)
+    return str(flow_run.id)
 
 
 def pause_unless_served_elsewhere(names: list[str]) -> list[str]:
