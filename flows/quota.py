@@ -9,7 +9,7 @@ until its cluster is down, first submitted first served. Its flow run's tags say
 start, `quota-wait:` while it waits (its state stamped "Waiting for GPUs" with its place; a stale stamp is passed
 over), `quota-taking:` while it asks, `quota-held:`, `quota-slots:<n>` and `quota-lease:<id>` while it holds. The
 lease, renewed while the run's process lives, lasts as long as its cluster may outlive it; the reaper's recount
-(flows/quota_recount.py) gives a dead run's slots back once its cluster is gone, a leaked one at once.
+(flows/reconcile/quota.py) gives a dead run's slots back once its cluster is gone, a leaked one at once.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_info.py)
 WAIT_TAG_PREFIX = "quota-wait:"  # while it waits
 HELD_TAG_PREFIX = "quota-held:"  # once it holds
 TAKING_TAG_PREFIX = "quota-taking:"  # while it asks for slots: it may hold them from the server's answer on
-SLOTS_TAG_PREFIX = "quota-slots:"  # the slots it asks for (read by the recount, flows/quota_recount.py)
+SLOTS_TAG_PREFIX = "quota-slots:"  # the slots it asks for (read by the recount, flows/reconcile/quota.py)
 LEASE_TAG_PREFIX = "quota-lease:"  # the lease it holds them on: the recount gives a dead run's back by it
 WAITING = "Waiting for GPUs"  # the state's name while it waits, in the UI and `gpuflow status`
 POLL_S = 2.0

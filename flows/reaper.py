@@ -1,298 +1,59 @@
-"""The reaper: downs every gpuflow cluster whose flow run is over, dead, missing or too old, and closes its MLflow run.
+"""The reaper: the reconciler's pass as a Prefect flow. It downs every gpuflow cluster whose flow run is over, dead,
+missing or too old, closes the MLflow runs left RUNNING, marks dead flow runs Crashed, sends the end messages no one
+sent and gives back the quota's slots no live run holds (flows/reconcile/invariants.py says each, as data).
 
     python -m gpuflow.flows.reaper                 # once, here; deployed every 10 min as flows/reaper.py:reap_clusters
 
-The backstop for what no hook can cover (flow and runner both killed, a cancelled plain script, the Prefect
-server down). A flow run that Prefect still calls RUNNING is dead when its lease on the MLflow run is stale
-(cluster/run/lease.py): its cluster is downed, its MLflow run closed FAILED (stopped_by=orphaned) and the flow run
-marked Crashed, so the UI tells the truth. It never touches a cluster whose name is not gpuflow-<flow run id>,
-and keeps a cluster whose run is alive until the TTL. A live run that no lease covers (killed waiting for GPUs, or
-before its MLflow run opened) is judged by what Prefect keeps (cluster/run/liveness.py) and marked Crashed too.
+The backstop for what no hook can cover (flow and runner both killed, a cancelled plain script, the Prefect server
+down, a server restart that forgot the quota's leases). A serve that serves it asks for a pass when it starts.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.cluster.run.lease import stale
-from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
-from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
-from gpuflow.cluster.config import default_tracking_uri
-from gpuflow.flows.deployments.known_servers import backends_in_use, known_tracking_uris
-from gpuflow.flows.run_info import dead_without_lease
+from gpuflow.flows.deployments.known_servers import backends_in_use
+from gpuflow.flows.reconcile.invariants import Pass, reconcile
+from gpuflow.flows.reconcile.records import available_backends, tracking_uris_or_local
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
-
-log = logging.getLogger(__name__)
-
-DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
-DEAD = "dead (lease stale)"
-
-RUN_STATUS_FOR = {"COMPLETED": "FINISHED", "CANCELLED": "KILLED"}  # any other final state: FAILED
-
-
-@dataclass
-class Verdict:
-    cluster: str
-    backend: str
-    flow_run_id: str | None
-    flow_run_state: str | None  # None: no such flow run
-    action: str  # "down" or "keep"
-    reason: str
-    downed: bool = False
-
-
-def flow_run_states(flow_run_ids: set[str]) -> dict[str, tuple[str, bool]]:
-    """Flow run id → (state name, is final) from the Prefect API; a missing run is left out."""
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    states = {}
-    with get_client(sync_client=True) as client:
-        for flow_run_id in flow_run_ids:
-            try:
-                state = client.read_flow_run(UUID(flow_run_id)).state
-            except ObjectNotFound:
-                continue
-            states[flow_run_id] = (state.type.value if state else "UNKNOWN", bool(state and state.is_final()))
-    return states
-
-
-@dataclass
-class RunRecords:
-    """How the reaper reads a flow run's records: its Prefect state (flow run id → (state name, is final); a
-    missing run left out), and whether its MLflow lease is stale (None: no lease found)."""
-
-    states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states
-    lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None
-
-
-def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float) -> list[tuple[Backend, Verdict]]:
-    """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
-    or it is older than the TTL."""
-    states_of, lease_stale = records.states_of, records.lease_stale
-    found = [(backend, status) for backend in backends for status in statuses(backend)]
-    ours = [(backend, status, flow_run_id_of(status.name)) for backend, status in found]
-    ours = [(backend, status, run_id) for backend, status, run_id in ours if run_id]  # never touch others' clusters
-    states = states_of({run_id for _, _, run_id in ours}) if ours else {}
-    verdicts = []
-    for backend, status, run_id in ours:
-        state = states.get(run_id)
-        age_s = now - status.launched_at if status.launched_at else None
-        if state is None:
-            action, reason = "down", f"flow run {run_id} does not exist"
-        elif state[1]:
-            action, reason = "down", f"flow run is over ({state[0]})"
-        elif lease_stale(run_id):
-            action, reason = "down", f"flow run is {state[0]} but {DEAD}: its process is gone"
-        elif age_s is not None and age_s > ttl_seconds:
-            action, reason = "down", f"up {age_s / 3600:.1f} h, over the TTL of {ttl_seconds / 3600:g} h ({state[0]})"
-        else:
-            action, reason = "keep", f"flow run is {state[0]}"
-        verdicts.append((backend, Verdict(status.name, backend.name, run_id, state[0] if state else None, action, reason)))
-    return verdicts
-
-
-def statuses(backend: Backend) -> list:
-    try:
-        return backend.status()
-    except Exception as exc:  # e.g. SkyPilot's API server unreachable: the other backends still get reaped
-        log.warning(f"reaper: cannot list {backend.name} clusters, skipped: {type(exc).__name__}: {exc}")
-        return []
-
-
-def reap(backends: list[Backend], ttl_seconds: float, dry_run: bool = False,
-         records: RunRecords | None = None) -> list[Verdict]:
-    """Judges every cluster of the backends and downs the condemned ones (any object with status() and down())."""
-    judged = judge(backends, records or RunRecords(), ttl_seconds, time.time())
-    for backend, verdict in judged:
-        if verdict.action == "down" and not dry_run:
-            try:
-                backend.down(verdict.cluster)
-                verdict.downed = True
-            except Exception as exc:  # one cluster that will not go must not keep the others up: next pass retries
-                verdict.reason += f"; down failed: {type(exc).__name__}: {exc}"
-    return [verdict for _, verdict in judged]
-
-
-def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
-    """flow run id → is it dead: its lease is stale, or its job closed its run as orphaned (None: no lease found)."""
-    from mlflow import MlflowClient
-
-    def lease_stale(flow_run_id: str) -> bool | None:
-        for uri in tracking_uris:
-            for run in runs_of_flow_run(MlflowClient(tracking_uri=uri), flow_run_id):
-                if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":
-                    return True  # the job on the cluster found its flow gone and said so
-                verdict = stale(run.data.tags, time.time(), DEFAULT_GRACE_S)
-                if verdict is not None:
-                    return verdict
-        return None
-
-    return lease_stale
-
-
-def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
-    """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone)."""
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
-
-    with get_client(sync_client=True) as client:
-        for flow_run_id in flow_run_ids:
-            client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
-    return sorted(flow_run_ids)
-
-
-def close_stale_mlflow_runs(tracking_uri: str,
-                            states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
-                            dead: set[str] | None = None) -> list[str]:
-    """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease stale), in every experiment.
-
-    Flow runs found dead are added to `dead` (to be marked Crashed), also those whose job already closed its
-    run as orphaned."""
-    from mlflow import MlflowClient
-    from mlflow.entities import ViewType
-
-    client = MlflowClient(tracking_uri=tracking_uri)
-    experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
-    if not experiment_ids:
-        return []
-    # MLflow's filter has no `or`: the runs left RUNNING, and those the job closed as orphaned
-    found = {run.info.run_id: run for where in ("attributes.status = 'RUNNING'", f"tags.`{STOPPED_BY_TAG}` = 'orphaned'")
-             for run in client.search_runs(experiment_ids, filter_string=where, max_results=5000)}
-    candidates = [run for run in found.values() if run.data.tags.get(FLOW_RUN_TAG)]
-    states = states_of({run.data.tags[FLOW_RUN_TAG] for run in candidates}) if candidates else {}
-    closed = []
-    for run in candidates:
-        flow_run_id = run.data.tags[FLOW_RUN_TAG]
-        state = states.get(flow_run_id)
-        lease_dead = bool(stale(run.data.tags, time.time(), DEFAULT_GRACE_S))
-        if state is not None and not state[1] and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
-            if dead is not None:
-                dead.add(flow_run_id)
-        if run.info.status != "RUNNING":
-            continue
-        if state is not None and not state[1]:
-            if not lease_dead:
-                continue  # its flow is still going
-            close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"})
-        else:
-            status = RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED"
-            close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
-        closed.append(run.info.run_id)
-    return closed
-
-
-def available_backends(names: list[str]) -> list[Backend]:
-    """The backends that can be used here; one that cannot (SkyPilot not set up) is skipped with a log line."""
-    from gpuflow.cluster.backends import get_backend
-
-    backends = []
-    for name in names:
-        try:
-            backends.append(get_backend(name))
-        except Exception as exc:  # an import error, missing credentials: skip, never stop the whole reaper
-            get_run_logger().warning(f"reaper: skipping the {name} backend: {type(exc).__name__}: {exc}")
-    return backends
 
 
 @flow(name="reap-clusters", log_prints=True)
 def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
                   tracking_uris: list[str] | None = None, dry_run: bool = False) -> list[dict]:
-    """Downs orphaned gpuflow clusters (flow run final, dead, missing, or older than ttl_hours), closes their MLflow
-    runs and marks dead flow runs Crashed. tracking_uris: by default every server the deployments and recent runs use."""
-    attach_gpuflow_loggers()  # gpuflow's own lines (a backend that cannot be listed) in this run's logs
-    logger = get_run_logger()
+    """One pass of the reconciler: downs orphaned gpuflow clusters (flow run final, dead, missing, or older than
+    ttl_hours), closes their MLflow runs, marks dead flow runs Crashed, sends unsent end messages, frees the quota's
+    leaked slots. tracking_uris: by default every server the deployments and recent runs use."""
+    attach_gpuflow_loggers()  # gpuflow's own lines (each step's) in this run's logs
     uris = tracking_uris or tracking_uris_or_local()
-    logger.info(f"reading the MLflow runs of {', '.join(uris)}")
+    get_run_logger().info(f"reading the MLflow runs of {', '.join(uris)}")
     chosen = available_backends(backends or backends_in_use(["local", "skypilot"]))
     try:
-        verdicts = reap(chosen, ttl_hours * 3600, dry_run=dry_run, records=RunRecords(lease_stale=lease_reader(uris)))
-        for verdict in verdicts:
-            logger.info(f"{verdict.action} {verdict.backend} cluster {verdict.cluster}: {verdict.reason}"
-                        + (" (dry run)" if dry_run and verdict.action == "down" else ""))
-        dead = {v.flow_run_id for v in verdicts if DEAD in v.reason}
-        closed = []
-        for uri in uris:
-            try:
-                closed += [f"{uri} {run_id}" for run_id in close_stale_mlflow_runs(uri, dead=dead)] if not dry_run else []
-            except Exception as exc:  # one unreachable store must not stop the cluster work above from being reported
-                logger.warning(f"reaper: cannot read MLflow at {uri}: {type(exc).__name__}: {str(exc)[:300]}")
-        for run in closed:
-            logger.info(f"closed MLflow run left RUNNING: {run}")
-        crashed = [] if dry_run else mark_crashed(dead, "its process died: found by the reaper (lease stale); "
-                                                        "cluster downed, MLflow run FAILED (stopped_by=orphaned)")
-        for flow_run_id in crashed:
-            logger.info(f"marked flow run {flow_run_id} Crashed: its lease is stale")
-        kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
-        for flow_run_id, why in ({} if dry_run else dead_without_lease(kept, uris, time.time())).items():
-            crashed += mark_crashed({flow_run_id}, why)
-            logger.info(f"marked flow run {flow_run_id} Crashed: {why}")
-        if not dry_run:  # the ends no one said yet: the runs marked Crashed above, those whose sender died
-            from gpuflow.flows.notify import notify_undelivered
-
-            for line in notify_undelivered(uris):
-                logger.info(f"message: {line}")
-        recounted = recount_quotas(chosen, dry_run)  # after the downs and the crashes: their slots can be given back
-        for found in recounted:
-            logger.info(f"quota {found.pool}: gave back {found.freed} leaked slot(s) (Prefect counted {found.counted}, "
-                        f"the runs hold {found.held})" if found.freed else f"quota {found.pool}: {found.note}")
+        done = reconcile(Pass(chosen, uris, ttl_hours * 3600, dry_run))
     finally:
         for backend in chosen:  # e.g. the SkyPilot API server that listing the clusters started
             getattr(backend, "close", lambda: None)()
-    create_markdown_artifact(report(verdicts, closed, crashed, recounted), key="reaper",
+    create_markdown_artifact(report(done), key="reaper",
                              description="clusters the reaper downed and why")
-    return [asdict(verdict) for verdict in verdicts]
+    return [asdict(verdict) for verdict in done.verdicts]
 
 
-def recount_quotas(chosen: list[Backend], dry_run: bool) -> list:
-    """The quotas' recount (flows/quota_recount.py) on the backends of this pass: the leaks it found, given back
-    unless dry_run (a dead run's slots only once its cluster is gone)."""
-    from gpuflow.flows.quota_recount import recount
-
-    by_name = {backend.name: backend for backend in chosen}
-
-    def backend_for(name: str) -> Backend:
-        if name not in by_name:
-            raise LookupError(f"this reaper does not use the {name} backend")
-        return by_name[name]
-
-    try:
-        return [found for found in recount(backend_for, dry_run) if found.freed or found.note]
-    except Exception as exc:  # the clusters' work above is done and reported either way
-        log.warning(f"reaper: cannot recount the quotas: {type(exc).__name__}: {str(exc)[:300]}")
-        return []
-
-
-def tracking_uris_or_local() -> list[str]:
-    """Every tracking server the deployments and recent runs name, and this machine's store."""
-    try:
-        return known_tracking_uris(default_tracking_uri())
-    except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
-        log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
-        return [default_tracking_uri()]
-
-
-def report(verdicts: list[Verdict], closed: list[str], crashed: list[str] = (), recounted: list = ()) -> str:
+def report(done: Pass) -> str:
+    """The pass as the Prefect UI shows it (the reaper run's artifact)."""
     lines = ["# Reaper", "", "| cluster | backend | flow run state | action | why |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| `{v.cluster}` | {v.backend} | {v.flow_run_state or 'missing'} | "
-              f"{'downed' if v.downed else v.action} | {v.reason} |" for v in verdicts]
-    if not verdicts:
+              f"{'downed' if v.downed else v.action} | {v.reason} |" for v in done.verdicts]
+    if not done.verdicts:
         lines.append("| (no gpuflow clusters) | | | | |")
-    lines += ["", f"MLflow runs closed: {len(closed)}", *[f"- `{run}`" for run in closed]]
-    lines += ["", f"Flow runs marked Crashed: {len(crashed)}", *[f"- `{run}`" for run in crashed]]
-    lines += [f"- quota `{found.pool}`: " + (f"gave back {found.freed} leaked slot(s)" if found.freed else found.note)
-              for found in recounted]
+    lines += ["", f"MLflow runs closed: {len(done.closed)}", *[f"- `{run}`" for run in done.closed]]
+    lines += ["", f"Flow runs marked Crashed: {len(done.crashed)}", *[f"- `{run}`" for run in done.crashed]]
+    lines += ["", f"End messages: {len(done.said)}", *[f"- {line}" for line in done.said]]
+    lines += ["", f"Quotas recounted: {len(done.recounted)}"]
+    lines += [f"- `{found.pool}`: " + (f"gave back {found.freed} leaked slot(s)" if found.freed else found.note)
+              for found in done.recounted]
     return "\n".join(lines)
 
 

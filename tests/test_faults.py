@@ -184,7 +184,7 @@ def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky
     assert state.is_failed() and "could not tear down cluster" in state.message and "reaper" in state.message
     assert mlflow_run.info.status != "RUNNING"
     from gpuflow.cluster.backends.skypilot import SkyPilotBackend
-    from gpuflow.flows.reaper import reap
+    from gpuflow.flows.reconcile.records import reap
 
     backend = SkyPilotBackend(sdk=fake)
     assert [s.name for s in backend.status()] == [mlflow_run.data.tags["gpuflow.cluster"]]

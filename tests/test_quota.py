@@ -230,7 +230,7 @@ def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone
 
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.flows.quota import QuotaHold, set_quota
-    from gpuflow.flows.quota_recount import recount
+    from gpuflow.flows.reconcile.quota import recount
     from gpuflow.flows.reaper import reap_clusters
 
     pool, api_url = f"recount-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
@@ -310,7 +310,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     from prefect.states import Completed, Running
 
     from gpuflow.flows.quota import set_quota
-    from gpuflow.flows.quota_recount import recount
+    from gpuflow.flows.reconcile.quota import recount
 
     home, port, pool = tmp_path / "prefect", free_port(), "restarted"
     processes = []

@@ -11,7 +11,8 @@ from prefect.states import Running
 
 from gpuflow.cluster.backends import ClusterStatus, cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
-from gpuflow.flows.reaper import close_stale_mlflow_runs, reap, reap_clusters
+from gpuflow.flows.reaper import reap_clusters
+from gpuflow.flows.reconcile.records import close_stale_mlflow_runs, reap
 from tests.support.processes import alive
 
 

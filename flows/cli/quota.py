@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
             client.delete_global_concurrency_limit_by_name(quota.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
-        from gpuflow.flows.quota_recount import recount
+        from gpuflow.flows.reconcile.quota import recount
 
         counts = recount()  # held: what the runs truly hold, once a leak is given back
         rows = [(found.pool, found.size, found.counted - found.freed, len(quota.waiting_runs(found.pool)))

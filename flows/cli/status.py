@@ -108,7 +108,7 @@ def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
     from mlflow.entities import ViewType
 
     from gpuflow.flows.notify import UNSAID_WITHIN_S
-    from gpuflow.flows.reaper import tracking_uris_or_local
+    from gpuflow.flows.reconcile.records import tracking_uris_or_local
 
     by_id, added = {row.flow_run_id: row for row in rows}, []
     where = (f"tags.`{NOTIFY_FAILED_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL "
@@ -191,7 +191,7 @@ def renewed(now: float, at: float) -> str:
 
 def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:
     """Each cluster of ours goes on its run's row; one whose run is not going gets a row of its own."""
-    from gpuflow.flows.reaper import statuses
+    from gpuflow.flows.reconcile.records import statuses
 
     from gpuflow.cluster.backends import get_backend
 

@@ -1,0 +1,203 @@
+"""How the reconciler reads and ends a run's records: the clusters judged by their flow run's state and the MLflow
+lease (a flow run Prefect calls RUNNING is dead when its lease is stale, cluster/run/lease.py), the flow runs marked
+Crashed, the MLflow runs left RUNNING closed. It never touches a cluster whose name is not gpuflow-<flow run id>,
+and keeps a cluster whose run is alive until the TTL."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from gpuflow.cluster.backends import Backend, flow_run_id_of
+from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.run.lease import stale
+from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
+from gpuflow.flows.deployments.known_servers import known_tracking_uris
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
+DEAD = "dead (lease stale)"
+
+RUN_STATUS_FOR = {"COMPLETED": "FINISHED", "CANCELLED": "KILLED"}  # any other final state: FAILED
+
+
+@dataclass
+class Verdict:
+    cluster: str
+    backend: str
+    flow_run_id: str | None
+    flow_run_state: str | None  # None: no such flow run
+    action: str  # "down" or "keep"
+    reason: str
+    downed: bool = False
+
+
+def flow_run_states(flow_run_ids: set[str]) -> dict[str, tuple[str, bool]]:
+    """Flow run id → (state name, is final) from the Prefect API; a missing run is left out."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    states = {}
+    with get_client(sync_client=True) as client:
+        for flow_run_id in flow_run_ids:
+            try:
+                state = client.read_flow_run(UUID(flow_run_id)).state
+            except ObjectNotFound:
+                continue
+            states[flow_run_id] = (state.type.value if state else "UNKNOWN", bool(state and state.is_final()))
+    return states
+
+
+@dataclass
+class RunRecords:
+    """How the reaper reads a flow run's records: its Prefect state (flow run id → (state name, is final); a
+    missing run left out), and whether its MLflow lease is stale (None: no lease found)."""
+
+    states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states
+    lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None
+
+
+def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float) -> list[tuple[Backend, Verdict]]:
+    """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
+    or it is older than the TTL."""
+    states_of, lease_stale = records.states_of, records.lease_stale
+    found = [(backend, status) for backend in backends for status in statuses(backend)]
+    ours = [(backend, status, flow_run_id_of(status.name)) for backend, status in found]
+    ours = [(backend, status, run_id) for backend, status, run_id in ours if run_id]  # never touch others' clusters
+    states = states_of({run_id for _, _, run_id in ours}) if ours else {}
+    verdicts = []
+    for backend, status, run_id in ours:
+        state = states.get(run_id)
+        age_s = now - status.launched_at if status.launched_at else None
+        if state is None:
+            action, reason = "down", f"flow run {run_id} does not exist"
+        elif state[1]:
+            action, reason = "down", f"flow run is over ({state[0]})"
+        elif lease_stale(run_id):
+            action, reason = "down", f"flow run is {state[0]} but {DEAD}: its process is gone"
+        elif age_s is not None and age_s > ttl_seconds:
+            action, reason = "down", f"up {age_s / 3600:.1f} h, over the TTL of {ttl_seconds / 3600:g} h ({state[0]})"
+        else:
+            action, reason = "keep", f"flow run is {state[0]}"
+        verdicts.append((backend, Verdict(status.name, backend.name, run_id, state[0] if state else None, action, reason)))
+    return verdicts
+
+
+def statuses(backend: Backend) -> list:
+    try:
+        return backend.status()
+    except Exception as exc:  # e.g. SkyPilot's API server unreachable: the other backends still get reaped
+        log.warning(f"reaper: cannot list {backend.name} clusters, skipped: {type(exc).__name__}: {exc}")
+        return []
+
+
+def reap(backends: list[Backend], ttl_seconds: float, dry_run: bool = False,
+         records: RunRecords | None = None) -> list[Verdict]:
+    """Judges every cluster of the backends and downs the condemned ones (any object with status() and down())."""
+    judged = judge(backends, records or RunRecords(), ttl_seconds, time.time())
+    for backend, verdict in judged:
+        if verdict.action == "down" and not dry_run:
+            try:
+                backend.down(verdict.cluster)
+                verdict.downed = True
+            except Exception as exc:  # one cluster that will not go must not keep the others up: next pass retries
+                verdict.reason += f"; down failed: {type(exc).__name__}: {exc}"
+    return [verdict for _, verdict in judged]
+
+
+def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
+    """flow run id → is it dead: its lease is stale, or its job closed its run as orphaned (None: no lease found)."""
+    from mlflow import MlflowClient
+
+    def lease_stale(flow_run_id: str) -> bool | None:
+        for uri in tracking_uris:
+            for run in runs_of_flow_run(MlflowClient(tracking_uri=uri), flow_run_id):
+                if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":
+                    return True  # the job on the cluster found its flow gone and said so
+                verdict = stale(run.data.tags, time.time(), DEFAULT_GRACE_S)
+                if verdict is not None:
+                    return verdict
+        return None
+
+    return lease_stale
+
+
+def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
+    """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        for flow_run_id in flow_run_ids:
+            client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
+    return sorted(flow_run_ids)
+
+
+def close_stale_mlflow_runs(tracking_uri: str,
+                            states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
+                            dead: set[str] | None = None) -> list[str]:
+    """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease stale), in every experiment.
+
+    Flow runs found dead are added to `dead` (to be marked Crashed), also those whose job already closed its
+    run as orphaned."""
+    from mlflow import MlflowClient
+    from mlflow.entities import ViewType
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment_ids = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
+    if not experiment_ids:
+        return []
+    # MLflow's filter has no `or`: the runs left RUNNING, and those the job closed as orphaned
+    found = {run.info.run_id: run for where in ("attributes.status = 'RUNNING'", f"tags.`{STOPPED_BY_TAG}` = 'orphaned'")
+             for run in client.search_runs(experiment_ids, filter_string=where, max_results=5000)}
+    candidates = [run for run in found.values() if run.data.tags.get(FLOW_RUN_TAG)]
+    states = states_of({run.data.tags[FLOW_RUN_TAG] for run in candidates}) if candidates else {}
+    closed = []
+    for run in candidates:
+        flow_run_id = run.data.tags[FLOW_RUN_TAG]
+        state = states.get(flow_run_id)
+        lease_dead = bool(stale(run.data.tags, time.time(), DEFAULT_GRACE_S))
+        if state is not None and not state[1] and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
+            if dead is not None:
+                dead.add(flow_run_id)
+        if run.info.status != "RUNNING":
+            continue
+        if state is not None and not state[1]:
+            if not lease_dead:
+                continue  # its flow is still going
+            close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"})
+        else:
+            status = RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED"
+            close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
+        closed.append(run.info.run_id)
+    return closed
+
+
+def available_backends(names: list[str]) -> list[Backend]:
+    """The backends that can be used here; one that cannot (SkyPilot not set up) is skipped with a log line."""
+    from gpuflow.cluster.backends import get_backend
+
+    backends = []
+    for name in names:
+        try:
+            backends.append(get_backend(name))
+        except Exception as exc:  # an import error, missing credentials: skip, never stop the whole pass
+            log.warning(f"reaper: skipping the {name} backend: {type(exc).__name__}: {exc}")
+    return backends
+
+
+def tracking_uris_or_local() -> list[str]:
+    """Every tracking server the deployments and recent runs name, and this machine's store."""
+    try:
+        return known_tracking_uris(default_tracking_uri())
+    except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
+        log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
+        return [default_tracking_uri()]
