@@ -34,8 +34,9 @@ POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_info.py)
 WAIT_TAG_PREFIX = "quota-wait:"  # while it waits
 HELD_TAG_PREFIX = "quota-held:"  # once it holds
 TAKING_TAG_PREFIX = "quota-taking:"  # while it asks for slots: it may hold them from the server's answer on
-SLOTS_TAG_PREFIX = "quota-slots:"  # the slots it asks for (read by the recount, flows/reconcile/quota.py)
-LEASE_TAG_PREFIX = "quota-lease:"  # the lease it holds them on: the recount gives a dead run's back by it
+SLOTS_TAG_PREFIX = "quota-slots:"  # the slots it asks for (read by the recount)
+LEASE_TAG_PREFIX = "quota-lease:"  # + its lease's id, with LEASED_TAG, until it gives the slots back: the recount
+LEASED_TAG = "quota-leased"  # gives a dead run's back by them
 WAITING = "Waiting for GPUs"  # the state's name while it waits, in the UI and `gpuflow status`
 POLL_S = 2.0
 STAMP_S = 20.0  # a waiter re-stamps its state this often, even with nothing new to say
@@ -158,9 +159,9 @@ class QuotaHold:
                 self._wait(client, started)
             finally:
                 self.waited_s = time.monotonic() - started
-                self._retag(client, add=[HELD_TAG_PREFIX + self.need.pool, f"{LEASE_TAG_PREFIX}{self.lease_id}"]
-                            if self.lease_id else [],
-                            remove=[WAIT_TAG_PREFIX + self.need.pool, TAKING_TAG_PREFIX + self.need.pool])
+                held = [HELD_TAG_PREFIX + self.need.pool, LEASED_TAG, f"{LEASE_TAG_PREFIX}{self.lease_id}"]
+                self._retag(client, add=held if self.lease_id else [], remove=[WAIT_TAG_PREFIX + self.need.pool,
+                                                                               TAKING_TAG_PREFIX + self.need.pool])
         threading.Thread(target=self._renew, daemon=True, name="gpuflow-quota-lease").start()
         return True
 
@@ -260,7 +261,7 @@ class QuotaHold:
             try:
                 with get_client(sync_client=True) as client:
                     client.release_concurrency_slots_with_lease(self.lease_id)
-                    self._retag(client, remove=[HELD_TAG_PREFIX + self.need.pool, LEASE_TAG_PREFIX + self.lease_id])
+                    self._retag(client, remove=[LEASED_TAG, LEASE_TAG_PREFIX + self.lease_id])
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
                 log.warning(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
                             f"its lease lapses within {self.lease_s:.0f} s")
@@ -289,10 +290,9 @@ def accepted(result) -> bool:
 
 
 def waiting_state(message: str):
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import State
+    from prefect.states import Running
 
-    return State(type=StateType.RUNNING, name=WAITING, message=message)
+    return Running(name=WAITING, message=message)
 
 
 def submitted(run) -> tuple:

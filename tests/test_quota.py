@@ -310,7 +310,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     from prefect.states import Completed, Running
 
     from gpuflow.flows.quota import set_quota
-    from gpuflow.flows.reconcile.quota import recount
+    from gpuflow.flows.reconcile.quota import forgetful_server, recount
 
     home, port, pool = tmp_path / "prefect", free_port(), "restarted"
     processes = []
@@ -320,6 +320,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
             set_quota(pool, 1)
             with get_client(sync_client=True) as client:
                 first, second = (holder_run(client, pool, Running()).id for _ in range(2))
+                warning = forgetful_server(client)  # what `gpuflow quota set` and a serve's start say of it
             processes.append(holder(api_url, pool, first))
             assert processes[0].stdout.readline().startswith("held"), "the first run never held the slot"
             os.killpg(server.pid, signal.SIGKILL)
@@ -336,7 +337,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
             said = processes[1].stdout.readline().strip()
             if said.startswith("held"):
                 processes[1].communicate("release\n", timeout=60)
-            return said
+            return said, warning
     finally:
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
@@ -348,15 +349,18 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
 def test_a_slot_held_when_the_prefect_server_restarts_is_given_back(tmp_path):
     # with Prefect's default in-memory lease storage the restart forgets the lease: the release gives nothing back
     # and the second run times out waiting
-    said = held_across_a_restart(tmp_path)
+    said, warning = held_across_a_restart(tmp_path)
     assert said.startswith("held"), said
     assert float(said.split()[-2]) < 15, said  # at once, not after a lease's expiry
+    assert warning is None  # leases on disk: nothing to warn of
 
 
 @pytest.mark.full
 def test_a_slot_that_a_server_restart_leaked_is_given_back_by_the_recount(tmp_path):
-    said = held_across_a_restart(tmp_path, "prefect.server.concurrency.lease_storage.memory", recount_after=True)
+    said, warning = held_across_a_restart(tmp_path, "prefect.server.concurrency.lease_storage.memory",
+                                          recount_after=True)
     assert said.startswith("held") and float(said.split()[-2]) < 15, said
+    assert "keeps concurrency leases in memory" in warning and "lease_storage.filesystem" in warning
 
 
 @pytest.mark.full

@@ -263,10 +263,46 @@ def test_cancel_from_prefect_while_launching_downs_the_cluster(gpuflow_on_slurm,
 # -- faults on the real cluster (see tests/test_faults.py for the local ones) ---------------------------------
 
 def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_cluster(gpuflow_on_slurm, slurm_infra,
-                                                                                   mlflow_url):
-    """No flow is left to tear down: the job notices the lease, stops, shortens autostop; SkyPilot downs the cluster."""
+                                                                                   mlflow_url, shared_disk):
+    """No flow is left to tear down: the job notices the lease, stops, shortens autostop; SkyPilot downs the cluster.
+    The run held the team's quota: its slot stays held while the cluster lives, and one reaper pass afterwards marks
+    the run Crashed and gives the slot back."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    from gpuflow.flows.quota import LIMIT_PREFIX, set_quota
+
+    set_quota("skypilot", 1)  # the pool of a skypilot run with no GPUs: its workers
+    try:
+        slot_held_while_up = quota_checked_sigkill(gpuflow_on_slurm, slurm_infra, mlflow_url)
+        with get_client(sync_client=True) as client:
+            flow_run_id = slot_held_while_up.pop()
+            reaper = subprocess.run([sys.executable, "-m", "gpuflow.flows.reaper"], cwd=REPO, capture_output=True,
+                                    text=True, timeout=300, env=slurm_infra.subprocess_env({
+                                        "PREFECT_API_URL": PREFECT_API_URL.value(),
+                                        "GPUFLOW_HOME": str(shared_disk / "home"), "NO_PROXY": "127.0.0.1,localhost"}))
+            assert reaper.returncode == 0, reaper.stdout[-3000:] + reaper.stderr[-3000:]
+            assert client.read_flow_run(flow_run_id).state.is_crashed()
+            assert client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + "skypilot").active_slots == 0
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + "skypilot")
+
+
+def quota_checked_sigkill(gpuflow_on_slurm, slurm_infra, mlflow_url) -> list[str]:
+    """The kill -9 and what follows; checks the run's quota slot stayed held until its allocation was gone. Returns
+    [its flow run id]."""
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.quota import LIMIT_PREFIX
+
+    def slots_held() -> int:
+        with get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + "skypilot").active_slots
+
     run = gpuflow_on_slurm("limits.orphan_grace_minutes=0.25", "limits.idle_minutes_to_autostop=5", *PACED, epochs=400)
     run.wait_for("epoch 2/")
+    assert slots_held() == 1
     # the backstop when the flow dies: every launch sets autostop with autodown, so SkyPilot deletes the cluster
     [record] = [r for r in harness.sky_status(slurm_infra) if r["name"] == run.cluster]
     assert (record["status"], record["autostop"], record["to_down"]) == ("UP", 5, True)
@@ -282,14 +318,21 @@ def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_clust
     job_stopped_s = time.monotonic() - killed
     assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
     assert client.get_metric_history(mlflow_run.info.run_id, "val_accuracy")
-    wait_for_value(lambda: not [j for j in harness.slurm_jobs(user=slurm_infra.ssh_user)], 600,
-                   "autodown to release the Slurm allocation")
+    samples = []  # (allocation still there, slots held): the slot must not come back while the GPUs would bill
+
+    def allocation_gone() -> bool:
+        samples.append((bool(harness.slurm_jobs(user=slurm_infra.ssh_user)), slots_held()))
+        return not samples[-1][0]
+
+    wait_for_value(allocation_gone, 600, "autodown to release the Slurm allocation")
+    assert all(held == 1 for up, held in samples if up), samples
     gone_s = time.monotonic() - killed
     print(f"\n[sigkill on slurm] job stopped itself {job_stopped_s:.0f}s after the kill (grace 15 s); "
           f"cluster gone by autodown after {gone_s:.0f}s")
     assert job_stopped_s < 15 + 60  # the grace, plus the guard's poll and the MLflow round trips
     assert run.cluster not in harness.sky_clusters(slurm_infra, refresh=True)  # SkyPilot agrees: it is gone
     assert_nothing_left(slurm_infra, run.cluster)
+    return [flow_run_id_of(run.cluster)]
 
 
 # One limit launches for real here (budget and timeout share the watchdog and the job's guard: both are stopped for

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from gpuflow.cluster.spec import SpecError
 from gpuflow.cluster.spec.fields import quota_name_problem
@@ -34,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
             raise SpecError([f"pool: {problem}" if problem else f"size: {args.size} is negative; give 0 or more"])
         quota.set_quota(args.pool, args.size)
         print(f"quota {args.pool}: {args.size} at once")
+        warn_of_a_forgetful_server()
     elif args.action == "remove":
         from prefect.client.orchestration import get_client
 
@@ -56,3 +58,13 @@ def run(args: argparse.Namespace) -> int:
             elif found.note:
                 print(f"quota {found.pool}: {found.note}")
     return 0
+
+
+def warn_of_a_forgetful_server() -> None:
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.reconcile.quota import forgetful_server
+
+    with get_client(sync_client=True) as client:
+        if warning := forgetful_server(client):
+            print(f"gpuflow: warning: {warning}", file=sys.stderr)

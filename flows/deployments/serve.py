@@ -41,6 +41,11 @@ def reap_on_start(deployments: list) -> str | None:
     serve on this machine left behind is reconciled at once, not at the next interval. Returns the flow run's id."""
     from prefect.client.orchestration import get_client
 
+    from gpuflow.flows.reconcile.quota import forgetful_server
+
+    with get_client(sync_client=True) as client:
+        if warning := forgetful_server(client):
+            print(f"gpuflow serve: warning: {warning}", flush=True)
     reaper = next((d for d in deployments if d.name == REAPER), None)
     if reaper is None:
         return None

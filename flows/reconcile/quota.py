@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.flows.quota import (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, LIMIT_PREFIX, SLOTS_TAG_PREFIX,
+from gpuflow.flows.quota import (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, LEASED_TAG, LIMIT_PREFIX, SLOTS_TAG_PREFIX,
                                  TAKING_TAG_PREFIX, need_of, quotas)
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,8 @@ def give_back_dead_holders(client, backend: Callable[[str], Backend], dry_run: b
     from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
                                                 FlowRunFilterTags)
 
-    pools = [limit.name.removeprefix(LIMIT_PREFIX) for limit in quotas()]
-    over = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool for pool in pools]),
-        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))), limit=PAGE) if pools else []
+    over = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LEASED_TAG]),
+                                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))), limit=PAGE)
     if not over:
         return []
     listed: dict[str, set[str] | None] = {}  # a backend's clusters, by flow run id; None: not to be listed here
@@ -113,7 +111,7 @@ def give_back_dead_holders(client, backend: Callable[[str], Backend], dry_run: b
                 if lease:
                     client.release_concurrency_slots_with_lease(lease)
                 client.update_flow_run(run.id, tags=sorted(tag for tag in run.tags if not tag.startswith(
-                    (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, TAKING_TAG_PREFIX))))
+                    (LEASED_TAG, LEASE_TAG_PREFIX, TAKING_TAG_PREFIX))))
                 given.append(str(run.id))
                 log.info(f"quota: gave back the slots of flow run {run.id} ({run.state_name}): its cluster is gone")
         except Exception as exc:  # its lease lapsed meanwhile, or the API blinked: the next pass tries again
@@ -239,3 +237,23 @@ def slots_of(run) -> int | None:
         return need_of(parse_spec(run.parameters["spec"])).slots
     except Exception:  # a spec file, or a spec that no longer parses
         return None
+
+
+MEMORY_LEASES = "prefect.server.concurrency.lease_storage.memory"
+
+
+def forgetful_server(client) -> str | None:
+    """What to tell the admin when the Prefect server keeps the quota's leases in memory (Prefect's default): a restart
+    forgets them and the slots stay taken until a recount. None when it keeps them on disk or in Redis, or will not say."""
+    try:
+        from gpuflow.flows.prefect_internals import server_settings
+
+        storage = server_settings(client)["server"]["concurrency"]["lease_storage"]
+    except Exception:  # an older server, or the admin routes closed: nothing to say
+        return None
+    if storage != MEMORY_LEASES:
+        return None
+    return ("the Prefect server keeps concurrency leases in memory: a restart forgets the GPU quota's, and their slots "
+            "stay taken until the reaper's next pass gives them back. Start it with "
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem (one server; "
+            "several replicas: prefect-redis, docs/team.md)")
