@@ -107,13 +107,13 @@ def flow_processes(run: Run) -> list:
 
 
 def group_of(process, stack) -> list:
-    """The flow's process group: a `gpuflow run`'s session; a served engine and its children (it shares the serve's
-    group, which is not the run's to kill)."""
+    """The flow's process group: a `gpuflow run`'s session; a served engine and those of its descendants in its
+    group (it shares the serve's group, which is not the run's to kill; its cluster has a session of its own)."""
     import psutil
 
-    if stack.serve and os.getpgid(process.pid) == os.getpgid(stack.serve.pid):
-        return [process, *process.children(recursive=True)]
     group = os.getpgid(process.pid)
+    if stack.serve and group == os.getpgid(stack.serve.pid):
+        return [process, *[child for child in process.children(recursive=True) if safe_pgid(child.pid) == group]]
     return [p for p in psutil.process_iter() if safe_pgid(p.pid) == group]
 
 
@@ -171,7 +171,9 @@ def strike(run: Run, stack) -> None:
             run.applied = f"{target} server killed (-9), restarted after {fault['down_s']}s"
         elif target == "webhook":
             stack.webhook.down()
-            threading.Timer(fault["down_s"], stack.webhook.up).start()
+            timer = threading.Timer(fault["down_s"], stack.webhook.up)
+            timer.daemon = True  # the soak may end first: the webhook is closed then, and stays closed
+            timer.start()
             run.applied = f"webhook down for {fault['down_s']}s"
     except Exception as exc:  # the soak goes on; the row says what the fault could not do
         run.applied = f"could not apply: {type(exc).__name__}: {str(exc)[:200]}"
