@@ -175,7 +175,7 @@ def main() -> int:
           f"RUNNING {figures['MLflow RUNNING']}, clusters left {figures['clusters left']}, processes left "
           f"{figures['processes left']}, slots held {figures['slots held']}, messages per bad end "
           f"{figures['messages per bad end']}, converged in {converged} s")
-    record("chaos", {"runs": args.runs, "seed": args.seed, "faults": result.faults(), **figures,
+    record("chaos", {"runs": args.runs, "seed": args.seed, "overlap": args.overlap, "faults": result.faults(), **figures,
                      "converge s": converged, "result": "PASS" if result.passed else "FAIL"})
     return 0 if result.passed else 1
 
