@@ -57,12 +57,14 @@ class Run:
     started: float = 0.0
     ended: float | None = None
     applied: str = ""  # what the fault did, or why it could not
+    struck_s: float | None = None  # when it was applied (later than drawn while another fault held the soak)
     hung: bool = False
     lines: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
-        return (f"run {self.index} ({self.via}, flow run {self.flow_run_id or '?'}): fault {self.fault['name']} at "
-                f"{self.strike_at_s:.0f}s: {self.applied or 'not applied'}" + (" (hung: killed)" if self.hung else ""))
+        at = f"{self.struck_s:.0f}s" if self.struck_s is not None else "-"
+        return (f"run {self.index} ({self.via}, flow run {self.flow_run_id or '?'}): fault {self.fault['name']} drawn "
+                f"at {self.strike_at_s:.0f}s, applied at {at}: {self.applied or 'not applied'}" + (" (hung: killed)" if self.hung else ""))
 
 
 def draw(rng: random.Random, runs: int, serve: bool) -> list[Run]:
@@ -141,6 +143,7 @@ def done(run: Run, stack) -> bool:
 def strike(run: Run, stack) -> None:
     """Applies the run's fault now; says in run.applied what it did."""
     fault, target = run.fault, run.fault["target"]
+    run.struck_s = time.monotonic() - run.started
     try:
         if target == "nothing":
             run.applied = "nothing to do"
