@@ -1,0 +1,84 @@
+"""The chaos soak's invariants, read from the five records of every run after the reconciler's pass: the Prefect flow
+run, the MLflow run, the cluster (and every process under the soak's GPUFLOW_HOME), the quota's slots, the messages.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+INVARIANTS = ("flow runs final", "no MLflow run RUNNING", "no cluster left", "no quota slot held",
+              "one message per bad end")  # a bad end: Failed or Crashed; Completed and Cancelled get none
+
+
+@dataclass
+class Check:
+    figures: dict
+    violations: list[str] = field(default_factory=list)  # "invariant: which record broke it"
+    records: dict = field(default_factory=dict)  # flow run id -> its records, for the report
+
+
+def check(stack) -> Check:
+    from mlflow import MlflowClient
+
+    from gpuflow.cluster.backends.local import LocalBackend
+    from gpuflow.cluster.protocol import NOTIFIED_TAG, STOPPED_BY_TAG
+    from gpuflow.flows.quota import LIMIT_PREFIX
+    from tests.support.tiers import carrying, describe
+
+    violations, records = [], {}
+    with stack.client() as client:
+        flows = {flow.id: flow.name for flow in client.read_flows()}
+        flow_runs = [run for run in client.read_flow_runs(limit=200) if flows.get(run.flow_id) != "reap-clusters"]
+        limits = [limit for limit in client.read_global_concurrency_limits(limit=200)
+                  if limit.name.startswith(LIMIT_PREFIX)]
+    mlflow = MlflowClient(stack.mlflow_url)
+    experiments = [e.experiment_id for e in mlflow.search_experiments()]
+    mlflow_runs = mlflow.search_runs(experiments, max_results=1000) if experiments else []
+    by_flow_run = {}
+    for mlflow_run in mlflow_runs:
+        by_flow_run.setdefault(mlflow_run.data.tags.get("prefect.flow_run_id", "?"), []).append(mlflow_run)
+
+    bad_ends, messages_per_bad = 0, []
+    for run in flow_runs:
+        flow_run_id, state = str(run.id), run.state
+        events = [e for e in stack.webhook.messages.get(flow_run_id, []) if e != "recovered"]
+        mine = by_flow_run.get(flow_run_id, [])
+        records[flow_run_id] = {
+            "flow run": f"{run.name} {state.name if state else 'no state'}: {((state and state.message) or '')[:160]}",
+            "tags": ",".join(tag for tag in run.tags if tag.startswith("quota")),
+            "mlflow": [f"{r.info.run_id} {r.info.status} stopped_by={r.data.tags.get(STOPPED_BY_TAG, '-')} "
+                       f"notified={r.data.tags.get(NOTIFIED_TAG, '-')}" for r in mine],
+            "messages": events}
+        if not (state and state.is_final()):
+            violations.append(f"flow runs final: {flow_run_id} is {state.name if state else 'without a state'}")
+        elif state.is_cancelled():  # a person's own stop: not messaged, by design (flows/notify.py notify_end)
+            if events:
+                violations.append(f"one message per bad end: {flow_run_id} Cancelled yet messaged {events}")
+        elif not state.is_completed():
+            bad_ends += 1
+            messages_per_bad.append(len(events))
+            if len(events) != 1:
+                violations.append(f"one message per bad end: {flow_run_id} ended {state.name} with "
+                                  f"{len(events)} message(s) {events}")
+        elif events:
+            violations.append(f"one message per bad end: {flow_run_id} Completed yet messaged {events}")
+    running = [r for r in mlflow_runs if r.info.status == "RUNNING"]
+    for r in running:
+        violations.append(f"no MLflow run RUNNING: {r.info.run_id} of flow run "
+                          f"{r.data.tags.get('prefect.flow_run_id', '?')}")
+    clusters = LocalBackend(root=stack.home / "clusters").status()
+    for cluster in clusters:
+        violations.append(f"no cluster left: {cluster.name} ({cluster.status})")
+    processes = carrying("GPUFLOW_HOME", str(stack.home), {os.getpid()})
+    for process in processes:
+        violations.append(f"no cluster left: process {describe(process)}")
+    held = sum(limit.active_slots for limit in limits)
+    for limit in limits:
+        if limit.active_slots:
+            violations.append(f"no quota slot held: {limit.name} holds {limit.active_slots} of {limit.limit}")
+    final = sum(bool(r.state and r.state.is_final()) for r in flow_runs)
+    return Check({"flow runs final": f"{final}/{len(flow_runs)}", "MLflow RUNNING": len(running),
+                  "clusters left": len(clusters), "processes left": len(processes), "slots held": held,
+                  "messages per bad end": ",".join(map(str, sorted(messages_per_bad))) or "no bad end",
+                  "bad ends": bad_ends}, violations, records)
