@@ -18,9 +18,6 @@ Prefect upgrade, check these first.
     extra_logger_handlers   the handlers of Prefect's `prefect.extra` logger (logging.yml): what Prefect gives each
                             logger of its extra-loggers setting, for a process that set Prefect up before gpuflow
                             named its loggers there (flows/run_logs.py).
-    server_settings         the server's own settings (`GET /admin/settings`, through the client's private httpx
-                            client): where it keeps concurrency leases, which no client method says
-                            (flows/reconcile/quota.py).
 
 Nothing of Prefect is imported with this module, only inside its functions: the command line loads it for every
 command, and `gpuflow run` must start fast.
@@ -70,9 +67,3 @@ def extra_logger_handlers() -> list:
     ensure_logging_setup()
     return list(logging.getLogger("prefect.extra").handlers)
 
-
-def server_settings(client) -> dict:
-    """The Prefect server's settings as its admin route gives them (secrets hidden by the server)."""
-    response = client._client.get("/admin/settings")
-    response.raise_for_status()
-    return response.json()

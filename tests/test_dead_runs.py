@@ -1,6 +1,7 @@
 """Runs killed where no lease of ours covers them (#38): while waiting for the quota, before their MLflow run opens.
 Real processes killed with SIGKILL, a real Prefect API, one reaper pass: Crashed, not live in `gpuflow status`."""
 
+import json
 import os
 import signal
 import sys
@@ -186,3 +187,47 @@ def test_status_tells_a_gone_cluster_and_a_lease_from_a_clock_ahead(prefect_serv
         mlflow.set_terminated(mlflow_run.info.run_id, "KILLED")
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run_id, Cancelled(), force=True)
+
+
+def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left_downed(prefect_server, gpuflow_home,
+                                                                                         tmp_path):
+    """A local cluster stops with the process that launched it (its supervisor watches that process): a `gpuflow run`
+    killed before its MLflow run opens leaves its cluster's folder, and the spare it warmed; one killed between the
+    folder and its record leaves a folder alone. One pass downs all three and marks the run Crashed; a cluster whose
+    processes died while its launcher lives (a flow that is relaunching it) is left to that flow."""
+    backend = LocalBackend()
+    launcher, alive_launcher = (subprocess.Popen(["sleep", "300"]) for _ in range(2))
+    sessions = [subprocess.Popen(["sleep", "300"], start_new_session=True) for _ in range(3)]
+    with get_client(sync_client=True) as client:
+        dead_run, live_run = (client.create_flow_run(run_experiment_standin, tags=["backend:local"], state=Running()).id
+                              for _ in range(2))
+    names = [cluster_name_for(str(dead_run)), "gpuflow-warm-0123456789ab", cluster_name_for(str(live_run))]
+    for name, session, owner in zip(names, sessions, [launcher, launcher, alive_launcher]):
+        (backend.root / name).mkdir(parents=True)
+        (backend.root / name / "cluster.json").write_text(json.dumps({
+            "session": session.pid, "temp_dir": str(tmp_path / name), "launched_at": time.time(), "jobs": {},
+            "owner": owner.pid}))
+    half_made = backend.root / "gpuflow-warm-ba9876543210"  # killed between its folder and its record
+    half_made.mkdir()
+    os.utime(half_made, (time.time() - 60, time.time() - 60))
+    try:
+        assert {c.name: c.status for c in backend.status()} == {**{name: "UP" for name in names},
+                                                               half_made.name: "ORPHANED"}
+        launcher.kill()  # kill -9 of `gpuflow run`: its supervisors stop its clusters
+        for session in sessions:
+            session.kill()
+            session.wait()
+        launcher.wait()
+        assert {c.name: c.status for c in backend.status()} == {
+            names[0]: "ORPHANED", names[1]: "ORPHANED", names[2]: "GONE", half_made.name: "ORPHANED"}
+
+        reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
+        assert [c.name for c in backend.status()] == [names[2]]  # what the dead run left is gone
+        assert state_of(dead_run).type.value == "CRASHED" and "its local cluster stopped with it" in \
+            state_of(dead_run).message
+        assert state_of(live_run).type.value == "RUNNING"  # its launcher lives: its flow decides
+    finally:
+        for process in [launcher, alive_launcher, *sessions]:
+            process.kill()
+            process.wait()
+        backend.down(names[2])

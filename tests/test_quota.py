@@ -310,7 +310,8 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     from prefect.states import Completed, Running
 
     from gpuflow.flows.quota import set_quota
-    from gpuflow.flows.reconcile.quota import forgetful_server, recount
+    from gpuflow.flows.deployments.known_servers import forgetful_server
+    from gpuflow.flows.reconcile.quota import recount
 
     home, port, pool = tmp_path / "prefect", free_port(), "restarted"
     processes = []

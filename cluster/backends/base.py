@@ -43,7 +43,7 @@ class Job:
 class ClusterStatus:
     name: str
     backend: str
-    status: str  # UP, INIT, STOPPED, ...; GONE: its processes are dead (local)
+    status: str  # UP, INIT, STOPPED, ...; GONE: its processes are dead (local); ORPHANED: and so is its launcher
     launched_at: float | None = None
 
 

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 def warn_of_a_forgetful_server() -> None:
     from prefect.client.orchestration import get_client
 
-    from gpuflow.flows.reconcile.quota import forgetful_server
+    from gpuflow.flows.deployments.known_servers import forgetful_server
 
     with get_client(sync_client=True) as client:
         if warning := forgetful_server(client):

@@ -94,7 +94,7 @@ def status(now: float | None = None) -> list[RunStatus]:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
     add_mlflow_facts(rows, runs, now)
     rows += add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
-    with_cluster = {row.flow_run_id for row in rows if row.cluster and not row.cluster.endswith("(GONE)")}
+    with_cluster = {row.flow_run_id for row in rows if row.cluster and not row.cluster.endswith(("(GONE)", "(ORPHANED)"))}
     dead = dead_without_lease(with_cluster, [default_tracking_uri()], now)
     for row in rows:
         if row.flow_run_id in dead:

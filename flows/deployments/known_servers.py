@@ -61,3 +61,21 @@ def deployment_uri(parameters: dict) -> str | None:
     spec = parameters.get("spec") if isinstance(parameters, dict) else None
     tracking = spec.get("tracking") if isinstance(spec, dict) else None
     return tracking.get("uri") if isinstance(tracking, dict) else None
+
+
+MEMORY_LEASES = "prefect.server.concurrency.lease_storage.memory"
+
+
+def forgetful_server(client) -> str | None:
+    """What to tell the admin when the Prefect server keeps the quota's leases in memory (Prefect's default): a restart
+    forgets them and the slots stay taken until a recount. None when it keeps them on disk or in Redis, or will not say."""
+    try:
+        storage = client.request("GET", "/admin/settings").json()["server"]["concurrency"]["lease_storage"]
+    except Exception:  # an older server, or the admin routes closed: nothing to say
+        return None
+    if storage != MEMORY_LEASES:
+        return None
+    return ("the Prefect server keeps concurrency leases in memory: a restart forgets the GPU quota's, and their slots "
+            "stay taken until the reaper's next pass gives them back. Start it with "
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem (one server; "
+            "several replicas: prefect-redis, docs/team.md)")

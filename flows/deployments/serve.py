@@ -41,7 +41,7 @@ def reap_on_start(deployments: list) -> str | None:
     serve on this machine left behind is reconciled at once, not at the next interval. Returns the flow run's id."""
     from prefect.client.orchestration import get_client
 
-    from gpuflow.flows.reconcile.quota import forgetful_server
+    from gpuflow.flows.deployments.known_servers import forgetful_server
 
     with get_client(sync_client=True) as client:
         if warning := forgetful_server(client):

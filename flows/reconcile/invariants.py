@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from gpuflow.cluster.backends import Backend
-from gpuflow.flows.reconcile.records import (DEAD, RunRecords, Verdict, close_stale_mlflow_runs, lease_reader,
-                                             mark_crashed, reap)
+from gpuflow.flows.reconcile.records import (DEAD, ORPHANED, RunRecords, Verdict, close_stale_mlflow_runs,
+                                             lease_reader, mark_crashed, reap)
 from gpuflow.flows.run_info import dead_without_lease
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,8 @@ class Pass:
     ttl_seconds: float = 24 * 3600
     dry_run: bool = False
     verdicts: list[Verdict] = field(default_factory=list)
-    dead: set[str] = field(default_factory=set)  # flow runs found dead: their lease is stale
+    dead: set[str] = field(default_factory=set)  # flow runs found dead: their lease is stale, or they are orphaned
+    orphaned: set[str] = field(default_factory=set)  # their process is gone, and their cluster with it
     closed: list[str] = field(default_factory=list)
     crashed: list[str] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
@@ -38,6 +39,8 @@ def down_clusters(run: Pass) -> list[str]:
     run.verdicts = reap(run.backends, run.ttl_seconds, dry_run=run.dry_run,
                         records=RunRecords(lease_stale=lease_reader(run.tracking_uris)))
     run.dead |= {verdict.flow_run_id for verdict in run.verdicts if DEAD in verdict.reason}
+    run.orphaned = {verdict.flow_run_id for verdict in run.verdicts if ORPHANED in verdict.reason and verdict.flow_run_id}
+    run.dead |= run.orphaned
     return [f"{v.action} {v.backend} cluster {v.cluster}: {v.reason}" + (" (dry run)" * (run.dry_run and v.action == "down"))
             for v in run.verdicts]
 
@@ -54,9 +57,12 @@ def close_mlflow_runs(run: Pass) -> list[str]:
 def crash_flow_runs(run: Pass) -> list[str]:
     if run.dry_run:
         return []
-    run.crashed = mark_crashed(run.dead, "its process died: found by the reaper (lease stale); cluster downed, MLflow "
-                                         "run FAILED (stopped_by=orphaned)")
+    run.crashed = mark_crashed(run.dead - run.orphaned, "its process died: found by the reaper (lease stale); cluster "
+                                                        "downed, MLflow run FAILED (stopped_by=orphaned)")
     said = [f"marked flow run {flow_run_id} Crashed: its lease is stale" for flow_run_id in run.crashed]
+    orphaned = mark_crashed(run.orphaned, "its process died: found by the reaper (its local cluster stopped with it)")
+    run.crashed += orphaned
+    said += [f"marked flow run {flow_run_id} Crashed: its process and its cluster are gone" for flow_run_id in orphaned]
     kept = {verdict.flow_run_id for verdict in run.verdicts if verdict.action == "keep"}
     for flow_run_id, why in dead_without_lease(kept, run.tracking_uris, time.time()).items():
         run.crashed += mark_crashed({flow_run_id}, why)

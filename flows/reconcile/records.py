@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gpuflow.cluster.backends import Backend, flow_run_id_of
+from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import stale
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
 DEAD = "dead (lease stale)"
+ORPHANED = "dead (its process and its cluster's are gone)"  # the local backend knows the process that launched it
 
 RUN_STATUS_FOR = {"COMPLETED": "FINISHED", "CANCELLED": "KILLED"}  # any other final state: FAILED
 
@@ -68,14 +69,19 @@ def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now:
     or it is older than the TTL."""
     states_of, lease_stale = records.states_of, records.lease_stale
     found = [(backend, status) for backend in backends for status in statuses(backend)]
+    # what is left of a cluster of ours whose launcher died (the local backend's spare or early cluster): gone anyway
+    verdicts = [(backend, Verdict(status.name, backend.name, None, None, "down", ORPHANED))
+                for backend, status in found if status.status == "ORPHANED" and not flow_run_id_of(status.name)
+                and status.name.startswith(CLUSTER_PREFIX)]
     ours = [(backend, status, flow_run_id_of(status.name)) for backend, status in found]
     ours = [(backend, status, run_id) for backend, status, run_id in ours if run_id]  # never touch others' clusters
     states = states_of({run_id for _, _, run_id in ours}) if ours else {}
-    verdicts = []
     for backend, status, run_id in ours:
         state = states.get(run_id)
         age_s = now - status.launched_at if status.launched_at else None
-        if state is None:
+        if state is not None and not state[1] and status.status == "ORPHANED":
+            action, reason = "down", f"flow run is {state[0]} but {ORPHANED}"
+        elif state is None:
             action, reason = "down", f"flow run {run_id} does not exist"
         elif state[1]:
             action, reason = "down", f"flow run is over ({state[0]})"
@@ -164,7 +170,7 @@ def close_stale_mlflow_runs(tracking_uri: str,
     for run in candidates:
         flow_run_id = run.data.tags[FLOW_RUN_TAG]
         state = states.get(flow_run_id)
-        lease_dead = bool(stale(run.data.tags, time.time(), DEFAULT_GRACE_S))
+        lease_dead = flow_run_id in (dead or ()) or bool(stale(run.data.tags, time.time(), DEFAULT_GRACE_S))
         if state is not None and not state[1] and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
             if dead is not None:
                 dead.add(flow_run_id)

@@ -29,6 +29,7 @@ from gpuflow.cluster.spec import ExperimentSpec
 log = logging.getLogger(__name__)
 
 LAUNCH_TIMEOUT_S = 120
+RECORD_S = 30.0  # a cluster's folder gets its record at once: one without it for longer lost its launcher
 NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
 LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
 OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
@@ -80,7 +81,7 @@ class LocalBackend:
             )
         self._children[f"cluster:{process.pid}"] = process
         self._write(cluster_name, {"session": process.pid, "temp_dir": temp_dir, "launched_at": time.time(),
-                                   "jobs": {}, "shape": shape})
+                                   "jobs": {}, "shape": shape, "owner": owner_pid})
 
     def wait_until_up(self, cluster_name: str) -> str:
         record = self.record(cluster_name)
@@ -138,6 +139,7 @@ class LocalBackend:
                 record = self.record(folder.name)
                 if record and record.get("shape") == shape_of(spec) and session_alive(record["session"]):
                     write_atomically(Path(record["temp_dir"]) / OWNER_FILE, str(os.getpid()))
+                    self._write(folder.name, {**record, "owner": os.getpid()})
                     name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
                     folder.rename(self.root / name)
                     return name
@@ -210,11 +212,18 @@ class LocalBackend:
 
     # -- status and teardown ----------------------------------------------------------------------
     def status(self) -> list[ClusterStatus]:
+        """Every cluster's state: INIT (starting), UP, GONE (its processes are dead: downed, or killed, its folder
+        left), ORPHANED (gone, and so is the process that launched it: a flow that died, the reconciler's to end)."""
         found = []
         for folder in sorted(self.root.glob("*")) if self.root.exists() else []:
             record = self.record(folder.name) or {}
-            # no record yet: starting; a record whose processes are dead: downed, or killed, its folder left
-            state = "INIT" if not record else "UP" if session_alive(record.get("session", -1)) else "GONE"
+            if not record:  # its launcher writes the record right after the folder: an old folder without one is
+                starting = time.time() - folder.stat().st_mtime < RECORD_S  # a launcher killed in between
+                found.append(ClusterStatus(folder.name, self.name, "INIT" if starting else "ORPHANED"))
+                continue
+            state = "UP" if session_alive(record.get("session", -1)) else "GONE"
+            if state == "GONE" and "owner" in record and not alive(record["owner"]):
+                state = "ORPHANED"
             found.append(ClusterStatus(folder.name, self.name, state, record.get("launched_at")))
         return found
 
