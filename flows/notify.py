@@ -162,6 +162,34 @@ def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
         NOTIFIED_TAG) else None
 
 
+OWED_TAG = "notify-owed"  # a flow run the reaper marked Crashed: its end's message is owed until delivered
+
+
+def notify_owed() -> list[str]:
+    """The reaper's pass: the ends of the flow runs it marked Crashed (they ran no hook). One that has an MLflow run
+    is said through it (notify_undelivered, with its delivery recorded there); one that died before its MLflow run
+    opened (waiting for GPUs, provisioning) is said here, its tag dropped once delivered."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    said = []
+    with get_client(sync_client=True) as prefect:
+        for flow_run in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
+                all_=[OWED_TAG])), limit=200):
+            try:
+                spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
+                failure = None
+                if says(spec, flow_run.state) and not main_run(MlflowClient(spec.tracking_uri), spec, str(flow_run.id)):
+                    failure = send(webhook_of(spec.notify.block), end_event(spec, None, flow_run, flow_run.state))
+                    said.append(f"flow run {flow_run.id}: {failure or 'message delivered'}")
+            except Exception as exc:  # one run's message must not stop the others'
+                failure = f"notification not sent: {type(exc).__name__}"
+                said.append(f"flow run {flow_run.id}: {failure}")
+            if not failure:
+                prefect.update_flow_run(flow_run.id, tags=[tag for tag in flow_run.tags if tag != OWED_TAG])
+    return said
+
+
 def add_webhook(name: str, url: str, format: str = "json") -> str:
     """`gpuflow notify add`: saves a Custom Webhook block in Prefect (its secrets encrypted there, masked in its
     UI and events)."""

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments.known_servers import backends_in_use
 from gpuflow.flows.reconcile.invariants import Pass, reconcile
 from gpuflow.flows.reconcile.records import available_backends, tracking_uris_or_local
@@ -32,7 +33,8 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
     get_run_logger().info(f"reading the MLflow runs of {', '.join(uris)}")
     chosen = available_backends(backends or backends_in_use(["local", "skypilot"]))
     try:
-        done = reconcile(Pass(chosen, uris, ttl_hours * 3600, dry_run))
+        with at_most_one_try():  # a tracking server that is down waits for the next pass, not minutes of this one
+            done = reconcile(Pass(chosen, uris, ttl_hours * 3600, dry_run))
     finally:
         for backend in chosen:  # e.g. the SkyPilot API server that listing the clusters started
             getattr(backend, "close", lambda: None)()

@@ -54,6 +54,15 @@ def state_of(flow_run_id):
         return client.read_flow_run(flow_run_id).state
 
 
+def stop_all(processes: list[subprocess.Popen], pool: str) -> None:
+    """Kills what is still running and removes the test's quota."""
+    for process in processes:
+        if process.poll() is None:
+            killed(process)
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
 def killed(process: subprocess.Popen) -> None:
     os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
@@ -106,11 +115,7 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(p
         assert quota_of(pool).active_slots == 1  # the holder's: the dead waiter holds none
         assert state_of(holding).type.value == "RUNNING"
     finally:
-        for process in processes:
-            if process.poll() is None:
-                killed(process)
-        with get_client(sync_client=True) as client:
-            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+        stop_all(processes, pool)
     assert alive([process.pid for process in processes]) == []
 
 
@@ -149,11 +154,7 @@ def test_a_gpuflow_run_killed_while_waiting_for_the_quota_is_crashed_by_one_pass
         assert flow_run_id not in [row.flow_run_id for row in status()]
         assert quota_of(pool).active_slots == 1  # the holder's only
     finally:
-        for process in processes:
-            if process.poll() is None:
-                killed(process)
-        with get_client(sync_client=True) as client:
-            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+        stop_all(processes, pool)
     assert alive([process.pid for process in processes]) == [] and not processes_of(gpuflow_home)
 
 

@@ -1,8 +1,10 @@
-"""Ending a flow's MLflow run with its outcome: from the flow, from the job on the cluster, or from the reaper; and
-finding the runs a flow run made."""
+"""Ending a flow's MLflow run with its outcome: from the flow, from the job on the cluster, or from the reaper;
+finding the runs a flow run made; reading many tracking servers without waiting on the ones that are down."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -96,3 +98,22 @@ def runs_of_flow_run(client, flow_run_id: str, experiment: str | None = None, ru
         ids = [found.experiment_id] if (found := client.get_experiment_by_name(experiment)) else []
     query = f"tags.`{FLOW_RUN_TAG}` = '{flow_run_id}'" + (" and attributes.status = 'RUNNING'" if running else "")
     return client.search_runs(ids, filter_string=query) if ids else []
+
+
+ONE_TRY = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@contextlib.contextmanager
+def at_most_one_try():
+    """MLflow's client without its retries (minutes, by default) inside the block: for readers that go over every
+    tracking server a team ever used (`gpuflow status`, the reconciler's pass), one that is down is skipped at once."""
+    saved = {name: os.environ.get(name) for name in ONE_TRY}
+    os.environ.update(ONE_TRY)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -22,6 +22,7 @@ from gpuflow.cluster.cost.spend import HOURLY_METRIC
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, NOTIFIED_TAG, NOTIFY_FAILED_TAG, RENEWED_TAG
 from gpuflow.cluster.run.lease import stale
+from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.cluster.run.liveness import age_s
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
@@ -73,6 +74,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def status(now: float | None = None) -> list[RunStatus]:
+    """The live runs (and the ended ones whose message is owed), each with its records; a tracking server that does
+    not answer at once is said to be down rather than waited for (MLflow's client retries for minutes)."""
+    with at_most_one_try():
+        return read_status(now)
+
+
+def read_status(now: float | None = None) -> list[RunStatus]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState,
                                                 FlowRunFilterStateType)
