@@ -30,6 +30,7 @@ LOCK_S = 60.0  # a recount's few API calls take far less
 BACKENDS = ("local", "skypilot")
 FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
 PAGE = 200
+BACKEND_TAG = "backend:"  # every run's backend (flows/run_info.py)
 RENEW_S = 3600.0  # a dead run's lease, renewed by each pass while its cluster is listed: until the next pass at least
 
 
@@ -55,13 +56,14 @@ def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool =
             opened[name] = backend_for(name) if backend_for else get_backend_here(name)
         return opened[name]
 
+    listed = cluster_lister(backend)
     try:
         with get_client(sync_client=True) as client:
-            give_back_dead_holders(client, backend, dry_run)
+            give_back_dead_holders(client, listed, dry_run)
             first = [count_pool(client, limit, {}) for limit in quotas()]
             if not any(found.counted > found.held for found in first):
                 return first
-            clusters = listed_clusters(backend, {found.pool for found in first if found.counted > found.held}, client)
+            clusters = listed_clusters(listed, {found.pool for found in first if found.counted > found.held}, client)
             with turn(client) as ours:
                 results = [count_pool(client, limit, clusters or {}) for limit in quotas()]
                 for found in results:
@@ -73,7 +75,7 @@ def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool =
                 getattr(made, "close", lambda: None)()
 
 
-def give_back_dead_holders(client, backend: Callable[[str], Backend], dry_run: bool) -> list[str]:
+def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | None], dry_run: bool) -> list[str]:
     """Gives back the lease of each run that is over and whose cluster no backend lists any more, by its id, as the
     run would have; while its cluster is listed, renews it: a dead run's slots come back once its GPUs stop billing,
     never before. Returns the runs given back."""
@@ -84,25 +86,13 @@ def give_back_dead_holders(client, backend: Callable[[str], Backend], dry_run: b
                                  state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))), limit=PAGE)
     if not over:
         return []
-    listed: dict[str, set[str] | None] = {}  # a backend's clusters, by flow run id; None: not to be listed here
-
-    def cluster_listed(run) -> bool | None:
-        name = next((tag.removeprefix("backend:") for tag in run.tags if tag.startswith("backend:")), None)
-        if name not in listed:
-            try:
-                listed[name] = {flow_run_id_of(status.name) for status in backend(name).status()} - {None}
-            except Exception as exc:  # not set up here, or its API down: its clusters may all be up
-                log.warning(f"quota: cannot list the {name} clusters ({type(exc).__name__}: {exc}); the slots of "
-                            "its runs stay held")
-                listed[name] = None
-        return None if listed[name] is None else str(run.id) in listed[name]
-
     given = []
     for run in over:
         lease = next((tag.removeprefix(LEASE_TAG_PREFIX) for tag in run.tags if tag.startswith(LEASE_TAG_PREFIX)), None)
-        up = cluster_listed(run)
-        if up is None:
+        clusters = listed(next((tag.removeprefix(BACKEND_TAG) for tag in run.tags if tag.startswith(BACKEND_TAG)), None))
+        if clusters is None:  # cannot tell whether its cluster is gone: its slots stay held
             continue
+        up = str(run.id) in clusters
         try:
             if up:
                 if lease:
@@ -117,6 +107,24 @@ def give_back_dead_holders(client, backend: Callable[[str], Backend], dry_run: b
         except Exception as exc:  # its lease lapsed meanwhile, or the API blinked: the next pass tries again
             log.warning(f"quota: flow run {run.id}: {type(exc).__name__}: {str(exc)[:200]}")
     return given
+
+
+def cluster_lister(backend: Callable[[str], Backend]) -> Callable[[str | None], set[str] | None]:
+    """A backend's clusters by flow run id, listed once per recount; None for a backend that cannot be listed here
+    (not set up, or its API down: its clusters may all be up, so no slot of its runs is given back)."""
+    listed: dict[str | None, set[str] | None] = {}
+
+    def clusters_of(name: str | None) -> set[str] | None:
+        if name not in listed:
+            try:
+                listed[name] = {flow_run_id_of(status.name) for status in backend(name).status()} - {None}
+            except Exception as exc:
+                log.warning(f"quota: cannot list the {name} clusters ({type(exc).__name__}: {exc}); the slots of "
+                            "its runs stay held")
+                listed[name] = None
+        return listed[name]
+
+    return clusters_of
 
 
 def get_backend_here(name: str) -> Backend:
@@ -154,7 +162,7 @@ def live_runs(client, pool: str) -> list:
         offset += PAGE
 
 
-def listed_clusters(backend: Callable[[str], Backend], pools: set[str], client) -> dict | None:
+def listed_clusters(listed: Callable[[str | None], set[str] | None], pools: set[str], client) -> dict | None:
     """pool → the runs that held it and whose cluster a backend lists; None when a backend its runs used cannot be
     listed (nothing can then be said gone)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterTags
@@ -162,15 +170,12 @@ def listed_clusters(backend: Callable[[str], Backend], pools: set[str], client) 
     run_ids = set()
     for name in BACKENDS:
         used = any(client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
-            all_=[HELD_TAG_PREFIX + pool, f"backend:{name}"])), limit=1) for pool in pools)
+            all_=[HELD_TAG_PREFIX + pool, BACKEND_TAG + name])), limit=1) for pool in pools)
         if not used:
             continue
-        try:
-            run_ids |= {flow_run_id_of(status.name) for status in backend(name).status()} - {None}
-        except Exception as exc:  # not set up here, or its API down: its clusters may all be up
-            log.warning(f"quota recount: cannot list the {name} clusters ({type(exc).__name__}: {exc}); "
-                        f"no slot of its runs is given back")
+        if (found := listed(name)) is None:
             return None
+        run_ids |= found
     clusters = {pool: [] for pool in pools}
     ids = sorted(run_ids)
     for start in range(0, len(ids), PAGE):
