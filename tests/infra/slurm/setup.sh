@@ -144,4 +144,7 @@ log "sshd on 127.0.0.1:$SSH_PORT ok"
 ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR \
     -o ConnectTimeout=10 -i $CLIENT_HOME/.ssh/skyci_key -p $SSH_PORT $SSH_USER@127.0.0.1 \
     'bash --login -c "echo login-ok as \$(id -un); command -v curl; sinfo -h -o %P:%T; srun -N1 -t 1 hostname"'
+# the smoke job may linger in COMPLETING while slurmd runs its epilogue: the harness starts empty
+for _ in $(seq 60); do [ -z "$(squeue -h -o %i)" ] && break; sleep 1; done
+[ -z "$(squeue -h -o %i)" ] || { squeue; echo "setup: the smoke job did not leave the queue in 60 s" >&2; exit 1; }
 log "done (BASE=$BASE, infra=slurm/$CLUSTER)"
