@@ -107,20 +107,21 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release, notify_end],
       on_failure=[notify_end], on_completion=[notify_end], log_prints=True)
-def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
+def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of: str | None = None):
     """Validate → wait for the team's GPU quota → stage data + open the MLflow run + provision (side by side) →
     train → teardown → register.
 
     Args:
         spec: The experiment: what to train, on what data and compute, tracked where, within which limits.
         spec_file: Path of a YAML spec on the machine that runs the flow; when set, it is used instead of spec.
+        rerun_of: The MLflow run this run reruns (`gpuflow rerun`): the two runs are linked both ways.
     """
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here
-    flow_run = this_flow_run()
+    flow_run = {**this_flow_run(), "rerun_of": rerun_of}
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
         with turn_for_gpus(spec, flow_run["id"]) as quota:
