@@ -252,3 +252,74 @@ def test_the_dry_run_says_what_would_run_and_launches_nothing(repo, store, data,
     assert len(MlflowClient(store).search_runs([run.info.experiment_id])) == 1
     assert main(["rerun", run.info.run_id, "--tracking-uri", store, "--dry-run", "--on", "7"]) == 2
     assert "--on 7" in capsys.readouterr().err
+
+
+# -- one real run, and its rerun from a fresh clone ----------------------------------------------------------------
+E2E_LOOP = '''import pyarrow.parquet as pq
+import ray.train
+
+OFFSET = 0.5
+
+
+def train_loop(config):
+    rows = pq.read_table(config["train_path"]).num_rows
+    for epoch in range(config["epochs"]):
+        ray.train.report({"epoch": epoch, "loss": OFFSET + config["lr"] * rows / (epoch + 1)})
+'''
+
+
+def gpuflow(folder: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    # output to files, not pipes: a process left behind would hold a pipe open
+    out, err = folder.parent / f"{folder.name}-stdout.txt", folder.parent / f"{folder.name}-stderr.txt"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        code = subprocess.run([str(Path(sys.executable).parent / "gpuflow"), *args], cwd=folder, env=env,
+                              stdout=stdout, stderr=stderr, timeout=600).returncode
+    done = subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
+    print(done.stdout[-3000:], done.stderr[-3000:])
+    return done
+
+
+@pytest.mark.full
+def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics_linked_both_ways(tmp_path):
+    from tests.support.processes import processes_of
+
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    pq.write_table(pa.table({"x": list(range(40))}), tmp_path / "train.parquet")
+    (project / "loop.py").write_text(E2E_LOOP)
+    (project / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "tiny-rerun", "train": {"loop": "loop:train_loop", "epochs": 3, "lr": 0.1},
+        "data": {"train": str(tmp_path / "train.parquet")}, "tracking": {"register_model": False},
+        "compute": {"backend": "local", "num_nodes": 1, "workers_per_node": 1}}))
+    git(project, "init", "-q", "-b", "main")
+    git(project, "add", ".")
+    git(project, "commit", "-qm", "tiny project")
+    # not committed: the loop takes its offset from a new, untracked module
+    (project / "loop.py").write_text(E2E_LOOP.replace("OFFSET = 0.5", "from offset import OFFSET"))
+    (project / "offset.py").write_text("OFFSET = 0.25\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))}
+    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+
+    assert gpuflow(project, env, "run", "spec.yaml").returncode == 0
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tiny-rerun").experiment_id
+    [old] = client.search_runs([experiment])
+
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(project), str(clone))  # the commit alone: the change lives in MLflow
+    rerun = gpuflow(clone, env, "rerun", old.info.run_id)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    [new] = [run for run in client.search_runs([experiment]) if run.info.run_id != old.info.run_id]
+    assert new.info.status == "FINISHED"
+    assert old.data.metrics["loss"] == new.data.metrics["loss"] == 0.25 + 0.1 * 40 / 3
+    old = client.get_run(old.info.run_id)
+    assert new.data.tags[RERUN_OF_TAG] == old.info.run_id and old.data.tags[RERUN_BY_TAG] == new.info.run_id
+    assert old.info.run_id in new.data.tags[NOTE_TAG] and f"rerun of     {old.info.run_id}" in rerun.stdout
+
+    pq.write_table(pa.table({"x": list(range(41))}), tmp_path / "train.parquet")
+    refused = gpuflow(clone, env, "rerun", old.info.run_id)
+    assert refused.returncode == 2 and str(tmp_path / "train.parquet") in refused.stderr
+    assert old.inputs.dataset_inputs[0].dataset.digest in refused.stderr
+    assert len(client.search_runs([experiment])) == 2  # nothing launched
+    assert processes_of(home) == []
