@@ -323,3 +323,19 @@ def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics
     assert old.inputs.dataset_inputs[0].dataset.digest in refused.stderr
     assert len(client.search_runs([experiment])) == 2  # nothing launched
     assert processes_of(home) == []
+
+
+def test_the_comparison_shows_the_loop_s_metrics_time_per_epoch_and_cost(store, repo, data):
+    from gpuflow.cluster.rerun.links import comparison
+
+    client = MlflowClient(store)
+    runs = [recorded_run(store, repo, tiny_spec(data)) for _ in range(2)]
+    for run, (loss, train_s, cost) in zip(runs, [(0.5, 20.0, 1.0), (0.5, 10.0, 0.5)]):
+        for key, value in {"loss": loss, "gpuflow.train_seconds": train_s, "cost_usd": cost,
+                           "cluster_hours": 0.1}.items():
+            client.log_metric(run.info.run_id, key, value)
+        client.log_param(run.info.run_id, "train.epochs", "2")
+    lines = comparison(*[client.get_run(run.info.run_id) for run in runs])
+    assert [line.split()[:3] for line in lines[1:]] == [["loss", "0.5", "0.5"], ["time", "per", "epoch"],
+                                                        ["cost", "(USD)", "1"]]
+    assert "10" in lines[2] and "5" in lines[2] and "(-0.5)" in lines[3]

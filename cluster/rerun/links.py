@@ -48,9 +48,7 @@ def epoch_seconds(run) -> float | None:
 def comparison(old_run, new_run) -> list[str]:
     """Lines comparing the two runs: final metrics (the loop's), time per epoch, cost."""
     old, new = old_run.data.metrics, new_run.data.metrics
-    loop_metrics = sorted(key for key in set(old) | set(new)
-                          if not key.startswith((PHASE_METRIC_PREFIX, "perf/", "system/")) and key != COST_METRIC
-                          and "cost" not in key)
+    loop_metrics = sorted(key for key in set(old) | set(new) if not is_bookkeeping(key))
     rows = [(key, old.get(key), new.get(key)) for key in loop_metrics]
     rows.append(("time per epoch (s)", epoch_seconds(old_run), epoch_seconds(new_run)))
     rows.append(("cost (USD)", old.get(COST_METRIC), new.get(COST_METRIC)))
@@ -60,6 +58,11 @@ def comparison(old_run, new_run) -> list[str]:
         change = "" if then is None or now is None or then == now else f"  ({now - then:+.4g})"
         lines.append(f"{name:{width}}  {shown(then):>12}  {shown(now):>12}{change}")
     return lines
+
+
+def is_bookkeeping(key: str) -> bool:
+    """gpuflow's own figures (phases, the meter's hours and dollars, telemetry), not what the loop reported."""
+    return key.startswith((PHASE_METRIC_PREFIX, "perf/", "system/")) or key.endswith(("_seconds", "_hours", "_usd"))
 
 
 def shown(value: float | None) -> str:

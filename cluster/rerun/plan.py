@@ -24,6 +24,8 @@ from gpuflow.cluster.spec import ExperimentSpec, SpecError, apply_override, pars
 from gpuflow.cluster.spec.loading import safe_load
 from gpuflow.cluster.spec.options import ACCELERATOR
 
+MAX_PACKAGES_SHOWN = 20
+
 
 @dataclass
 class Rerun:
@@ -151,8 +153,11 @@ def describe(rerun: Rerun) -> list[str]:
     elif not rerun.packages:
         lines.append("packages     the same as the run's")
     else:
-        lines += [f"packages     {name}: {then or 'absent'} then, {now or 'absent'} here (not installed: yours run)"
-                  for name, then, now in rerun.packages]
+        lines += [f"packages     {name}: {then or 'absent'} then, {now or 'absent'} here"
+                  for name, then, now in rerun.packages[:MAX_PACKAGES_SHOWN]]
+        more = len(rerun.packages) - MAX_PACKAGES_SHOWN
+        lines.append(f"             ({f'and {more} more; ' if more > 0 else ''}nothing installed: this environment's "
+                     "packages run)")
     return lines
 
 
