@@ -10,8 +10,11 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import os
 import platform
+import shutil
 import subprocess
+import tempfile
 import warnings
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -26,12 +29,15 @@ from mlflow.types.schema import AnyType, Array, DataType, Object, Property
 from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY,
                                      MLFLOW_GIT_REPO_URL)
 
-from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.protocol import DIFF_TOO_LARGE_TAG, SOURCE_WORKDIR_TAG, JobEnv
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 
 CONTEXTS = {"train": "training", "validation": "validation"}  # data.<split> -> MLflow's mlflow.data.context
 PACKAGES_ARTIFACT = "environment/packages.txt"
 GIT_TIMEOUT_S = 5
+DIFF_ARTIFACT = "source/uncommitted.diff"
+MAX_DIFF_BYTES = 10 * 1024 * 1024
+DIFF_TIMEOUT_S = 60  # `git add -A` reads every changed file
 
 
 # -- the data ------------------------------------------------------------------------------------------------------
@@ -149,6 +155,54 @@ def source_tags(workdir: str | Path) -> dict[str, str]:
     if (status := git(workdir, "status", "--porcelain")) is not None:
         tags[MLFLOW_GIT_DIRTY] = str(bool(status)).lower()
     return tags
+
+
+def uncommitted_changes(workdir: str | Path, limit: int = MAX_DIFF_BYTES) -> tuple[dict[str, str], bytes]:
+    """What a dirty tree's run records beyond its commit: (tags, the diff). The tags say where the workdir is in the
+    repository and, past `limit`, that the diff is too large to record (then the diff is empty)."""
+    workdir = Path(workdir).expanduser().absolute()
+    prefix = git(workdir, "rev-parse", "--show-prefix")
+    if prefix is None:
+        return {}, b""
+    tags = {SOURCE_WORKDIR_TAG: prefix.rstrip("/") or "."}
+    if git(workdir, "status", "--porcelain") in ("", None):
+        return tags, b""
+    diff = uncommitted_diff(workdir, limit)
+    if diff is None:
+        return {**tags, DIFF_TOO_LARGE_TAG: f"over {limit} bytes"}, b""
+    return tags, diff
+
+
+def uncommitted_diff(workdir: Path, limit: int = MAX_DIFF_BYTES) -> bytes | None:
+    """`git diff --binary HEAD` of the working tree, untracked files that git does not ignore included, as
+    `git apply --binary` takes it; None when over `limit` bytes. The files are staged in an index of its own (a copy of
+    the user's, whose stat data spares reading unchanged files): the user's index stays as it was."""
+    index = git(workdir, "rev-parse", "--path-format=absolute", "--git-path", "index")
+    with tempfile.TemporaryDirectory(prefix="gpuflow-diff-") as folder:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(folder, "index"))}
+        if index and Path(index).is_file():
+            shutil.copyfile(index, env["GIT_INDEX_FILE"])
+        elif not git_ok(workdir, env, "read-tree", "HEAD"):
+            return b""
+        if not git_ok(workdir, env, "add", "-A"):
+            return b""
+        command = ["git", "-C", str(workdir), "-c", "diff.noprefix=false", "diff", "--cached", "--binary",
+                   "--no-color", "--no-ext-diff", "--no-textconv", "HEAD"]
+        with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as diff:
+            found = diff.stdout.read(limit + 1)
+            if len(found) > limit:
+                diff.kill()
+                return None
+            diff.wait(DIFF_TIMEOUT_S)
+        return found if diff.returncode == 0 else b""
+
+
+def git_ok(workdir: Path, env: dict, *args: str) -> bool:
+    try:
+        return subprocess.run(["git", "-C", str(workdir), *args], env=env, capture_output=True,
+                              timeout=DIFF_TIMEOUT_S).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 # -- the environment -----------------------------------------------------------------------------------------------

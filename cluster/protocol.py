@@ -181,6 +181,13 @@ BEST_RUN_TAG = "gpuflow.best_run_id"  # a sweep's best trial, on the parent run
 RESERVED_FOR_TAG = "gpuflow.reserved_for"  # a budget reservation's flow run id, the same as its prefect.flow_run_id tag
 RESERVATION_EXPIRES_TAG = "gpuflow.reservation_expires_at"  # when a budget reservation lapses (epoch seconds)
 
+# A rerun (`gpuflow rerun`): both runs name each other; the run's source beyond its commit, for a rerun to rebuild it.
+RERUN_OF_TAG = "gpuflow.rerun_of"  # on a rerun: the run it reran
+RERUN_BY_TAG = "gpuflow.rerun_by"  # on a run rerun: every rerun's run id, comma-separated, oldest first
+NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
+SOURCE_WORKDIR_TAG = "gpuflow.source.workdir"  # the spec's workdir inside its git repository ("." at its top)
+DIFF_TOO_LARGE_TAG = "gpuflow.source.diff_too_large"  # the uncommitted changes were over the cap: not recorded
+
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
 STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",
                    "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED", "hung": "FAILED"}

@@ -21,7 +21,7 @@ from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, QueueTimeout, turn_for_gpus
-from gpuflow.flows.run_info import flow_run_ui_url, run_name_for, spec_from, tag_flow_run
+from gpuflow.flows.run_info import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
@@ -35,7 +35,7 @@ def run_name() -> str:
 
 def release(flow, flow_run, state) -> None:
     """Cancel and crash hooks: may run in another process, so they find the cluster and MLflow run by flow-run id."""
-    spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
+    spec = hooks_spec(flow_run.parameters)
     backend = get_backend(spec.compute.backend)
     for cluster_name in cluster_names_for(flow_run.id, spec.compute.max_recoveries):
         backend.down(cluster_name)
@@ -107,20 +107,23 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
 
 @flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release, notify_end],
       on_failure=[notify_end], on_completion=[notify_end], log_prints=True)
-def run_experiment(spec: ExperimentSpec, spec_file: str | None = None):
+def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of: str | None = None):
     """Validate → wait for the team's GPU quota → stage data + open the MLflow run + provision (side by side) →
     train → teardown → register.
 
     Args:
         spec: The experiment: what to train, on what data and compute, tracked where, within which limits.
         spec_file: Path of a YAML spec on the machine that runs the flow; when set, it is used instead of spec.
+        rerun_of: An MLflow run id (or a Prefect flow run id) to run again as it ran: its spec, its commit and
+            uncommitted changes, its data checked by digest (`gpuflow rerun`); the two runs are linked both ways.
+            From the UI, `spec` then says only where the run is tracked.
     """
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
-    spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
+    spec = spec_from(spec, spec_file, rerun_of)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here
-    flow_run = this_flow_run()
+    flow_run = {**this_flow_run(), "rerun_of": rerun_of}
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
         with turn_for_gpus(spec, flow_run["id"]) as quota:

@@ -16,13 +16,16 @@ from gpuflow.flows.deployments.known_servers import tracking_tag
 from gpuflow.flows.quota import POOL_TAG_PREFIX, need_of
 
 
-def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
+def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None,
+              rerun_of: str | None = None) -> ExperimentSpec:
     """The spec a run uses: the YAML file when one is given (serve's overrides fill what it leaves out), else the
-    form's (or Python's) spec.
+    form's (or Python's) spec; with rerun_of, the spec of that run as it ran.
 
     A run of a deployment with a form_policy (prefect.yaml) may change only what the policy allows: anything
     else is refused here, before anything exists."""
     policy = form_policy_of_this_run()
+    if rerun_of:
+        return rerun_spec(rerun_of, spec_from(spec, spec_file), policy)
     if policy and spec_file and not policy.allows("spec_file"):
         return policy.enforce(policy.baseline, spec_file)  # refused without reading a file of the worker
     if spec_file:
@@ -36,6 +39,43 @@ def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) 
     return policy.enforce(chosen, spec_file) if policy else chosen
 
 
+
+
+def rerun_spec(rerun_of: str, asked: ExperimentSpec, policy: FormPolicy | None) -> ExperimentSpec:
+    """The run `rerun_of` (an MLflow or Prefect flow run id, the UI's rerun field) as it ran, prepared here as `gpuflow
+    rerun` prepares it: its commit and changes checked out, its data checked, looked up in `asked`'s tracking store.
+    A deployment with a form_policy reruns only what its form could have run (its workdir aside: the rerun's is the
+    checkout). A spec `gpuflow rerun` prepared, whose workdir is a rerun's checkout already, runs as given."""
+    from gpuflow.cluster.rerun.plan import Ask, prepare
+
+    cache = rerun_cache()
+    if Path(asked.workdir).expanduser().resolve().is_relative_to(cache.resolve()):
+        return asked
+    prepared = prepare(Ask(rerun_of, [asked.tracking_uri]), Path(asked.workdir).expanduser(), cache)
+    if policy:
+        policy.enforce(parse_spec({**prepared.found.recorded_spec(), "workdir": policy.baseline.workdir}))
+    return prepared.spec
+
+
+def rerun_cache() -> Path:
+    from gpuflow.cluster.config import state_dir
+
+    return state_dir() / "reruns"
+
+
+def hooks_spec(parameters: dict) -> ExperimentSpec:
+    """The spec a flow run's cancel and crash hooks act on (its backend, its tracking store), from its parameters
+    alone: a rerun from the UI's is the recorded spec of the run it reran, read without a checkout."""
+    asked = spec_from(parameters.get("spec"), parameters.get("spec_file"))
+    rerun_of = parameters.get("rerun_of")
+    if not rerun_of or Path(asked.workdir).expanduser().resolve().is_relative_to(rerun_cache().resolve()):
+        return asked
+    from gpuflow.cluster.rerun.find import find_run
+
+    found = find_run(rerun_of, [asked.tracking_uri])
+    recorded = found.recorded_spec()
+    recorded.setdefault("tracking", {})["uri"] = found.tracking_uri
+    return parse_spec({**recorded, "workdir": asked.workdir})
 
 
 def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | None:

@@ -11,10 +11,11 @@ from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from gpuflow.cluster.lineage import source_tags
+from gpuflow.cluster.lineage import DIFF_ARTIFACT, source_tags, uncommitted_changes
 from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG,
                                       TRIGGERED_BY_TAG)
-from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
+from gpuflow.cluster.rerun.links import link_rerun, rerun_tags
+from gpuflow.cluster.run.mlflow_run import artifact_repo, log_bytes_to, log_text_to
 from gpuflow.cluster.run.record import client_for, experiment_id, experiment_of, open_command, remember_experiment, run_url
 from gpuflow.cluster.spec import ExperimentSpec
 
@@ -52,7 +53,8 @@ def refusal(exc: MlflowException, spec: ExperimentSpec) -> MlflowException:
 @task(name="open-mlflow-run", retries=2, retry_delay_seconds=[2, 5], retry_condition_fn=not_refused)
 def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> RunInfo:
     """Creates the run the job will log into: spec.yaml, and tags linking it to the Prefect run, saying who ran it
-    and which commit of the project (MLflow's source tags, when the workdir is a git repository).
+    and which commit of the project (MLflow's source tags, when the workdir is a git repository), with its
+    uncommitted changes as source/uncommitted.diff; a rerun's link to the run it reran, both ways.
     Three calls to the tracking server (its experiment, the run, spec.yaml): its params go in with its price and lease
     (RunRecord.opened), in one more."""
     client = client_for(spec)
@@ -66,6 +68,10 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         "mlflow.runName": flow_run["name"],
         **source_tags(spec.workdir),
     }
+    changes_tags, diff = uncommitted_changes(spec.workdir)
+    tags.update(changes_tags)
+    if flow_run.get("rerun_of"):
+        tags.update(rerun_tags(client, flow_run["rerun_of"]))
     if os.environ.get("MLFLOW_TRACKING_USERNAME"):  # else MLflow's default
         tags[USER_TAG] = os.environ["MLFLOW_TRACKING_USERNAME"]
     if flow_run.get("created_by"):
@@ -78,7 +84,12 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         run_id = run.info.run_id
         remember_experiment(run_id, experiment)
         spec_yaml = yaml.safe_dump(spec.model_dump(mode="json", exclude={"secrets"}), sort_keys=False)
-        log_text_to(artifact_repo(run.info.artifact_uri, spec.tracking_uri), spec_yaml, "spec.yaml")
+        artifacts = artifact_repo(run.info.artifact_uri, spec.tracking_uri)
+        log_text_to(artifacts, spec_yaml, "spec.yaml")
+        if diff:
+            log_bytes_to(artifacts, diff, DIFF_ARTIFACT)
+        if flow_run.get("rerun_of"):
+            link_rerun(client, flow_run["rerun_of"], run_id)
     except MlflowException as exc:
         if exc.error_code in REFUSED:
             raise refusal(exc, spec) from exc

@@ -89,6 +89,15 @@ def log_text_to(repo, text: str, artifact_file: str) -> None:
         repo.log_artifact(str(path), str(where.parent) if str(where.parent) != "." else None)
 
 
+def log_bytes_to(repo, data: bytes, artifact_file: str) -> None:
+    """log_text_to, for bytes (a binary diff is no text)."""
+    where = Path(artifact_file)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder, where.name)
+        path.write_bytes(data)
+        repo.log_artifact(str(path), str(where.parent) if str(where.parent) != "." else None)
+
+
 def runs_of_flow_run(client, flow_run_id: str, experiment: str | None = None, running: bool = False) -> list:
     """The MLflow runs a flow run made (a sweep's parent and its trials too), found by their flow-run tag: in the
     named experiment, or in every active one; with `running`, only those still RUNNING."""

@@ -1,6 +1,7 @@
 """The gpuflow command: run, validate (and plan, deploy, serve, cost) experiment specs.
 
     gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
+    gpuflow rerun RUN [--dry-run]      # an MLflow (or Prefect flow) run again: its commit, changes, spec, data
     gpuflow validate my.yaml
     gpuflow cost --since 7d
     gpuflow status                     # what is running or waiting now, its cluster, GPUs, cost so far
@@ -21,7 +22,7 @@ from gpuflow.cluster.spec import SpecError
 
 # Each command's module, in the order `gpuflow -h` lists them: its add_parser(commands) and run(args) -> exit code.
 COMMANDS = {
-    "run": "run", "validate": "check", "plan": "check",
+    "run": "run", "rerun": "run", "validate": "check", "plan": "check",
     "cost": "cost", "share": "share", "notify": "notify", "quota": "quota", "status": "status",
     "serve": "deployments", "up": "stack", "down": "stack", "deploy": "deployments", "init": "starter",
 }

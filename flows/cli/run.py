@@ -3,6 +3,7 @@ the console, a cluster warmed while the flow starts, the flow run itself, and th
 
     gpuflow run experiments/digits.yaml [-v] [--set field=value ...]
     gpuflow run --deployment run-experiment/run-experiment [--set ...]   # a run of a served deployment, as yours
+    gpuflow rerun RUN [--dry-run] [--on N|GPU:COUNT] [--set ...]   # a run again, as it ran (cluster/rerun/)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from gpuflow.cluster.spec import check_entrypoints, load_spec, validate_spec
 from gpuflow.cluster.util.preload import import_in_background
@@ -20,6 +22,8 @@ from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, temporary
 
 
 def add_parser(commands, name: str) -> None:
+    if name == "rerun":
+        return add_rerun_parser(commands, name)
     command = commands.add_parser(name, help="run an experiment: provision, train, track, tear down")
     command.add_argument("spec", nargs="?", help="experiment spec (YAML)")
     command.add_argument("--deployment", metavar="FLOW/NAME",
@@ -30,7 +34,26 @@ def add_parser(commands, name: str) -> None:
                          help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
 
 
+def add_rerun_parser(commands, name: str) -> None:
+    command = commands.add_parser(name, help="run a run again as it ran: its commit and uncommitted changes, its spec, "
+                                  "its data checked by digest; linked to it in MLflow")
+    command.add_argument("run", help="the MLflow run id, or the Prefect flow run id, of the run to rerun")
+    command.add_argument("--tracking-uri", help="where the run is tracked (default: the local store under "
+                         "GPUFLOW_HOME, then the tracking servers the Prefect API knows)")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                         help="override a field of the run's spec, as gpuflow run does (repeatable)")
+    command.add_argument("--on", metavar="N|GPU:COUNT", help="other hardware: compute option N alone (as gpuflow "
+                         "plan numbers them), or every option on this accelerator, e.g. H100:1")
+    command.add_argument("--dry-run", action="store_true", help="say what would run and what differs; launch nothing")
+    command.add_argument("--allow-data-change", action="store_true", help="rerun on the data as it is now")
+    command.add_argument("--allow-unrecorded-changes", action="store_true",
+                         help="rerun the commit alone when the run's uncommitted changes were not recorded")
+    command.add_argument("-v", "--verbose", action="store_true", help="show the job's every line here")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.command == "rerun":
+        return rerun(args)
     if args.deployment:
         from gpuflow.flows.deployments.trigger import trigger
 
@@ -94,7 +117,7 @@ def exit_without_prefect(spec, outcome: str, log_file) -> None:
     os._exit(1)
 
 
-def run_spec(spec, verbose: bool = False) -> int:
+def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     interrupt_on_sigterm()
     started = time.time()
@@ -116,7 +139,7 @@ def run_spec(spec, verbose: bool = False) -> int:
         if api:
             api.ready()
         try:
-            state = run_experiment(spec, return_state=True)
+            state = run_experiment(spec, rerun_of=rerun_of, return_state=True)
         except Exception as exc:
             if prefect_api_answers():
                 raise
@@ -164,3 +187,51 @@ def run_spec(spec, verbose: bool = False) -> int:
         print(f"  recovered    {cost['recoveries']:g} time(s) from a lost cluster: {cost['lost_compute_seconds']:.0f}s "
               f"of training redone, {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
     return 0
+
+
+def tracking_uris(given: str | None):
+    """Where to look for the run to rerun: the store given, else this machine's, then the servers Prefect knows."""
+    from gpuflow.cluster.config import default_tracking_uri
+
+    if given:
+        yield given
+        return
+    yield default_tracking_uri()
+    from gpuflow.flows.reconcile.records import tracking_uris_or_local
+
+    yield from (uri for uri in tracking_uris_or_local() if uri != default_tracking_uri())
+
+
+def rerun(args: argparse.Namespace) -> int:
+    """`gpuflow rerun RUN`: every check first (cluster/rerun/plan.py), then the run as `gpuflow run` runs it, then the
+    two runs compared."""
+    from gpuflow.cluster.config import state_dir
+    from gpuflow.cluster.rerun import RerunRefused
+    from gpuflow.cluster.rerun.plan import Ask, describe, prepare
+
+    ask = Ask(args.run, tracking_uris(args.tracking_uri), tuple(args.overrides), args.on, args.allow_data_change,
+              args.allow_unrecorded_changes)
+    try:
+        planned = prepare(ask, Path.cwd(), state_dir() / "reruns")
+    except RerunRefused as exc:
+        print(f"gpuflow rerun: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(describe(planned)))
+    if args.dry_run:
+        print("gpuflow rerun: --dry-run: nothing launched")
+        return 0
+    code = run_spec(planned.spec, args.verbose, rerun_of=planned.found.run_id)
+    print_comparison(planned)
+    return code
+
+
+def print_comparison(planned) -> None:
+    from mlflow import MlflowClient
+
+    from gpuflow.cluster.rerun.links import comparison, latest_rerun
+
+    client = MlflowClient(planned.spec.tracking_uri)
+    new_run_id = latest_rerun(client, planned.spec.experiment_name, planned.found.run_id)
+    if new_run_id:
+        print(f"\n  rerun of     {planned.found.run_id} -> {new_run_id}")
+        print("\n".join("  " + line for line in comparison(planned.found.run, client.get_run(new_run_id))))

@@ -1,0 +1,10 @@
+"""`gpuflow rerun RUN`: an MLflow run (or a Prefect flow run) run again as it ran, from what the run recorded.
+
+find.py (the run, from its id or its flow run's), source.py (a checkout of its commit, its uncommitted diff applied),
+checks.py (its data, by digest; its packages, against this environment), plan.py (the spec to run and what it says),
+links.py (the tags that link a run and its reruns; the comparison of the two).
+"""
+
+
+class RerunRefused(ValueError):
+    """A rerun that cannot run as the run ran: what differs, and the flag or step that goes on anyway."""

@@ -1,0 +1,87 @@
+"""The code a run ran: its recorded commit checked out in a folder of its own (a clone of this repository sharing its
+objects: the user's repository and worktrees stay as they are), its uncommitted diff applied. Kept for the next rerun
+of the same source."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY, MLFLOW_GIT_REPO_URL
+
+from gpuflow.cluster.lineage import DIFF_ARTIFACT, git
+from gpuflow.cluster.protocol import DIFF_TOO_LARGE_TAG, SOURCE_WORKDIR_TAG
+from gpuflow.cluster.rerun import RerunRefused
+
+READY = ".gpuflow-rerun-ready"  # written last: a checkout without it was interrupted, and is made again
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a run recorded of its code: its commit, its uncommitted diff, its workdir inside the repository, and why
+    its uncommitted changes cannot be reproduced (None: they can, or there were none)."""
+
+    commit: str
+    diff: bytes
+    workdir: str
+    repo_url: str | None
+    unrecorded: str | None
+
+
+def recorded_source(client, source_run) -> Source:
+    """The source the run recorded; refuses a run that recorded no commit."""
+    tags, run_id = source_run.data.tags, source_run.info.run_id
+    commit = tags.get(MLFLOW_GIT_COMMIT)
+    if not commit:
+        raise RerunRefused(f"run {run_id} recorded no git commit (its workdir was not a git repository): there is "
+                           "no code to check out; run its spec again with gpuflow run")
+    diff, unrecorded = b"", None
+    if tags.get(MLFLOW_GIT_DIRTY) == "true":
+        if DIFF_TOO_LARGE_TAG in tags:
+            unrecorded = f"its uncommitted changes were too large to record ({tags[DIFF_TOO_LARGE_TAG]})"
+        else:
+            try:
+                diff = Path(client.download_artifacts(run_id, DIFF_ARTIFACT)).read_bytes()
+            except Exception:
+                unrecorded = f"it ran with uncommitted changes but has no {DIFF_ARTIFACT} (an older gpuflow's run)"
+    return Source(commit, diff, tags.get(SOURCE_WORKDIR_TAG, "."), tags.get(MLFLOW_GIT_REPO_URL), unrecorded)
+
+
+def repository_here(folder: Path) -> Path:
+    top = git(folder, "rev-parse", "--show-toplevel")
+    if not top:
+        raise RerunRefused(f"{folder} is not in a git repository: run gpuflow rerun from a clone of the run's project")
+    return Path(top)
+
+
+def checkout(repository: Path, source: Source, cache: Path) -> Path:
+    """A folder with the source's commit of `repository` checked out and its diff applied; reused when made before."""
+    commit, diff = source.commit, source.diff
+    if git(repository, "cat-file", "-e", f"{commit}^{{commit}}") is None:
+        remote = f" from {source.repo_url}" if source.repo_url else ""
+        raise RerunRefused(f"commit {commit} (the run's code) is not in {repository}: `git fetch`{remote} the branch "
+                           "that has it, then rerun")
+    folder = cache / f"{commit[:12]}-{hashlib.sha256(diff).hexdigest()[:12]}"
+    if (folder / READY).is_file():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    run_git(cache, "clone", "--quiet", "--shared", "--no-checkout", str(repository), str(folder))
+    run_git(folder, "-c", "advice.detachedHead=false", "checkout", "--quiet", "--detach", commit)
+    if diff:
+        (folder / ".git" / "gpuflow-uncommitted.diff").write_bytes(diff)
+        run_git(folder, "apply", "--binary", "--whitespace=nowarn", str(folder / ".git" / "gpuflow-uncommitted.diff"))
+    (folder / ".git" / "info").mkdir(exist_ok=True)
+    with open(folder / ".git" / "info" / "exclude", "a") as exclude:
+        exclude.write(f"\n{READY}\n")
+    (folder / READY).write_text(commit + "\n")
+    return folder
+
+
+def run_git(folder: Path, *args: str) -> None:
+    done = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RerunRefused(f"git {' '.join(args[:3])} in {folder} failed: {done.stderr.strip()[-500:]}")
