@@ -11,6 +11,7 @@ from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from gpuflow.cluster.cost.history import identity_tags
 from gpuflow.cluster.lineage import source_tags
 from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG,
                                       TRIGGERED_BY_TAG)
@@ -65,6 +66,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         CLUSTER_TAG: cluster_name,
         "mlflow.runName": flow_run["name"],
         **source_tags(spec.workdir),
+        **identity_tags(spec),  # the same loop on the same hardware: what later runs are predicted from
     }
     if os.environ.get("MLFLOW_TRACKING_USERNAME"):  # else MLflow's default
         tags[USER_TAG] = os.environ["MLFLOW_TRACKING_USERNAME"]
