@@ -143,9 +143,13 @@ def present(values) -> list[float]:
 
 
 def span_text(span: Span, unit) -> str:
-    if unit(span.low) == unit(span.high):
+    low, high = unit(span.low), unit(span.high)
+    if low == high:
         return unit(span.median)
-    return f"{unit(span.median)} ({unit(span.low)}–{unit(span.high)})"
+    suffix = " " + high.rsplit(" ", 1)[-1] if " " in high else ""
+    if suffix and low.endswith(suffix):  # "40–50 s", not "40 s–50 s"
+        low = low.removesuffix(suffix)
+    return f"{unit(span.median)} ({low}–{high})"
 
 
 def duration(seconds: float) -> str:
