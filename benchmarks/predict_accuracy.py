@@ -48,8 +48,15 @@ def rows(spec) -> list[dict]:
         prediction = predict(runs[:i], spec, identity)
         logged = client.get_run(run.run_id).data.metrics.get(PREDICTED_WALL_METRIC)
         table.append({"run": i + 1, "history": len(prediction.based_on), "actual": run.wall_s, "logged": logged,
-                      "prediction": prediction})
+                      "prediction": prediction, "phases": phases_of(run)})
     return table
+
+
+def phases_of(run) -> str:
+    """Where the run's wall time went: what a miss is made of."""
+    parts = {"provision": run.provision_s, "1st epoch": run.first_epoch_s, "epoch": run.epoch_s,
+             "teardown": run.teardown_s}
+    return "  ".join(f"{name} {value:.1f}" for name, value in parts.items() if value is not None)
 
 
 def error_pct(predicted: float, actual: float) -> float:
@@ -88,7 +95,8 @@ def main() -> None:
         else:
             shown, error = "bound only", "—"
         logged = "—" if row["logged"] is None else f"{row['logged']:.1f}"
-        print(f"{row['run']:>4} {row['history']:>8} {shown:>24} {logged:>15} {row['actual']:>9.1f} {error:>8}")
+        print(f"{row['run']:>4} {row['history']:>8} {shown:>24} {logged:>15} {row['actual']:>9.1f} {error:>8}   "
+              f"{row['phases']}")
     last = table[-1]
     figures = {"runs": len(table), "epochs": args.epochs, "history runs": last["history"]}
     if last["prediction"].known:
