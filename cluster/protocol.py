@@ -180,6 +180,10 @@ PLACEMENT_GROUP_TAG = "gpuflow.placement_group"  # the trial's Ray placement gro
 BEST_RUN_TAG = "gpuflow.best_run_id"  # a sweep's best trial, on the parent run
 RESERVED_FOR_TAG = "gpuflow.reserved_for"  # a budget reservation's flow run id, the same as its prefect.flow_run_id tag
 RESERVATION_EXPIRES_TAG = "gpuflow.reservation_expires_at"  # when a budget reservation lapses (epoch seconds)
+LOOP_DIGEST_TAG = "gpuflow.loop_digest"  # sha256 (short) of the training loop's file: runs of the same loop
+HARDWARE_TAG = "gpuflow.hardware"  # backend, nodes × workers, accelerators (local: CPUs): runs on the same hardware
+PREDICTED_WALL_METRIC = "predicted_wall_seconds"  # at open, from past runs (cluster/cost/predict.py), beside the
+PREDICTED_COST_METRIC = "predicted_cost_usd"  # actual gpuflow.wall_seconds and cost_usd logged at close
 
 # A rerun (`gpuflow rerun`): both runs name each other; the run's source beyond its commit, for a rerun to rebuild it.
 RERUN_OF_TAG = "gpuflow.rerun_of"  # on a rerun: the run it reran

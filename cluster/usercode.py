@@ -6,6 +6,7 @@ job on the cluster will.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import sys
 from pathlib import Path
@@ -31,3 +32,27 @@ class on_sys_path:
 
     def __exit__(self, *exc):
         sys.path.remove(self.folder)
+
+
+def module_file(workdir: str, module_name: str) -> Path | None:
+    """The source file of a module, found as the job imports it: in the workdir first, else on sys.path."""
+    base = Path(workdir).absolute().joinpath(*module_name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    import importlib.util
+
+    try:
+        with on_sys_path(workdir):
+            found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None
+    return Path(found.origin) if found and found.origin and Path(found.origin).is_file() else None
+
+
+def loop_digest(workdir: str, entrypoint: str) -> str:
+    """A short sha256 of the loop's source file: runs of the same loop share it, an edited loop gets another.
+    A loop whose file is not found is known by its entrypoint's name alone."""
+    path = module_file(workdir, entrypoint.split(":")[0])
+    content = path.read_bytes() if path else f"entrypoint {entrypoint}".encode()
+    return hashlib.sha256(content).hexdigest()[:12]

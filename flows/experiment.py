@@ -121,13 +121,14 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of:
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
     spec = spec_from(spec, spec_file, rerun_of)  # a bad YAML file fails the run here, naming the field
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
-    spec = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
+    spec, prediction = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here
     flow_run = {**this_flow_run(), "rerun_of": rerun_of}
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
         with turn_for_gpus(spec, flow_run["id"]) as quota:
             run = ExperimentRun.begin(spec, flow_run, webhook)
+            run.record.prediction = prediction
             if quota.lease_id:  # it held a quota
                 run.record.phases["queue_seconds"] = quota.waited_s
             return run_on_a_cluster(run)

@@ -7,20 +7,26 @@ from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.util.local_store import ready_local_store
 from gpuflow.cluster.spec import ExperimentSpec, validate_spec
 from gpuflow.cluster.cost.budget import check_budget
+from gpuflow.cluster.cost.history import prediction_for
+from gpuflow.cluster.cost.predict import Prediction
 
 
 @task(name="validate")
-def validate(spec: ExperimentSpec) -> ExperimentSpec:
-    """Fails with every problem listed (field, value, fix) before anything is started or billed."""
+def validate(spec: ExperimentSpec) -> tuple[ExperimentSpec, Prediction]:
+    """Fails with every problem listed (field, value, fix) before anything is started or billed. Returns the spec
+    and the run's time and cost predicted from past runs of its loop on its hardware (logged when its run opens)."""
     spec = check_infra(validate_spec(spec))
-    estimate = check_budget(spec, runtime.flow_run.id)  # reserves, then refuses here, before any cluster exists
+    prediction = prediction_for(spec)
+    # reserves, then refuses here, before any cluster exists
+    estimate = check_budget(spec, runtime.flow_run.id, prediction)
     ready_local_store(spec.tracking_uri)  # runs started at once on a fresh store must not all create it
     get_run_logger().info(
         f"spec {spec.name!r} is valid: backend={spec.compute.backend} nodes={spec.compute.num_nodes} "
         f"workers={spec.compute.num_workers} precision={spec.precision}; "
         f"price {estimate.describe()}, at most ${estimate.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes"
     )
-    return spec
+    get_run_logger().info("\n".join(prediction.lines(estimate)))
+    return spec, prediction
 
 
 @task(name="stage-data", retries=2, retry_delay_seconds=[2, 10])

@@ -11,6 +11,7 @@ from mlflow.exceptions import MlflowException
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
+from gpuflow.cluster.cost.history import identity_tags
 from gpuflow.cluster.lineage import DIFF_ARTIFACT, source_tags, uncommitted_changes
 from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG,
                                       TRIGGERED_BY_TAG)
@@ -67,6 +68,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         CLUSTER_TAG: cluster_name,
         "mlflow.runName": flow_run["name"],
         **source_tags(spec.workdir),
+        **identity_tags(spec),  # the same loop on the same hardware: what later runs are predicted from
     }
     changes_tags, diff = uncommitted_changes(spec.workdir)
     tags.update(changes_tags)

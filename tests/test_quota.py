@@ -520,4 +520,8 @@ def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(prefect_s
 
     spec = local_spec("any")
     run = open_mlflow_run(spec, "gpuflow-x", {"id": flow_run_id, "name": flow_run.name, "triggered_by": "bob"})
-    assert MlflowClient(spec.tracking_uri).get_run(run.run_id).data.tags[TRIGGERED_BY_TAG] == "bob"
+    tags = MlflowClient(spec.tracking_uri).get_run(run.run_id).data.tags
+    assert tags[TRIGGERED_BY_TAG] == "bob"
+    from gpuflow.cluster.cost.history import identity_tags
+
+    assert identity_tags(spec).items() <= tags.items()  # what later runs are predicted from

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from mlflow import MlflowClient
 
 from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
+from gpuflow.cluster.cost.predict import Prediction
 from gpuflow.cluster.cost.pricing import Estimate, hourly_cost
 from gpuflow.cluster.protocol import RESERVATION_EXPIRES_TAG, RESERVED_FOR_TAG
 from gpuflow.cluster.util.local_store import ready_local_store
@@ -34,8 +35,9 @@ class BudgetExceeded(ValueError):
     """The run could cost more than a limit allows; the message gives both figures and what to change."""
 
 
-def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
-    """Refuses a run whose hourly price × limits.max_runtime_minutes exceeds limits.max_cost_usd."""
+def check_run_budget(spec: ExperimentSpec, estimate: Estimate, prediction: Prediction | None = None) -> None:
+    """Refuses a run whose hourly price × limits.max_runtime_minutes exceeds limits.max_cost_usd; the refusal says
+    the prediction from past runs too, when there is one."""
     limit = spec.limits.max_cost_usd
     worst = estimate.max_runtime_cost_usd(spec)
     if limit is None or worst <= limit:
@@ -45,7 +47,8 @@ def check_run_budget(spec: ExperimentSpec, estimate: Estimate) -> None:
         f"limits.max_cost_usd: this run may cost ${worst:.2f} (${estimate.hourly_usd:.4g}/h × "
         f"{spec.limits.max_runtime_minutes:g} min of limits.max_runtime_minutes), more than max_cost_usd=${limit:.2f}. "
         f"Lower limits.max_runtime_minutes to {affordable_minutes:.0f} or less, raise limits.max_cost_usd to "
-        f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})")
+        f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})"
+        f"{prediction.refusal_note(estimate, limit, 'max_cost_usd') if prediction else ''}")
 
 
 def daily_budget_usd() -> float | None:
@@ -59,7 +62,7 @@ def daily_budget_usd() -> float | None:
 
 
 def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd: float,
-                       budget_usd: float | None) -> None:
+                       budget_usd: float | None, prediction: Prediction | None = None) -> None:
     """Refuses a run that could take today's spend (runs started since 00:00 UTC) past the daily budget."""
     if budget_usd is None:
         return
@@ -69,7 +72,8 @@ def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd
     raise BudgetExceeded(
         f"{DAILY_BUDGET_ENV}=${budget_usd:.2f}: runs started today (UTC) cost ${spent_today_usd:.2f} and this one "
         f"may cost ${worst:.2f}, ${spent_today_usd + worst:.2f} in all. Lower limits.max_runtime_minutes, "
-        f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC")
+        f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC"
+        f"{prediction.refusal_note(estimate, budget_usd - spent_today_usd, 'budget left') if prediction else ''}")
 
 
 @dataclass(frozen=True)
@@ -124,14 +128,14 @@ def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | 
 
 
 def reserve_within_budget(spec: ExperimentSpec, estimate: Estimate, budget_usd: float, owner: str,
-                          attempts: int = ATTEMPTS) -> Reservation | None:
+                          attempts: int = ATTEMPTS, prediction: Prediction | None = None) -> Reservation | None:
     """Reserves the run's most (price × max runtime), then refuses it (BudgetExceeded) if today's total breaks the budget.
 
     Returns the reservation to release at the run's end (None for a free run: nothing to reserve)."""
     worst = estimate.max_runtime_cost_usd(spec)
     since = start_of_today_utc()
     if worst <= 0:
-        check_daily_budget(spec, estimate, committed_since_usd(spec.tracking_uri, since)[0], budget_usd)
+        check_daily_budget(spec, estimate, committed_since_usd(spec.tracking_uri, since)[0], budget_usd, prediction)
         return None
     # the run may first wait for the team's GPU quota (limits.max_queue_minutes): the reservation outlasts that too
     hold_s = (spec.limits.max_queue_minutes + spec.limits.max_runtime_minutes) * 60 + LAPSE_MARGIN_S
@@ -139,7 +143,7 @@ def reserve_within_budget(spec: ExperimentSpec, estimate: Estimate, budget_usd: 
         reservation = reserve(spec.tracking_uri, owner, worst, hold_s)
         others, rivals = committed_since_usd(spec.tracking_uri, since, exclude=reservation)
         try:
-            check_daily_budget(spec, estimate, others, budget_usd)
+            check_daily_budget(spec, estimate, others, budget_usd, prediction)
             return reservation
         except BudgetExceeded:
             release(reservation)
@@ -165,22 +169,25 @@ def release_reservations_of(tracking_uri: str, owner: str) -> int:
 
 
 # -- the run's side: checked before launch, settled at its end ---------------------------------------------------
-def check_budget(spec: ExperimentSpec, flow_run_id: str | None = None) -> Estimate:
+def check_budget(spec: ExperimentSpec, flow_run_id: str | None = None,
+                 prediction: Prediction | None = None) -> Estimate:
     """Prices the cluster and refuses the run if it could break limits.max_cost_usd or the daily budget.
 
     With a flow run id the run's most is reserved first (write, then read), so that runs started together
     cannot all pass a budget that fits one; the flow calls settle_budget(spec, flow_run_id) at its end.
-    Without one (`gpuflow validate`), it only reads."""
+    Without one (`gpuflow validate`), it only reads. The refusal is decided on the bound, never on the prediction
+    (which a refusal only quotes): the bound is what the run's limits enforce, so a run let in on its prediction
+    could still spend the bound, and reservations made on predictions would let concurrent runs past the budget."""
     estimate = hourly_cost(spec)
-    check_run_budget(spec, estimate)
+    check_run_budget(spec, estimate, prediction)
     budget = daily_budget_usd()
     if budget is not None:
         ready_local_store(spec.tracking_uri)  # read (and written) by runs that start together
         if flow_run_id:
-            reserve_within_budget(spec, estimate, budget, str(flow_run_id))
+            reserve_within_budget(spec, estimate, budget, str(flow_run_id), prediction=prediction)
         else:
             committed, _ = committed_since_usd(spec.tracking_uri, start_of_today_utc())
-            check_daily_budget(spec, estimate, committed, budget)
+            check_daily_budget(spec, estimate, committed, budget, prediction)
     return estimate
 
 

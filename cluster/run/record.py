@@ -16,9 +16,10 @@ from mlflow.entities import Metric, Param, RunInfo, RunTag
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
 from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
+from gpuflow.cluster.cost.predict import Prediction
 from gpuflow.cluster.protocol import (ATTEMPT_TAG_PREFIX, CHECKPOINTS_TAG, CLOSED_BY_TAG, INSTANCE_TYPE_TAG,
                                       LAUNCHED_TAG_PREFIX, NOTIFY_BLOCK_TAG, OPTION_TAG, PHASE_METRIC_PREFIX,
-                                      PRICE_SOURCE_TAG, STOPPED_BY_TAG)
+                                      PREDICTED_COST_METRIC, PREDICTED_WALL_METRIC, PRICE_SOURCE_TAG, STOPPED_BY_TAG)
 from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
@@ -92,6 +93,13 @@ def price_entries(price) -> tuple[dict[str, float], dict[str, str]]:
     return {HOURLY_METRIC: price.hourly_usd}, tags
 
 
+def prediction_metrics(prediction: Prediction | None, price) -> dict[str, float]:
+    """The run's predicted wall time and cost (medians of its history), to set beside the actual ones at its close."""
+    if prediction is None or not prediction.known:
+        return {}
+    return {PREDICTED_WALL_METRIC: prediction.wall.median, PREDICTED_COST_METRIC: prediction.cost_usd(price)}
+
+
 class RunRecord:
     """The flow's MLflow run from open to close: its lease renewed meanwhile, closed with the run's outcome and bill."""
 
@@ -100,6 +108,7 @@ class RunRecord:
         self.run_id: str | None = None
         self.artifact_uri: str | None = None
         self.phases: dict[str, float] = {}
+        self.prediction: Prediction | None = None  # from the validate task; logged at open
         self._lease: LeaseKeeper | None = None
 
     @contextmanager
@@ -119,6 +128,7 @@ class RunRecord:
         self.artifact_uri = run.artifact_uri  # the job logs its files there (JobEnv)
         grace_s = self.spec.limits.orphan_grace_minutes * 60
         metrics, tags = price_entries(price)
+        metrics.update(prediction_metrics(self.prediction, price))
         tags[CHECKPOINTS_TAG] = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
         tags.update(lease_tags(grace_s))
         if self.spec.notify:  # how the reaper finds the runs whose end may still be unsaid

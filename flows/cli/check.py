@@ -92,9 +92,12 @@ def plan(spec) -> int:
     check_infra(validate_spec(spec))
     print(f"# {describe(spec)}")
     if spec.compute.backend == "local":
-        for line in sweep_lines(spec, hourly_cost(spec)):
+        price = hourly_cost(spec)
+        for line in sweep_lines(spec, price):
             print(f"# {line}")
-        print("# local backend: a Ray cluster on this machine; nothing is billed.")
+        print("# local backend: a Ray cluster on this machine; nothing is billed."
+              if price.hourly_usd == 0 else f"# local backend, priced at {price.describe()}")
+        print_prediction(spec, price)
         return 0
     from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
 
@@ -106,6 +109,7 @@ def plan(spec) -> int:
         price = hourly_cost(spec)
         print(f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
               f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
+        print_prediction(spec, price)
     except CatalogMissing as exc:  # not a plan that can launch: SkyPilot would fail at launch, offline
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
@@ -120,3 +124,11 @@ def plan(spec) -> int:
         print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")
     print(task_yaml(spec), end="")
     return 0
+
+
+def print_prediction(spec, price) -> None:
+    """The run's time and cost predicted from past runs of its loop on its hardware, or why there is none."""
+    from gpuflow.cluster.cost.history import prediction_for
+
+    for line in prediction_for(spec).lines(price):
+        print(f"# {line}")
