@@ -3,6 +3,7 @@ gpuflow.rerun_by), and the comparison of the two that a rerun ends with."""
 
 from __future__ import annotations
 
+from gpuflow.cluster.cost.spend import COST_METRICS
 from gpuflow.cluster.protocol import NOTE_TAG, PHASE_METRIC_PREFIX, RERUN_BY_TAG, RERUN_OF_TAG
 
 EPOCH_METRIC = "perf/epoch_s"
@@ -62,7 +63,8 @@ def comparison(old_run, new_run) -> list[str]:
 
 def is_bookkeeping(key: str) -> bool:
     """gpuflow's own figures (phases, the meter's hours and dollars, telemetry), not what the loop reported."""
-    return key.startswith((PHASE_METRIC_PREFIX, "perf/", "system/")) or key.endswith(("_seconds", "_hours", "_usd"))
+    return (key in COST_METRICS or key.startswith((PHASE_METRIC_PREFIX, "perf/", "system/"))
+            or key.endswith(("_seconds", "_hours", "_usd")))
 
 
 def shown(value: float | None) -> str:

@@ -209,6 +209,7 @@ def rerun(args: argparse.Namespace) -> int:
     from gpuflow.cluster.rerun import RerunRefused
     from gpuflow.cluster.rerun.plan import Ask, describe, prepare
 
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # spec.yaml, the diff: no bars on stderr
     ask = Ask(args.run, tracking_uris(args.tracking_uri), tuple(args.overrides), args.on, args.allow_data_change,
               args.allow_unrecorded_changes)
     try:
