@@ -103,12 +103,14 @@ def cancel_asked(flow_run) -> bool:
     and Prefect then ends it Cancelled, an end that is never messaged."""
     from prefect.client.orchestration import get_client
 
+    from gpuflow.flows.cancel_watch import CANCEL_STATES
+
     try:
         with get_client(sync_client=True) as client:
             current = client.read_flow_run(flow_run.id).state
     except Exception:
         current = flow_run.state
-    return bool(current and (current.is_cancelling() or current.is_cancelled()))
+    return bool(current and current.type in CANCEL_STATES)
 
 
 def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:

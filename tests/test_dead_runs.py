@@ -84,8 +84,8 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(p
         processes.append(subprocess.Popen(
             [str(BIN / "python"), "-c", STARTED], stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
             env=base_env(PREFECT_API_URL=api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")))
-        started, provisioning = processes[2].stdout.readline().split()
-        assert started == "started"
+        said, provisioning = processes[2].stdout.readline().split()
+        assert said == "started"
         ours = {str(holding), str(waiting), provisioning}  # the worker's other tests may have live runs of their own
         wait_until(lambda: state_of(waiting).name == WAITING, 60, "the second run waits for the quota")
         row = next(row for row in status() if row.flow_run_id == str(waiting))
