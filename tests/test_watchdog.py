@@ -16,10 +16,10 @@ pytestmark = pytest.mark.full
 # The limits: room for the cluster and Ray Train's workers to start, so that the stop comes mid-training. The load
 # test, whose three flows at once once made the first epoch here take over 130 s, runs before this one in the same
 # lane of the suite (tests/conftest.py), never beside it. The budget's bill starts with provisioning, the timeout's
-# clock with the job: the budget needs the provisioning's time more (in CI the job once had 98 s of its 2 minutes
-# and had not reported its first epoch).
-LIMIT_MINUTES = 2.0
-BUDGET_MINUTES = 3.0
+# clock with the job: the budget needs the provisioning's time more. In CI, with this module's three flows and two
+# other lanes on two cores, a job has gone 98 s and once 120 s without its first epoch.
+LIMIT_MINUTES = 3.0
+BUDGET_MINUTES = 4.0
 HUNG_MINUTES = 0.75
 
 
