@@ -7,6 +7,9 @@
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
+    GPUFLOW_METADATA_URL      tests only: the base URL of a double of the clouds' node metadata service, asked for
+                              spot notices instead of each cloud's own (cluster/job/notices.py); the local backend's
+                              simulated node asks <url>/<its Ray node id>, and watches for notices only when it is set
 
 Each is read when asked for, not at import: one process may serve runs whose environments differ
 (`gpuflow serve`, a test session).
@@ -24,6 +27,7 @@ HOME_ENV = "GPUFLOW_HOME"
 DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
 STACK_ENV = "GPUFLOW_STACK"
 SHARED_PATH_ENV = "GPUFLOW_SHARED_PATH"
+METADATA_URL_ENV = "GPUFLOW_METADATA_URL"
 
 
 def state_dir() -> Path:
@@ -52,3 +56,8 @@ def shared_path() -> str | None:
 def serve_overrides() -> list[str]:
     """The `--set` of the `gpuflow serve` that started this run (none outside one)."""
     return json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")
+
+
+def metadata_url() -> str | None:
+    """The metadata service a test stands in for the clouds' (None: each cloud's own, on a cloud node)."""
+    return os.environ.get(METADATA_URL_ENV) or None
