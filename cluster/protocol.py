@@ -77,6 +77,10 @@ MARK = "[gpuflow]"  # gpuflow's own lines; the rest is Ray's, MLflow's or the lo
 SETUP_DONE = f"{MARK} setup finished"  # rank 0's first line on a cloud node: the job's runtime counts from here
 RESULT_PREFIX = f"{MARK} result "  # the job's last line: its summary as JSON
 STOP_PREFIX = f"{MARK} stopped "  # "<prefix><reason>: <detail>": the job stopped the run itself
+NOTICE_PREFIX = f"{MARK} preemption notice: "  # a node's watcher saw its cloud's notice and drained it in Ray
+# The job's exit when Ray Train ended training because a node was preempted (drained, its deadline passed): the node
+# may not be gone yet, so the flow waits for the loss as it does for a job killed by a signal.
+PREEMPTED_EXIT_CODE = 4
 
 
 def result_line(summary: dict) -> str:
@@ -85,6 +89,10 @@ def result_line(summary: dict) -> str:
 
 def stop_line(reason: str, detail: str) -> str:
     return f"{STOP_PREFIX}{reason}: {detail}"
+
+
+def notice_line(detail: str) -> str:
+    return NOTICE_PREFIX + detail
 
 
 def epoch_line(epoch: int, shown: str) -> str:
@@ -150,6 +158,7 @@ RENEWED_TAG = "gpuflow.lease_renewed_at"  # the flow's lease on the run (cluster
 GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP
 STOP_DETAIL_TAG = "gpuflow.stop_detail"
+PREEMPTION_NOTICE_TAG = "gpuflow.preemption_notice"  # the latest spot notice: its cloud, node, deadline (UTC)
 HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
 PHASE_METRIC_PREFIX = "gpuflow."  # + a phase's name: the flow's own figures, not the loop's reports
 PRICE_SOURCE_TAG = "gpuflow.price_source"  # where the run's price came from (Estimate.source)

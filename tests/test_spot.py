@@ -1,10 +1,13 @@
-"""Spot notices: each cloud's notice read from a double of its node metadata service (tests/support/metadata_double.py)."""
+"""Spot notices: each cloud's notice read from a double of its node metadata service (tests/support/metadata_double.py),
+the node drained in Ray by the notice's deadline, the MLflow run tagged."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +62,93 @@ def test_an_azure_preempt_event_for_this_vm_is_a_notice():
     with pytest.raises(NotThisCloud):
         azure_notice(404, b"<html>not here</html>", 0.0)
 
+
+def test_a_job_ended_by_a_preemption_is_a_loss_to_wait_for():
+    from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE
+    from gpuflow.cluster.run.monitor import JobFailed
+
+    assert JobFailed("preempted", PREEMPTED_EXIT_CODE).killed
+    assert not JobFailed("the loop's own error", 1).killed
+
+
+
+def test_a_node_without_a_metadata_service_ends_its_watch_at_once():
+    import subprocess
+    import sys
+
+    started = time.monotonic()
+    watch = subprocess.run([sys.executable, "-m", "gpuflow.cluster.job.spot_watch", "--gcs", "127.0.0.1:1",
+                            "--node-id", "ab" * 28, "--metadata-url", f"http://127.0.0.1:{free_port()}"],
+                           capture_output=True, text=True, timeout=60)
+    assert watch.returncode == 0 and watch.stdout == "", watch.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_ray_trains_watch_of_drains_is_on_only_where_a_notice_can_come(monkeypatch, tmp_path):
+    from gpuflow.cluster.job.spot_watch import expect_notices
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.cluster.util.ray_internals import PREEMPTION_POLL_ENV, PREEMPTION_WATCHER_ENV
+    from tests.support.repo import A_LOOP
+
+    for name in (PREEMPTION_WATCHER_ENV, PREEMPTION_POLL_ENV, "GPUFLOW_METADATA_URL"):
+        monkeypatch.delenv(name, raising=False)
+    def cloud_spec(**compute):
+        return parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "H100:1", **compute},
+                           "tracking": {"uri": "http://mlflow.example:5000"},
+                           "storage": {"checkpoints": "s3://a-bucket/gpuflow"}})
+
+    on_demand = cloud_spec()
+    spot_option = cloud_spec(options=[{"infra": "aws/us-east-1"}, {"infra": "gcp", "use_spot": True}])
+    assert expect_notices(on_demand) == {PREEMPTION_WATCHER_ENV: "0"}
+    assert expect_notices(spot_option) == {PREEMPTION_WATCHER_ENV: "1", PREEMPTION_POLL_ENV: "1"}
+    assert os.environ[PREEMPTION_WATCHER_ENV] == "1"
+    local = parse_spec(A_LOOP)
+    assert expect_notices(local)[PREEMPTION_WATCHER_ENV] == "0"
+    monkeypatch.setenv("GPUFLOW_METADATA_URL", "http://127.0.0.1:9")  # a test's double of the clouds
+    assert expect_notices(local)[PREEMPTION_WATCHER_ENV] == "1"
+
+
+@pytest.mark.full
+def test_a_notice_drains_its_node_in_ray_and_tags_the_run(gpuflow_home, monkeypatch, tmp_path):
+    """A real 2-node local cluster, a watch per node on the AWS double: the worker's notice drains the worker for
+    preemption, not the head, and the run says so. Nothing runs on the worker, so Ray lets it go at once (a busy
+    node stays, draining, until its workers stop: test_recovery.py's spot-notice test)."""
+    from mlflow import MlflowClient
+
+    from gpuflow.cluster.backends import cluster_name_for
+    from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend
+    from gpuflow.cluster.job.spot_watch import start_watches, stop_watches
+    from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG
+    from gpuflow.cluster.util.ray_internals import draining_nodes, preempted_nodes
+    from tests.support.processes import wait_until
+
+    client = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("spot"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", client.tracking_uri)
+    monkeypatch.setenv("GPUFLOW_MLFLOW_RUN_ID", run.info.run_id)
+    backend, name = LocalBackend(), cluster_name_for("5b0e2c7e-4f5a-4d9b-8c1e-3a2b1c0d9e8f")
+    backend.start_shaped({"num_nodes": 2, "cpus": 1}, name, os.getpid())
+    try:
+        gcs = backend.wait_until_up(name)
+        nodes = json.loads((Path(backend.record(name)["temp_dir"]) / NODES_FILE).read_text())
+        [head] = [node["node_id"] for node in nodes if node["head"]]
+        [worker] = [node["node_id"] for node in nodes if not node["head"]]
+        with metadata_double("aws") as double, open(tmp_path / "watch.log", "wb") as log:
+            watches = start_watches(gcs, [head, worker], double.url, out=log)
+            try:
+                wait_until(lambda: double.polls.get(head) and double.polls.get(worker), 60, "both watches polling")
+                assert draining_nodes(gcs) == {} and preempted_nodes(gcs) == {}
+                double.notify(worker, in_s=30)
+                assert watches[1].wait(timeout=60) == 0, "the worker's watch acts once, then ends"
+                drained = wait_until(lambda: preempted_nodes(gcs), 30, "the drained idle worker to leave")
+                assert list(drained) == [worker] and drained[worker].startswith("spot notice: aws takes node")
+                assert watches[0].poll() is None, "the head's watch goes on"
+            finally:
+                stop_watches(watches)
+        said = (tmp_path / "watch.log").read_text()
+        assert f"preemption notice: aws takes node {worker[:12]}" in said and "drained in Ray" in said, said
+        tag = client.get_run(run.info.run_id).data.tags[PREEMPTION_NOTICE_TAG]
+        assert f"aws takes node {worker[:12]}" in tag
+    finally:
+        backend.down(name)
+    assert backend.status() == []

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv
 from gpuflow.cluster.run import limits
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.limits import Check
@@ -44,8 +44,10 @@ class JobFailed(RuntimeError):
 
     @property
     def killed(self) -> bool:
-        """Ended by a signal or a broken stream, not by its own error: what a lost node looks like at first."""
-        return self.exit_code is None or self.exit_code < 0 or self.exit_code >= 128
+        """Ended by a signal or a broken stream, or by Ray Train on a node's preemption, not by its own error: what a
+        lost node looks like at first."""
+        return self.exit_code is None or self.exit_code < 0 or self.exit_code >= 128 or \
+            self.exit_code == PREEMPTED_EXIT_CODE
 
 
 class JobReported(Exception):

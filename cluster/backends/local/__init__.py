@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 LAUNCH_TIMEOUT_S = 120
 RECORD_S = 30.0  # a cluster's folder gets its record at once: one without it for longer lost its launcher
-NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
+NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid and Ray node id, head first (for tests)
 LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
 OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
 # The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process

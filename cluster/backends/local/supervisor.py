@@ -21,7 +21,7 @@ from pathlib import Path
 # Ray binds the host's primary address unless told this: every node on loopback, traffic stays local.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-from gpuflow.cluster.util.ray_internals import dead_processes, no_ray_address_file, raylet_pid  # noqa: E402
+from gpuflow.cluster.util.ray_internals import dead_processes, no_ray_address_file, node_id_of, raylet_pid  # noqa: E402
 
 # Cluster() records its address in /tmp/ray for `ray.init()` to find: no driver but ours may attach.
 no_ray_address_file()
@@ -64,8 +64,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     folder = Path(args.temp_dir)
-    write_atomically(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node)}
-                                                      for node in cluster.list_all_nodes()]))
+    write_atomically(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node),
+                                                       "node_id": node_id_of(node)} for node in cluster.list_all_nodes()]))
     write_atomically(Path(args.address_file), cluster.address)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
     lost = None
