@@ -34,6 +34,7 @@ from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 
 CONTEXTS = {"train": "training", "validation": "validation"}  # data.<split> -> MLflow's mlflow.data.context
 PACKAGES_ARTIFACT = "environment/packages.txt"
+SPEC_ARTIFACT = "spec.yaml"  # the run's whole spec, as the flow resolved it (tasks/tracking.py)
 GIT_TIMEOUT_S = 5
 DIFF_ARTIFACT = "source/uncommitted.diff"
 MAX_DIFF_BYTES = 10 * 1024 * 1024

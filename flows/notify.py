@@ -84,7 +84,7 @@ def notify_end(flow, flow_run, state) -> None:
         spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
     except Exception:  # a spec that does not load names no webhook either: its refusal is the run's message
         return
-    if not says(spec, state):
+    if not says(spec, state) or (state.is_crashed() and cancel_asked(flow_run)):
         return
     try:
         webhook = webhook_of(spec.notify.block)
@@ -96,6 +96,19 @@ def notify_end(flow, flow_run, state) -> None:
         failure = f"notification not sent: {type(exc).__name__}"
     if failure:
         log.warning(failure)
+
+
+def cancel_asked(flow_run) -> bool:
+    """Whether the user cancelled the run: a runner that kills a run whose cancel timed out calls its crash hooks,
+    and Prefect then ends it Cancelled, an end that is never messaged."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            current = client.read_flow_run(flow_run.id).state
+    except Exception:
+        current = flow_run.state
+    return bool(current and (current.is_cancelling() or current.is_cancelled()))
 
 
 def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:

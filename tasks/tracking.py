@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.cost.history import identity_tags
-from gpuflow.cluster.lineage import DIFF_ARTIFACT, source_tags, uncommitted_changes
+from gpuflow.cluster.lineage import DIFF_ARTIFACT, SPEC_ARTIFACT, source_tags, uncommitted_changes
 from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG,
                                       TRIGGERED_BY_TAG)
 from gpuflow.cluster.rerun.links import link_rerun, rerun_tags
@@ -87,7 +87,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         remember_experiment(run_id, experiment)
         spec_yaml = yaml.safe_dump(spec.model_dump(mode="json", exclude={"secrets"}), sort_keys=False)
         artifacts = artifact_repo(run.info.artifact_uri, spec.tracking_uri)
-        log_text_to(artifacts, spec_yaml, "spec.yaml")
+        log_text_to(artifacts, spec_yaml, SPEC_ARTIFACT)
         if diff:
             log_bytes_to(artifacts, diff, DIFF_ARTIFACT)
         if flow_run.get("rerun_of"):

@@ -194,9 +194,9 @@ def slurm_infra():
 #   most of them wait for a signal, a lease or a cleanup (their loops train an epoch a second);
 # - "main": everything else.
 LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_shipped.py", "tests/test_workers.py",
-                   "tests/test_own_project.py", "tests/test_watchdog.py"),
+                   "tests/test_own_project.py", "tests/test_watchdog.py", "tests/test_recovery.py"),
          "faults": ("tests/test_team_stack.py", "tests/test_quota.py", "tests/test_stack.py", "tests/test_faults.py",
-                    "tests/test_recovery.py", "tests/test_chaos.py")}
+                    "tests/test_chaos.py")}
 
 
 def lane_of(nodeid: str) -> str:

@@ -153,12 +153,32 @@ def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec,
     assert processes_of(gpuflow_home) == []
 
 
+def freeze_outside_a_write(process, store: Path, tries: int = 20) -> None:
+    """SIGSTOP at a moment the process holds no write lock on the local MLflow store (SQLite): frozen mid-write, it
+    would lock the job out of the store too, as no frozen laptop whose cluster and tracking server are elsewhere does."""
+    import sqlite3
+
+    for _ in range(tries):
+        process.send_signal(signal.SIGSTOP)
+        db = sqlite3.connect(store, timeout=2)
+        try:
+            db.execute("BEGIN IMMEDIATE")  # the write lock: waits out another writer, not a frozen one
+            db.rollback()
+            return
+        except sqlite3.OperationalError:
+            process.send_signal(signal.SIGCONT)
+            time.sleep(0.3)
+        finally:
+            db.close()
+    raise AssertionError(f"the flow process held the store's write lock at each of {tries} tries")
+
+
 def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_home):
     """SIGSTOP: the flow process lives on but does nothing; the job notices the lease, stops itself, and the
     flow, once thawed, ends Failed with the same reason."""
     run = GpuflowRun(digits_spec, gpuflow_home, GRACE)
     flow_run_id = run.wait_for_training()
-    run.process.send_signal(signal.SIGSTOP)
+    freeze_outside_a_write(run.process, Path(digits_spec.tracking_uri.removeprefix("sqlite:///")))
     stopped_at = time.monotonic()
     try:
         [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], CLEANUP_S,

@@ -130,6 +130,15 @@ def test_no_module_over_300_lines():
     assert long == {}
 
 
+def test_every_package_is_installed():
+    """pyproject.toml lists gpuflow's packages by name (its folders install under gpuflow.): one missing from the list
+    imports in an editable install and fails in a user's `pip install /path/to/gpuflow`."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert {name for name, path in modules().items() if path.name == "__init__.py"} - listed == set()
+
+
 def test_tasks_holds_only_tasks():
     """Each module of tasks/ is Prefect tasks: steps of the flow, each with its retries; helpers live elsewhere."""
     without = [path.name for path in PACKAGES["gpuflow.tasks"].glob("*.py")

@@ -214,3 +214,26 @@ def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, 
         assert len(messages) == 1, "a second pass sends nothing"
     tags = client.get_run(run_id).data.tags
     assert tags[NOTIFIED_TAG].startswith("crashed 20") and NOTIFY_SENDING_TAG not in tags
+
+
+def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_spec):
+    """A runner kills a run whose cancel timed out and calls its crash hooks; Prefect then ends it Cancelled: the
+    user asked for that end, which is never messaged. A crash of a run nobody cancelled is."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling, Crashed, Running
+
+    from gpuflow.flows.experiment import run_experiment
+    from gpuflow.flows.notify import notify_end
+
+    with webhook_receiver() as (url, messages):
+        assert gpuflow(["notify", "add", "cancelled-block", url]) == 0
+        spec = digits_spec.model_copy(update={"notify": NotifySpec(block="cancelled-block")})
+        with get_client(sync_client=True) as prefect:
+            runs = [prefect.create_flow_run(run_experiment, parameters={"spec": spec.model_dump(mode="json")})
+                    for _ in range(2)]
+            for flow_run, state in zip(runs, [Cancelling(), Running()]):
+                prefect.set_flow_run_state(flow_run.id, state, force=True)
+            for flow_run in runs:
+                notify_end(run_experiment, prefect.read_flow_run(flow_run.id), Crashed(message="killed"))
+        time.sleep(0.5)
+        assert [message["subject"] for message in messages] == [f"gpuflow: {runs[1].name} crashed"]

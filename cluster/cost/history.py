@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import statistics
-from pathlib import Path
 
 from gpuflow.cluster.cost.predict import HISTORY_RUNS, Identity, PastRun, Prediction, predict
 from gpuflow.cluster.protocol import HARDWARE_TAG, LOOP_DIGEST_TAG, PHASE_METRIC_PREFIX
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
 from gpuflow.cluster.usercode import loop_digest
+from gpuflow.cluster.util.local_store import store_exists
 
 EPOCH_METRIC = "perf/epoch_s"  # each epoch's wall time, as the loop reported it (cluster/loop.py)
 
@@ -102,13 +102,6 @@ def epochs_of(param: str | None, epoch_times_s: list[float]) -> int:
 
 def phase(name: str) -> str:
     return f"{PHASE_METRIC_PREFIX}{name}_seconds"
-
-
-def store_exists(tracking_uri: str) -> bool:
-    """False for a local store not yet created: reading it would create it (tables and all) for nothing."""
-    if tracking_uri.startswith("sqlite:///"):
-        return Path(tracking_uri.removeprefix("sqlite:///")).is_file()
-    return True
 
 
 def quoted(value: str) -> str:

@@ -13,11 +13,12 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
+from gpuflow.cluster.lineage import SPEC_ARTIFACT
 from gpuflow.cluster.protocol import TRIAL_ID_TAG
 from gpuflow.cluster.rerun import RerunRefused
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
+from gpuflow.cluster.util.local_store import store_exists
 
-SPEC_ARTIFACT = "spec.yaml"
 RUN_ID = re.compile(r"^[0-9A-Za-z-]{8,64}$")  # MLflow's hex ids, Prefect's UUIDs
 
 
@@ -71,7 +72,7 @@ def find_run(ref: str, tracking_uris: Iterable[str]) -> FoundRun:
     searched = []
     for uri in tracking_uris:
         searched.append(uri)
-        if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        if not store_exists(uri):
             continue
         client = MlflowClient(uri)
         run = run_by_id(client, ref) or run_of_flow_run(client, ref)

@@ -12,6 +12,11 @@ from pathlib import Path
 _ready: set[str] = set()
 
 
+def store_exists(tracking_uri: str) -> bool:
+    """False for a sqlite:/// store not yet made: reading one creates it, tables and all; any other URI is a server."""
+    return not tracking_uri.startswith("sqlite:///") or Path(tracking_uri.removeprefix("sqlite:///")).is_file()
+
+
 def ready_local_store(tracking_uri: str) -> None:
     """Creates (or upgrades) a sqlite:/// store under a lock beside it; any other URI is the server's business."""
     if not tracking_uri.startswith("sqlite:///") or tracking_uri in _ready:
