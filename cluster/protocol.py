@@ -95,6 +95,11 @@ def notice_line(detail: str) -> str:
     return NOTICE_PREFIX + detail
 
 
+def nodes_line(alive: int, of: int) -> str:
+    """An elastic run's cluster has `alive` of its `of` nodes: the flow bills those (Meter.resized)."""
+    return f"{MARK} nodes alive: {alive} of {of}"
+
+
 def epoch_line(epoch: int, shown: str) -> str:
     return f"{MARK} epoch {epoch}: {shown}"
 
@@ -108,6 +113,7 @@ RESULT_LINE = re.compile(r"^(?:\([^()]*, pid=\d+\) )?" + re.escape(RESULT_PREFIX
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 EPOCH_LINE = re.compile(re.escape(MARK) + r" epoch (\d+):")
 TRIAL_LINE = re.compile(re.escape(MARK) + r" trial \S+ .*\((\d+) of (\d+) done\)")
+NODES_LINE = re.compile(re.escape(MARK) + r" nodes alive: (\d+) of (\d+)")
 METRIC = re.compile(r"(\S+)=(\S+)")
 
 
@@ -115,8 +121,8 @@ METRIC = re.compile(r"(\S+)=(\S+)")
 class JobEvent:
     """What one line of the job's log means to the flow."""
 
-    kind: str  # "result", "stop", "epoch", "trial" or "setup_done"
-    value: Any = None  # the result's summary, (reason, detail), the epoch, (done, total)
+    kind: str  # "result", "stop", "epoch", "trial", "nodes" or "setup_done"
+    value: Any = None  # the result's summary, (reason, detail), the epoch, (done, total), (alive, of)
 
 
 def parse_line(line: str) -> JobEvent | None:
@@ -131,6 +137,8 @@ def parse_line(line: str) -> JobEvent | None:
         return JobEvent("epoch", int(epoch.group(1)))
     if trial := TRIAL_LINE.search(line):
         return JobEvent("trial", (int(trial.group(1)), int(trial.group(2))))
+    if nodes := NODES_LINE.search(line):
+        return JobEvent("nodes", (int(nodes.group(1)), int(nodes.group(2))))
     if SETUP_DONE in line:
         return JobEvent("setup_done")
     return None

@@ -176,9 +176,11 @@ def main(argv=None) -> int:
         wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
+    from gpuflow.cluster.job.elastic import count_nodes  # loads Ray Train
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
     # the local backend's simulated nodes: each watches its own notices (a cloud node's watch starts with its Ray)
     watches = start_local_watches(args.address) if job.local_cluster_session else []
+    node_count = count_nodes(spec.compute)  # an elastic run: the flow bills the nodes left
     try:
         with on_sys_path(workdir):
             if spec.sweep:
@@ -194,6 +196,8 @@ def main(argv=None) -> int:
         return PREEMPTED_EXIT_CODE
     finally:
         stop_watches(watches)
+        if node_count:
+            node_count.stop()
         if monitor:
             monitor.finish()
     summary["fit_seconds"] = round(time.time() - started, 2)

@@ -58,6 +58,7 @@ class Lifecycle:
         self.teardown_seconds: float | None = None
         self.teardown_error: BaseException | None = None
         self.recoveries = 0
+        self.live_nodes: int | None = None  # an elastic run's nodes left, as its job says; None: all of them
         self.lost_compute_seconds = 0.0  # training since the last checkpoint when a cluster was lost: done again
         self.recovery_seconds: list[float] = []  # each loss noticed → first resumed epoch
         self._last_epoch_at: float | None = None
@@ -93,6 +94,13 @@ class Lifecycle:
             self.recovery_seconds.append(self._last_epoch_at - self._lost_at)
             self._lost_at = None
 
+    def nodes_alive(self, alive: int, of: int) -> None:
+        """An elastic run's cluster has `alive` of its `of` nodes: billed for those from now (it is not relaunched)."""
+        if alive != self.live_nodes:
+            log.warning(f"cluster {self.cluster_name}: {alive} of {of} nodes alive; training goes on, billed for {alive}")
+        self.live_nodes = alive
+        self.meter.resized(alive)
+
     def lost_cluster(self, why: str) -> None:
         """The cluster was lost mid-job: the work since the last checkpoint is gone, and a recovery begins."""
         self._lost_at = time.time()
@@ -113,7 +121,7 @@ class Lifecycle:
         """The lost cluster is downed; from now on the run's cluster is the relaunched one, metered at `price` until
         it launches. Returns the attempt that ended: its option, price and cost."""
         self.down(self.cluster_name)
-        self.cluster_name = cluster_name
+        self.cluster_name, self.live_nodes = cluster_name, None
         return self.meter.relaunched(price)
 
     def output(self) -> None:

@@ -13,6 +13,7 @@ from gpuflow.cluster.run import limits
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.limits import Check
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.spec.elastic import nodes_needed
 from gpuflow.cluster.util.waiting import wait_until
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
@@ -87,6 +88,20 @@ def loss_check(backend, cluster_name: str) -> Check:
 
 
 LOSS_SETTLE_S = 90  # a job killed with its node: the cloud (or Slurm) may take this long to report the node gone
+
+
+def elastic_loss_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
+    """An elastic run's cluster is lost only once it has fewer nodes than its minimum of workers needs: until then
+    Ray Train trains on the nodes left (cluster/job/elastic.py)."""
+    needed = nodes_needed(spec.compute)
+
+    def check():
+        if life.live_nodes is not None and life.live_nodes < needed:
+            return "lost", (f"cluster {life.cluster_name}: {life.live_nodes} of {spec.compute.num_nodes} nodes left, "
+                            f"fewer than compute.num_workers' minimum of {spec.compute.min_workers} needs ({needed})")
+        return None
+
+    return check
 
 
 def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:

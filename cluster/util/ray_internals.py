@@ -34,6 +34,11 @@ On a Ray upgrade, check these first.
     node_with_temp_dir     GcsClient.get_all_node_info(state_filter=ALIVE): the live node started with a temp dir
                            (`ray start --temp-dir`), as Ray's own services.get_node_to_connect_for_driver finds it: a
                            SkyPilot node's watch finds its own node id so (each node's Ray has a temp dir of its own).
+    refresh_autoscaling_view  ray.data's AutoscalingCoordinator actor, which Ray Train's elastic scaling asks how many
+                           workers the cluster holds: it re-reads the cluster only every 20 s, so a worker group
+                           restarted after a node's loss would be sized for the lost node and wait for it (until
+                           the worker group's start timeout). get_reserved_resources(recompute=True) re-reads it now
+                           (cluster/job/elastic.py, once Ray has the node dead).
     PREEMPTION_WATCHER_ENV ray.train.v2._internal.constants: the switch of Ray Train's PreemptionWatcher (default on in
                            2.60; gpuflow turns it on only where a notice can come), propagated to the workers.
 
@@ -126,3 +131,13 @@ def node_with_temp_dir(gcs_address: str, temp_dir: str) -> str | None:
     infos = ray._raylet.GcsClient(address=gcs_address).get_all_node_info(
         timeout=10, state_filter=GcsNodeInfo.GcsNodeState.ALIVE)
     return next((info.node_id.hex() for info in infos.values() if info.temp_dir == temp_dir), None)
+
+
+def refresh_autoscaling_view(timeout_s: float = 10) -> None:
+    """Makes Ray's AutoscalingCoordinator re-read the cluster's live nodes now instead of at its next tick."""
+    import ray
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator)
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    ray.get(coordinator.get_reserved_resources.remote("gpuflow-refresh", recompute=True), timeout=timeout_s)

@@ -76,7 +76,7 @@ class LocalBackend:
             process = subprocess.Popen(
                 [sys.executable, "-m", "gpuflow.cluster.backends.local.supervisor", "--nodes", str(shape["num_nodes"]),
                  "--cpus-per-node", str(shape["cpus"]), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
-                 "--owner-pid", str(owner_pid)],
+                 "--owner-pid", str(owner_pid), "--worker-slots", str(shape.get("worker_slots", 0))],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
             )
         self._children[f"cluster:{process.pid}"] = process
@@ -282,7 +282,7 @@ def shape_of(spec: ExperimentSpec) -> dict:
     cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
     if spec.data is not None:  # Ray Data's read tasks need a logical CPU the training workers have not taken
         cpus += 1
-    return {"num_nodes": spec.compute.num_nodes, "cpus": cpus}
+    return {"num_nodes": spec.compute.num_nodes, "cpus": cpus, "worker_slots": spec.compute.workers_per_node}
 
 
 def ray_env() -> dict[str, str]:

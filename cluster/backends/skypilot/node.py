@@ -18,6 +18,7 @@ from pathlib import Path
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES
 from gpuflow.cluster.job.spot_watch import start_node_watch, stop_watches
 from gpuflow.cluster.protocol import SETUP_DONE, JobEnv
+from gpuflow.cluster.spec.elastic import node_resources
 
 # Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
 RAY_PORT = 6390
@@ -60,7 +61,8 @@ def main() -> int:
     watch = start_node_watch(address, temp_dir)  # for the cloud's spot notice to this node, if it can get one
     try:
         if rank != 0:
-            return subprocess.call(ray("start", f"--address={address}", "--block", *common))
+            return subprocess.call(ray("start", f"--address={address}", "--block",
+                                       f"--resources={json.dumps(worker_slots())}", *common))
         return run_head(address, num_nodes, temp_dir, common)
     finally:
         stop_watches([watch] if watch else [])
@@ -82,7 +84,7 @@ def run_head(address: str, num_nodes: int, temp_dir: str, common: list[str]) -> 
                             "--address", address, "--run-name", job.run_name,
                             "--nodes", str(num_nodes), "--after", str(ray_started)])
     head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
-                                f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common),
+                                f"--resources={json.dumps({**HEAD_NODE_RESOURCES, **worker_slots()})}", *common),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_started(head)
@@ -95,6 +97,13 @@ def run_head(address: str, num_nodes: int, temp_dir: str, common: list[str]) -> 
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def worker_slots() -> dict[str, float]:
+    """This node's slots for Ray Train's workers (cluster/spec/elastic.py): its spec's workers_per_node."""
+    spec_json = JobEnv.from_env().spec_json
+    per_node = json.loads(spec_json)["compute"]["workers_per_node"] if spec_json else 0
+    return node_resources(per_node) if per_node else {}
 
 
 def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
