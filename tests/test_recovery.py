@@ -1,6 +1,7 @@
 """A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches it (as
 <name>-r1, then -r2), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once. With a
-spot notice first (a double of the cloud's metadata service), the loop checkpoints until the node goes."""
+spot notice first (a double of the cloud's metadata service), the loop checkpoints until the node goes. An elastic
+run (num_workers: [min, max]) trains on without the node instead."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class NodeKiller(threading.Thread):
         super().__init__(daemon=True)
         self.home, self.losses, self.after = home, losses, after
         self.killed: list[str] = []
+        self.killed_at: list[float] = []
 
     def checkpoints(self) -> int:
         return len(list(self.home.glob("checkpoints/*/checkpoint_*")))
@@ -66,6 +68,7 @@ class NodeKiller(threading.Thread):
         else:  # the whole cluster, head included: every process of its session
             stop_sessions([record["session"]])
         self.killed.append(what)
+        self.killed_at.append(time.time())
 
 
 def epochs_logged(spec, run) -> list[int]:
@@ -108,6 +111,48 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
     assert len(resumed) == 2 and 1 <= resumed[0], logs[-3000:]
     print(f"\n[worker node, then whole cluster lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → "
           f"first resumed epoch), lost compute {run.data.metrics['lost_compute_seconds']:.1f}s")
+    assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
+
+
+ELASTIC_EPOCHS = 4
+RATE = 3.6  # limits.hourly_rate_usd of the 2-node cluster: $0.0005 a node-second
+
+
+def test_an_elastic_run_trains_on_without_a_lost_node(prefect_server, digits_spec, gpuflow_home):
+    """num_workers [1, 2] on 2 nodes, a worker node's raylet killed after the first checkpoint: training goes on with
+    1 worker within a minute, no relaunch, and finishes; MLflow has `workers` 2 then 1, the bill follows the nodes."""
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.flows.experiment import run_experiment
+    from tests.loops import PACED_LOOP
+
+    raw = digits_spec.model_dump(mode="json")
+    raw["compute"].update(num_nodes=2, workers_per_node=1, num_workers=[1, 2])
+    raw["train"].update(epochs=ELASTIC_EPOCHS, loop=PACED_LOOP, params={**raw["train"]["params"], "pace_s": 3})
+    raw["tracking"]["register_model"] = False
+    raw["limits"]["hourly_rate_usd"] = RATE
+    spec = parse_spec(raw)
+    killer = NodeKiller(gpuflow_home, "worker node", after=1)
+    killer.start()
+    state = run_experiment(spec, return_state=True)
+    assert killer.killed == ["worker node"]
+    assert state.is_completed(), state.message
+    client, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
+    logs = flow_logs(state.state_details.flow_run_id)
+    assert "recoveries" not in run.data.metrics and "-r1" not in logs, "trained on, not relaunched"
+    assert "nodes alive: 1 of 2" in logs, logs[-3000:]
+    assert epochs_logged(spec, run) == list(range(ELASTIC_EPOCHS)), "each epoch logged exactly once"
+
+    workers = sorted(client.get_metric_history(run.info.run_id, "workers"), key=lambda m: m.step)
+    sizes = [int(m.value) for m in workers]
+    assert sizes[0] == 2 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True), sizes
+    first_small = min(m.timestamp for m in workers if m.value == 1) / 1000
+    trained_on_after = first_small - killer.killed_at[0]
+    assert trained_on_after < 60 + 3 * 2, "an epoch on 1 worker reported within a minute (and an epoch's pace)"
+
+    cost, hours = run.data.metrics["cost_usd"], run.data.metrics["cluster_hours"]
+    assert RATE / 2 * hours < cost < RATE * hours, "billed for 2 nodes, then for 1"
+    print(f"\n[elastic, a worker node lost] an epoch on 1 worker {trained_on_after:.1f}s after the loss; "
+          f"${cost:.5f} for {hours * 3600:.0f}s (whole: ${RATE * hours:.5f})")
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
 
 

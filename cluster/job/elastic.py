@@ -67,11 +67,11 @@ class ElasticRestarts(ControllerCallback):
         if failure_decision.value != "RETRY" or self.alive is None:
             return
         before = self.alive
-        wait_until(lambda: alive_nodes() < before, NODE_DEATH_SETTLE_S, interval_s=0.5)
-        self.alive = alive_nodes()
         try:
+            wait_until(lambda: alive_nodes() < before, NODE_DEATH_SETTLE_S, interval_s=0.5)
+            self.alive = alive_nodes()
             refresh_autoscaling_view()
-        except Exception as exc:  # its own tick re-reads within 20 s; the restart may then wait for a lost node
+        except Exception as exc:  # an error here would fail the run: the view's own tick re-reads within 20 s
             print(f"[gpuflow] warning: could not refresh Ray's view of the cluster: {type(exc).__name__}: {exc}",
                   flush=True)
 
