@@ -34,14 +34,20 @@ class Meter:
         """No cluster existed until `when` (a launch that found no capacity): the bill of this attempt starts there."""
         self._attempt_started = when
 
-    def relaunched(self, price: Estimate | None = None) -> dict:
-        """The current cluster ended and another is requested, metered at `price` until it launches. Returns the
-        attempt that ended: its option, price, seconds, cost and GPU-hours."""
+    def relaunched(self, price: Estimate | None = None, requested_at: float | None = None) -> dict:
+        """The current cluster ended and another is requested (at `requested_at`, a replacement asked for on a spot
+        notice: both billed meanwhile), metered at `price` until it launches. Returns the attempt that ended: its
+        option, price, seconds, cost and GPU-hours."""
         now = time.time()
         self.attempts.append(self._attempt(now - self._attempt_started))
-        self._attempt_started, self.option = now, "planned"
+        self._attempt_started, self.option = requested_at or now, "planned"
         self.price = price or self.price
         return self.attempts[-1]
+
+    def unused(self, requested_at: float, ended: float) -> None:
+        """A replacement cluster that was never used (the run ended without the loss its notice announced), billed
+        from its request to the end of its teardown, at the current price."""
+        self.attempts.append({**self._attempt(max(0.0, ended - requested_at)), "option": "replacement, unused"})
 
     def cost(self, ended: float | None = None) -> dict[str, float]:
         """What the run's clusters cost up to `ended` (now): the ones before, and the current one."""
