@@ -179,6 +179,7 @@ class Replacement:
 
     def __exit__(self, *exc) -> None:
         self.watch.finish()
+        self.watch.join(timeout=60)  # a notice being acted on: `take` must see its launch, not start a second one
 
 
 def billed_later(job: Job | None, seconds: float) -> Job | None:
