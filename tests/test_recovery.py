@@ -1,7 +1,8 @@
 """A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches it (as
 <name>-r1, then -r2), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once. With a
-spot notice first (a double of the cloud's metadata service), the loop checkpoints until the node goes. An elastic
-run (num_workers: [min, max]) trains on without the node instead."""
+spot notice first (a double of the cloud's metadata service), the loop checkpoints until the node goes and the
+flow provisions the replacement cluster before the loss. An elastic run (num_workers: [min, max]) trains on without
+the node instead."""
 
 from __future__ import annotations
 
@@ -173,51 +174,29 @@ def test_more_losses_than_allowed_fail_the_run_as_preempted(prefect_server, digi
 
 
 LEAD_S = 30  # GCP's and Azure's notice; AWS gives two minutes
-STEP_PACE_S = 2.0  # ~23 steps an epoch of digits on 2 workers: ~45 s, longer than the notice's lead
+STEP_PACE_S = 2.0  # ~23 steps an epoch of digits on 2 workers: ~46 s, longer than the notice's lead
+NOTICE_AT_STEP = 2
 
 
-class NoticeThenKill(threading.Thread):
-    """Once the first epoch's checkpoint exists, the cloud's notice for the worker node, due in LEAD_S; at its
-    deadline the node's raylet is SIGKILLed, as the cloud takes it."""
-
-    def __init__(self, home: Path, double):
-        super().__init__(daemon=True)
-        self.home, self.double = home, double
-        self.noticed_at = self.killed_at = None
-
-    def run(self):
-        give_up = time.monotonic() + 600
-        while time.monotonic() < give_up:
-            clusters = [s for s in LocalBackend().status() if s.status == "UP"]
-            if list(self.home.glob("checkpoints/*/checkpoint_*")) and clusters:
-                nodes = Path(LocalBackend().record(clusters[0].name)["temp_dir"]) / NODES_FILE
-                [worker] = [node for node in json.loads(nodes.read_text()) if not node["head"]]
-                self.noticed_at = time.time()
-                deadline = self.double.notify(worker["node_id"], in_s=LEAD_S)
-                time.sleep(max(0.0, deadline - time.time()))
-                os.kill(worker["raylet"], signal.SIGKILL)
-                self.killed_at = time.time()
-                return
-            time.sleep(0.2)
-
-
-def test_a_spot_notice_checkpoints_until_the_node_goes_and_the_run_resumes_there(prefect_server, digits_spec,
-                                                                                   gpuflow_home, monkeypatch):
-    """A notice 30 s before a worker node of a 2-node run is killed: the run resumes mid-epoch from a checkpoint
-    written after the notice, at most one step before the node went, and logs each epoch once."""
-    import torch
-
+def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_goes(prefect_server, digits_spec,
+                                                                                    gpuflow_home, monkeypatch):
+    """A notice 30 s before a worker node of a 2-node run is killed: the replacement cluster (-r1) is provisioned
+    before the node goes, the run resumes on it mid-epoch from a checkpoint written after the notice, redoes at most
+    the one step in flight (a checkpoint at every step while noticed), and logs each epoch once."""
     from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG
     from gpuflow.flows.experiment import run_experiment
+    from tests.support.interruption import Interruption
     from tests.support.metadata_double import metadata_double
 
+    started = time.monotonic()
+    step_log = gpuflow_home / "steps.log"
     spec = two_nodes(digits_spec)
     spec = spec.model_copy(update={"train": spec.train.model_copy(update={
-        "epochs": 2, "loop": STEPPED_LOOP,
-        "params": {**spec.train.params, "step_pace_s": STEP_PACE_S}})})
+        "epochs": 1, "loop": STEPPED_LOOP,
+        "params": {**spec.train.params, "step_pace_s": STEP_PACE_S, "step_log": str(step_log)}})})
     with metadata_double("aws") as double:
         monkeypatch.setenv("GPUFLOW_METADATA_URL", double.url)
-        killer = NoticeThenKill(gpuflow_home, double)
+        killer = Interruption(gpuflow_home, step_log, at_step=NOTICE_AT_STEP, double=double, lead_s=LEAD_S)
         killer.start()
         state = run_experiment(spec, return_state=True)
         killer.join(timeout=5)
@@ -226,19 +205,19 @@ def test_a_spot_notice_checkpoints_until_the_node_goes_and_the_run_resumes_there
     _, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
     assert run.info.status == "FINISHED" and run.data.metrics["recoveries"] == 1
     assert "aws takes node" in run.data.tags[PREEMPTION_NOTICE_TAG]
-    assert epochs_logged(spec, run) == [0, 1], "each epoch logged exactly once"
+    assert epochs_logged(spec, run) == [0], "each epoch logged exactly once"
 
+    # the replacement was asked for on the notice, before the loss: the resume did not wait for a provision
+    [(name, replacement)] = killer.others_at_kill.items()
+    assert name.endswith("-r1") and replacement["launched_at"] < killer.killed_at, killer.others_at_kill
     logs = flow_logs(state.state_details.flow_run_id)
-    [(epoch, step)] = set(re.findall(r"resuming at epoch (\d+) step (\d+) from the checkpoint taken on a preemption "
-                                     r"notice", logs)) or [(None, None)]
-    assert (epoch, step) != (None, None), logs[-3000:]
-    written = [path.stat().st_mtime for path in gpuflow_home.glob("checkpoints/*/checkpoint_*/checkpoint.pt")
-               if torch.load(path, weights_only=False).get("within_epoch", {}).get("step") == int(step)
-               and torch.load(path, weights_only=False)["epoch"] == int(epoch)]
-    assert written, "the checkpoint the run resumed from is kept"
-    assert killer.noticed_at < min(written), "written after the notice"
-    lost_s = killer.killed_at - min(written)
-    print(f"\n[spot notice] resumed at epoch {epoch} step {step}: {lost_s:.1f}s of training before the node went "
-          f"was lost (a step is {STEP_PACE_S}s)")
-    assert lost_s <= STEP_PACE_S + 2, "at most the step in flight (and its checkpoint's writing) is trained again"
+    assert "notice: replacement cluster provisioning" in logs, logs[-3000:]
+    figures = killer.measured(logs, workers=2)
+    assert figures["resumed_step"] is not None, logs[-3000:]
+    assert killer.noticed_at < figures["checkpoint_written_at"], "resumed from a checkpoint written after the notice"
+    assert figures["steps_redone"] <= 1, f"at most the step in flight is trained again (one step between checkpoints)"
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
+    print(f"\n[spot notice] replacement {replacement['status']} at the loss (asked for "
+          f"{killer.killed_at - replacement['launched_at']:.1f}s before); resumed at step {figures['resumed_step']}, "
+          f"{figures['steps_redone']} step(s) redone, recovery {figures['recovery_s']:.1f}s (loss → first step); "
+          f"test wall {time.monotonic() - started:.0f}s")

@@ -108,6 +108,31 @@ def test_ray_trains_watch_of_drains_is_on_only_where_a_notice_can_come(monkeypat
     assert expect_notices(local)[PREEMPTION_WATCHER_ENV] == "1"
 
 
+def test_the_flow_reads_a_new_notice_on_the_run_and_relaunches_on_it_only_without_an_elastic_range(digits_spec):
+    from mlflow import MlflowClient
+
+    from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG, JobEnv
+    from gpuflow.cluster.run.monitor import notice_check
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.flows.capacity import relaunches_on_notice
+    from tests.support.repo import A_LOOP
+
+    uri = digits_spec.tracking_uri
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("notices")).info.run_id
+    client.set_tag(run_id, PREEMPTION_NOTICE_TAG, "the lost cluster's notice")  # before this relaunch
+    check = notice_check(JobEnv(tracking_uri=uri, mlflow_run_id=run_id).to_env())
+    assert check() is None
+    client.set_tag(run_id, PREEMPTION_NOTICE_TAG, "aws takes node 0abc at 12:00:30 UTC")
+    assert check() == ("notice", "aws takes node 0abc at 12:00:30 UTC")
+
+    spec = parse_spec({**A_LOOP, "compute": {"max_recoveries": 2}})
+    assert relaunches_on_notice(spec, 0) and relaunches_on_notice(spec, 1)
+    assert not relaunches_on_notice(spec, 2), "no relaunch left"
+    ranged = spec.model_copy(update={"compute": spec.compute.model_copy(update={"num_workers": [1, 2]})})
+    assert not relaunches_on_notice(ranged, 0), "an elastic range carries on without the node"
+
+
 @pytest.mark.full
 def test_a_notice_drains_its_node_in_ray_and_tags_the_run(gpuflow_home, monkeypatch, tmp_path):
     """A real 2-node local cluster, a watch per node on the AWS double: the worker's notice drains the worker for

@@ -50,7 +50,8 @@ class Lifecycle:
     def __init__(self, cluster_name: str, down: Callable[[str], object], meter: Meter,
                  close: Callable[[Outcome, dict], None] | None = None):
         self.cluster_name, self.down, self.meter, self.close = cluster_name, down, meter, close
-        self._launches: list = []  # futures of launches in flight (anything with .wait())
+        self._launches: list = []  # (future of a launch in flight, anything with .wait(); its cluster's name or None)
+        self.replacements: dict[str, float] = {}  # a cluster asked for on a spot notice, not used yet: its request
         self.launched_at: float | None = None
         self.job_started_at: float | None = None  # the training job's first start (after setup): limits count from it
         self.last_output_at: float | None = None  # the job's last log line: idle from here to the teardown
@@ -75,9 +76,12 @@ class Lifecycle:
         return self.meter.requested_at
 
     # -- during the run ----------------------------------------------------------------------------
-    def launching(self, future) -> None:
-        """A launch in flight: the end waits for it, so that a launch outrunning the teardown cannot outlive the run."""
-        self._launches.append(future)
+    def launching(self, future, replacement: str | None = None) -> None:
+        """A launch in flight (of the run's cluster, or of the `replacement` named): the end waits for it, so that a
+        launch outrunning the teardown cannot outlive the run."""
+        if replacement:
+            self.replacements[replacement] = time.time()
+        self._launches.append((future, replacement))
 
     def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
         """The cluster is up; the meter prices it (Meter.launched)."""
@@ -119,10 +123,11 @@ class Lifecycle:
 
     def relaunching(self, cluster_name: str, price: Estimate | None = None) -> dict:
         """The lost cluster is downed; from now on the run's cluster is the relaunched one, metered at `price` until
-        it launches. Returns the attempt that ended: its option, price and cost."""
+        it launches (from its request: a replacement asked for on a notice bills from then). Returns the attempt
+        that ended: its option, price and cost."""
         self.down(self.cluster_name)
         self.cluster_name, self.live_nodes = cluster_name, None
-        return self.meter.relaunched(price)
+        return self.meter.relaunched(price, self.replacements.pop(cluster_name, None))
 
     def output(self) -> None:
         self.last_output_at = time.time()
@@ -161,10 +166,11 @@ class Lifecycle:
         # after a failed teardown (the block then ends with it), one more try, not the whole series again
         for delay in (None,) if self.teardown_error else (*TEARDOWN_DELAYS_S, None):
             try:
-                self.down(self.cluster_name)
-                for launch in self._launches:  # downing cancelled it; wait, and down whatever it still made
+                for name in (self.cluster_name, *self.replacements):
+                    self.down(name)
+                for launch, name in self._launches:  # downing cancelled it; wait, and down whatever it still made
                     launch.wait()
-                    self.down(self.cluster_name)
+                    self.down(name or self.cluster_name)
                 self._launches.clear()
                 self.teardown_error = None
                 break
@@ -178,6 +184,9 @@ class Lifecycle:
                         f"or run `gpuflow down {self.cluster_name}`") from exc
                 time.sleep(delay)
         self.teardown_seconds = time.time() - started
+        for requested_at in self.replacements.values():
+            self.meter.unused(requested_at, time.time())
+        self.replacements.clear()
         log.info(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
         return self.teardown_seconds
 

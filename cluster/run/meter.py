@@ -47,14 +47,20 @@ class Meter:
             return self.price.hourly_usd
         return self.price.per_node_cost_usd(self._resizes[-1][1] * 3600)
 
-    def relaunched(self, price: Estimate | None = None) -> dict:
-        """The current cluster ended and another is requested, metered at `price` until it launches. Returns the
-        attempt that ended: its option, price, seconds, cost and GPU-hours."""
+    def relaunched(self, price: Estimate | None = None, requested_at: float | None = None) -> dict:
+        """The current cluster ended and another is requested (at `requested_at`, a replacement asked for on a spot
+        notice: both billed meanwhile), metered at `price` until it launches. Returns the attempt that ended: its
+        option, price, seconds, cost and GPU-hours."""
         now = time.time()
         self.attempts.append(self._attempt(now))
-        self._attempt_started, self.option, self._resizes = now, "planned", []
+        self._attempt_started, self.option, self._resizes = requested_at or now, "planned", []
         self.price = price or self.price
         return self.attempts[-1]
+
+    def unused(self, requested_at: float, ended: float) -> None:
+        """A replacement cluster that was never used (the run ended without the loss its notice announced), billed
+        from its request to the end of its teardown, at the current price."""
+        self.attempts.append({**self._full_size(max(0.0, ended - requested_at)), "option": "replacement, unused"})
 
     def cost(self, ended: float | None = None) -> dict[str, float]:
         """What the run's clusters cost up to `ended` (now): the ones before, and the current one."""
@@ -70,10 +76,13 @@ class Meter:
         """Every cluster of the run, the current one last, each with its option, price, seconds, cost, GPU-hours."""
         return [*self.attempts, self._attempt(ended or time.time())]
 
+    def _full_size(self, seconds: float) -> dict:
+        price = self.price
+        return {"option": self.option, "hourly_usd": price.hourly_usd, "seconds": seconds,
+                "cost_usd": price.cost_usd(seconds), "gpu_hours": seconds / 3600 * price.gpus_per_node * price.num_nodes}
+
     def _attempt(self, ended: float) -> dict:
-        price, seconds = self.price, max(0.0, ended - self._attempt_started)
-        attempt = {"option": self.option, "hourly_usd": price.hourly_usd, "seconds": seconds,
-                   "cost_usd": price.cost_usd(seconds), "gpu_hours": seconds / 3600 * price.gpus_per_node * price.num_nodes}
+        price, attempt = self.price, self._full_size(max(0.0, ended - self._attempt_started))
         if self._resizes:
             node_seconds = sum(nodes * seconds for seconds, nodes in
                                seconds_at_sizes(self._attempt_started, ended, price.num_nodes, self._resizes))

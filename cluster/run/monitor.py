@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv
+from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, PREEMPTION_NOTICE_TAG, JobEnv
 from gpuflow.cluster.run import limits
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.limits import Check
@@ -83,6 +83,37 @@ def loss_check(backend, cluster_name: str) -> Check:
     def check():
         why = backend.lost(cluster_name)
         return ("lost", why) if why else None
+
+    return check
+
+
+NOTICE_POLL_S = 2.0  # a notice leaves 30 s at least; each poll is one read of the MLflow run
+
+
+def notice_check(env: dict[str, str]) -> Check:
+    """Fires ("notice", what the node's watch said) once the run's spot-notice tag differs from what it was when the
+    check was made: a node of the cluster that runs the job now has its cloud's notice (an earlier cluster's notice
+    is on the run already). The tag, not the job's log line: every node's watch writes it, on every backend, where
+    only the local backend's nodes print into the log the flow reads, and it is still read when that stream broke."""
+    from mlflow import MlflowClient
+
+    job = JobEnv.from_env(env)
+    client = MlflowClient(job.tracking_uri)
+
+    def tag() -> str | None:
+        return client.get_run(job.mlflow_run_id).data.tags.get(PREEMPTION_NOTICE_TAG)
+
+    try:
+        before = tag()
+    except Exception:  # MLflow blinked: a tag from before could be read as new, costing an early replacement at worst
+        before = None
+
+    def check():
+        try:
+            now = tag()
+        except Exception:  # the next poll may do
+            return None
+        return ("notice", now) if now and now != before else None
 
     return check
 
