@@ -129,7 +129,8 @@ def test_the_flow_reads_a_new_notice_on_the_run_and_relaunches_on_it_only_withou
     spec = parse_spec({**A_LOOP, "compute": {"max_recoveries": 2}})
     assert relaunches_on_notice(spec, 0) and relaunches_on_notice(spec, 1)
     assert not relaunches_on_notice(spec, 2), "no relaunch left"
-    ranged = spec.model_copy(update={"compute": spec.compute.model_copy(update={"num_workers": [1, 2]})})
+    ranged = parse_spec({**A_LOOP, "compute": {"max_recoveries": 2, "num_nodes": 2, "workers_per_node": 1,
+                                              "num_workers": [1, 2]}})
     assert not relaunches_on_notice(ranged, 0), "an elastic range carries on without the node"
 
 
