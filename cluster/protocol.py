@@ -26,6 +26,7 @@ ENV_NAMES = {  # JobEnv field -> environment variable
     "spec_json": "GPUFLOW_SPEC_JSON",
     "run_name": "GPUFLOW_RUN_NAME",
     "notify_json": "GPUFLOW_NOTIFY",
+    "metadata_url": "GPUFLOW_METADATA_URL",
 }
 SECRET_ENV_NAMES = {"GPUFLOW_NOTIFY"}  # never in a log or a backend's job record: SkyPilot gets them as secrets
 
@@ -44,6 +45,7 @@ class JobEnv:
     spec_json: str | None = None  # a SkyPilot node: the spec, and Ray Train's run name, for the job it starts
     run_name: str | None = None
     notify_json: str | None = None  # the run's webhook, links and name (cluster/run/notify.py): a secret
+    metadata_url: str | None = None  # a test's double of the clouds' metadata service (cluster/config.py), for nodes
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[f.name]: str(value) for f in fields(self) if (value := getattr(self, f.name)) is not None}

@@ -13,7 +13,7 @@ from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
-from gpuflow.cluster.run.monitor import LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check, lost_after
+from gpuflow.cluster.run.monitor import JobFailed, TrainResult, cost_check, deadline_check, lost_on
 from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
@@ -89,7 +89,7 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
             with replacement:  # on a spot notice, the next cluster is provisioned while this one trains
                 return train(spec, handle, job, life, stop_checks)
         except JobFailed as failure:
-            lost = None if life.stopped else lost_after(run.backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
+            lost = None if life.stopped else lost_on(run.backend, handle.name, failure)
             if not lost:
                 raise
             life.lost_cluster(lost)

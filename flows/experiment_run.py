@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import Backend, Job, cluster_name_for, get_backend, train_run_name
+from gpuflow.cluster.config import metadata_url
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.run.lifecycle import Lifecycle
@@ -46,7 +47,8 @@ class ExperimentRun:
         (and to say so, to the run's webhook)."""
         env = JobEnv(tracking_uri=self.spec.tracking_uri, mlflow_run_id=self.record.run_id,
                      artifact_uri=self.record.artifact_uri, requested_at=self.life.requested_at,
-                     hourly_usd=self.life.meter.hourly_usd(), notify_json=self.notify_json())
+                     hourly_usd=self.life.meter.hourly_usd(), notify_json=self.notify_json(),
+                     metadata_url=metadata_url())
         return Job(train_run_name(self.spec.name, self.record.flow_run_id), env.to_env())
 
     def notify_json(self) -> str | None:

@@ -71,6 +71,25 @@ def test_a_job_ended_by_a_preemption_is_a_loss_to_wait_for():
     assert not JobFailed("the loop's own error", 1).killed
 
 
+def test_a_job_ended_on_a_notice_has_lost_its_cluster_even_where_the_backend_reads_it_whole():
+    """The deadline passed and Ray Train stopped the workers: a SkyPilot cluster whose node the cloud has not taken
+    (yet, or at all) still reads UP; the run relaunches on the replacement at once instead of failing."""
+    from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE
+    from gpuflow.cluster.run.monitor import JobFailed, lost_on
+
+    class Whole:
+        asked = 0
+
+        def lost(self, name):
+            self.asked += 1
+            return None
+
+    backend = Whole()
+    assert "spot notice ran out" in lost_on(backend, "c", JobFailed("preempted", PREEMPTED_EXIT_CODE))
+    assert backend.asked == 1, "asked once, no settle wait"
+    assert lost_on(backend, "c", JobFailed("the loop's own error", 1)) is None
+
+
 
 def test_a_node_without_a_metadata_service_ends_its_watch_at_once():
     import subprocess

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--node-id", help="this node's Ray node id (hex)")
     which.add_argument("--ray-temp-dir", help="or the temp dir this node's Ray was started with: its id is looked up")
-    parser.add_argument("--metadata-url", default=None, help="ask this service instead of the cloud's own")
+    parser.add_argument("--metadata-url", default=metadata_url(), help="ask this service instead of the cloud's own "
+                        "(default: GPUFLOW_METADATA_URL, a test's double; unset: the cloud's own)")
     parser.add_argument("--parent", type=int, default=None, help="exit once this process is no longer the parent")
     args = parser.parse_args(argv)
     service = detect(args.metadata_url)

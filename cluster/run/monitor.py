@@ -135,6 +135,15 @@ def elastic_loss_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
     return check
 
 
+def lost_on(backend, cluster_name: str, failure: JobFailed) -> str | None:
+    """Why the cluster a failed job ran on is lost, or None (the job's own error). A job Ray Train ended on a node's
+    preemption has lost it whatever the backend reads: the deadline passed, the cloud takes the node any moment (or
+    never does, where the notice was only an estimate), and a SkyPilot cluster whose node is still there reads UP."""
+    if failure.exit_code == PREEMPTED_EXIT_CODE:
+        return backend.lost(cluster_name) or f"cluster {cluster_name}: a node's spot notice ran out (preempted)"
+    return lost_after(backend, cluster_name, LOSS_SETTLE_S if failure.killed else 0)
+
+
 def lost_after(backend, cluster_name: str, settle_s: float) -> str | None:
     """Why the cluster is lost, asking again for up to `settle_s` (a job killed by a signal usually means a node
     went, but the cloud's view of it lags); None if it stays whole."""

@@ -46,6 +46,11 @@ class MetadataDouble:
         self.deadlines[node] = float(int(deadline)) if self.cloud == "aws" else deadline
         return self.deadlines[node]
 
+    def taken(self, node: str = "") -> None:
+        """The cloud took `node`: a node started after it (a replacement asking the same URL, as the nodes of
+        successive SkyPilot clusters on one machine do) has a service of its own, without the notice."""
+        self.deadlines.pop(node, None)
+
     # -- the service --------------------------------------------------------------------------------------------
     def answer(self, method: str, path: str, headers) -> tuple[int, dict[str, str], bytes]:
         parts = path.split("?")[0].split("/")
