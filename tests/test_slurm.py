@@ -191,12 +191,13 @@ def mlflow_run_on(mlflow_url: str, cluster: str):
     return client, run
 
 
-def assert_nothing_left(slurm_infra, cluster: str):
-    assert cluster not in harness.sky_clusters(slurm_infra)
+def assert_nothing_left(slurm_infra, *clusters: str):
+    assert set(clusters).isdisjoint(harness.sky_clusters(slurm_infra))
     assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
-    # nor a process of the cluster on the node (a Ray that escaped the job would hold port 6390)
+    # nor a process of the clusters on the node (a Ray that escaped the job would hold port 6390)
     deadline = time.monotonic() + 120
-    while (left := [p for p in harness.leftover_processes() if cluster in p]) and time.monotonic() < deadline:
+    while (left := [p for p in harness.leftover_processes() if any(c in p for c in clusters)]) and \
+            time.monotonic() < deadline:
         time.sleep(2)
     assert left == []
 
@@ -376,8 +377,7 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     resumed = re.findall(r"resuming at epoch (\d+)", run.output)
     assert resumed and int(resumed[0]) >= 3
     assert f"{run.cluster}-r1" in run.output
-    assert_nothing_left(slurm_infra, run.cluster)
-    assert_nothing_left(slurm_infra, f"{run.cluster}-r1")
+    assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
     print(f"\n[scancel on slurm] recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s (loss → first resumed "
           f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
           f"{time.monotonic() - lost_at:.0f}s after the scancel")
@@ -504,8 +504,7 @@ def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resu
     assert {pid for _, pid in steps if pid != lost_pid}, "the replacement trained"
     redone = [at for at, pid in steps if pid == lost_pid and at > written]
     assert len(redone) <= 1, f"at most the step in flight redone: {len(redone)}"
-    assert_nothing_left(slurm_infra, run.cluster)
-    assert_nothing_left(slurm_infra, f"{run.cluster}-r1")
+    assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
     print(f"\n[spot notice on slurm] replacement asked for {killed - provisioning:.0f}s before the loss; resumed at "
           f"step {resumed[1]}, {len(redone)} step(s) redone, recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "
           f"test wall {time.monotonic() - started:.0f}s")
