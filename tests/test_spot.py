@@ -207,3 +207,19 @@ def test_the_runs_lost_compute_counts_from_the_checkpoint_it_resumes_from():
     elastic.checkpointed(at=36.0)  # a report on the one worker left: training went on
     assert elastic.seconds == pytest.approx(2 * 20 + 1 * 6)
     assert LostCompute(workers=2).metrics() == {}, "no loss, no figure"
+
+
+def test_the_lifecycle_times_a_loss_from_its_first_sight_and_charges_the_replacement_asked_for_before():
+    from gpuflow.cluster.cost.pricing import Estimate
+    from gpuflow.cluster.run.lifecycle import Lifecycle
+    from gpuflow.cluster.run.meter import Meter
+
+    life = Lifecycle("gpuflow-x", down=lambda name: None, meter=Meter(Estimate(3.6, 1.8, 2, True, "catalog")),
+                     workers=2)
+    life.checkpointed()
+    life.replacements["gpuflow-x-r1"] = time.time() - 10  # asked for on a notice, 10 s ago
+    life.end_lost_job("lost", "a node is gone")  # the loss check's sight of it
+    time.sleep(0.2)
+    life.lost_cluster("a node is gone", job_ended_at=time.time())  # confirmed later: counted from the first sight
+    assert life.lost.redone_seconds < 0.15 and life.lost.seconds == pytest.approx(2 * 10, abs=0.5)
+    assert life.bill()["recoveries"] == 1 and "lost_compute_seconds" in life.bill()
