@@ -10,19 +10,21 @@ ephemeral API):
   (b) notice: the cloud's notice --lead seconds before the loss (a double of its metadata service); the loop
       checkpoints at every step until the node goes; the flow relaunches after the loss.
   (c) notice + proactive relaunch: as (b), and the flow provisions the replacement cluster on the notice.
+  (d) elastic: no notice, compute.num_workers [1, 2]: no relaunch, Ray Train restarts the workers from the last
+      epoch checkpoint on the head node and trains on with 1 worker.
+  (e) notice + elastic: as (d), from the checkpoints taken on the notice.
 
-The notice comes at the first step of the last epoch (--notice-step overrides); (b) runs first, and the others lose
-the node at the step (b) lost it at ((c) at its own deadline, so its step may differ by one). Per side:
+The notice comes at the first step of the last epoch (--notice-step overrides); (b) runs first, and the sides
+without a notice lose the node at the step (b) lost it at (those with one at their own deadline, so their step may
+differ by one). Per side:
 
+  - lost_compute_seconds: the run's own MLflow metric, defined in cluster/run/losses.py (worker-seconds paid for
+    that did not move training on: training redone since the checkpoint resumed from, the recovery, a replacement
+    idle beside the cluster still training), timed by the flow.
   - steps_redone: steps the lost cluster finished after the checkpoint the run resumed from: trained twice.
   - recovery_s: the loss (the SIGKILL) → the first step done after the resume.
-  - lost_compute_seconds: worker-seconds paid for that did not move training on, workers × (redone_s +
-    recovery_s + replacement_before_loss_s): redone_s is the loss − when the checkpoint resumed from was written
-    (training redone; from the first step when there was none), recovery_s the resumed cluster billing (being
-    provisioned, starting the job, restoring) before its first step, replacement_before_loss_s how long a
-    replacement provisioned on the notice existed before the loss, idle beside the one still training ((c) only).
-    The run's own MLflow metric of that name counts only from the last epoch's report to the loss; it is printed
-    beside, as `run lost_compute_seconds`.
+  - printed beside, measured from outside: redone_s (the loss − when the checkpoint resumed from was written),
+    replacement_before_loss_s, and the run's redone_seconds, the flow's view of redone_s.
 
 Appends one row to benchmarks/README.md (`## spot_interruption`), the sides side by side.
 """
@@ -60,8 +62,8 @@ SIDES = [
     Side("b notice", notice=True, proactive=False),
     Side("a no notice", notice=False, proactive=False),
     Side("c proactive", notice=True, proactive=True),
-    # (d) elastic, once compute.num_workers takes a range (branch spot):
-    # Side("d elastic", notice=True, proactive=True, overrides=["compute.num_workers=[1,2]"]),
+    Side("d elastic", notice=False, proactive=False, overrides=["compute.num_workers=[1,2]"]),
+    Side("e notice+elastic", notice=True, proactive=False, overrides=["compute.num_workers=[1,2]"]),
 ]
 
 
@@ -115,9 +117,9 @@ def one_side(side: Side, args, kill_at_step: int | None) -> dict:
             del os.environ["GPUFLOW_METADATA_URL"]
     killer.join(timeout=5)
     assert killer.killed_at, f"{side.key}: the node was never killed"
-    figures = killer.measured("\n".join(lines.messages), WORKERS)
+    figures = killer.measured("\n".join(lines.messages))
     metrics = MlflowClient(tracking_uri=spec.tracking_uri).get_run(summary["run_id"]).data.metrics
-    figures["run lost_compute_seconds"] = metrics.get("lost_compute_seconds")
+    figures.update({key: metrics.get(key) for key in ("lost_compute_seconds", "redone_seconds")})
     shutil.rmtree(home, ignore_errors=True)
     return figures
 
@@ -134,8 +136,13 @@ def main() -> None:
     results: dict[str, dict] = {}
     kill_at_step = None
     for side in SIDES:
-        results[side.key] = one_side(side, args, kill_at_step if not side.notice else None)
-        kill_at_step = kill_at_step or results[side.key]["killed_step"]
+        try:
+            results[side.key] = one_side(side, args, kill_at_step if not side.notice else None)
+        except Exception as exc:  # one side that fails leaves the others' figures ("—" for its own)
+            print(f"[bench] {side.key} failed: {type(exc).__name__}: {exc}", flush=True)
+            results[side.key] = {"killed_step": "—", **dict.fromkeys(FIGURES)}
+        if isinstance(results[side.key]["killed_step"], int):
+            kill_at_step = kill_at_step or results[side.key]["killed_step"]
         print(f"[bench] {side.key}: " + "  ".join(
             f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in results[side.key].items()), flush=True)
     from benchmarks.record import record
@@ -144,7 +151,8 @@ def main() -> None:
            "killed at step": "/".join(str(results[side.key]["killed_step"]) for side in SIDES)}
     for figure in FIGURES:
         for side in sorted(SIDES, key=lambda side: side.key):
-            row[f"{side.key.split()[0]} {figure}"] = float(results[side.key][figure])
+            value = results[side.key][figure]
+            row[f"{side.key.split()[0]} {figure}"] = "—" if value is None else float(value)
     record("spot_interruption", row)
 
 

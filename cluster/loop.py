@@ -20,7 +20,7 @@ import torch
 
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV
-from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.protocol import JobEnv, resumed_line
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -68,11 +68,10 @@ def restore(model, optimizer, scaler=None) -> int:
     if "within_epoch" in state:
         _resumed.update(epoch=state["epoch"], **state["within_epoch"])
         if rank() == 0:
-            print(f"[gpuflow] resuming at epoch {state['epoch']} step {state['within_epoch']['step']} from the "
-                  "checkpoint taken on a preemption notice", flush=True)
+            print(resumed_line(state["epoch"], state["within_epoch"]["step"]), flush=True)
         return state["epoch"]
     if rank() == 0:
-        print(f"[gpuflow] resuming at epoch {state['epoch'] + 1} from the checkpoint of epoch {state['epoch']}", flush=True)
+        print(resumed_line(state["epoch"] + 1), flush=True)
     return state["epoch"] + 1
 
 

@@ -79,6 +79,8 @@ MARK = "[gpuflow]"  # gpuflow's own lines; the rest is Ray's, MLflow's or the lo
 SETUP_DONE = f"{MARK} setup finished"  # rank 0's first line on a cloud node: the job's runtime counts from here
 RESULT_PREFIX = f"{MARK} result "  # the job's last line: its summary as JSON
 STOP_PREFIX = f"{MARK} stopped "  # "<prefix><reason>: <detail>": the job stopped the run itself
+CHECKPOINT_PERSISTED = f"{MARK} checkpoint persisted"
+RESUMING = f"{MARK} resuming at epoch"
 NOTICE_PREFIX = f"{MARK} preemption notice: "  # a node's watcher saw its cloud's notice and drained it in Ray
 # The job's exit when Ray Train ended training because a node was preempted (drained, its deadline passed): the node
 # may not be gone yet, so the flow waits for the loss as it does for a job killed by a signal.
@@ -102,6 +104,19 @@ def nodes_line(alive: int, of: int) -> str:
     return f"{MARK} nodes alive: {alive} of {of}"
 
 
+def checkpoint_line(step: int) -> str:
+    """A report's checkpoint is in storage (Ray Train calls the report's callbacks after that): a resume starts here."""
+    return f"{CHECKPOINT_PERSISTED} (step {step})"
+
+
+def resumed_line(epoch: int, step: int | None = None) -> str:
+    """The loop restored a checkpoint (cluster/loop.py restore) and trains again: `step` steps of `epoch` done when
+    the checkpoint was taken on a preemption notice, else at the start of `epoch`."""
+    if step is not None:
+        return f"{RESUMING} {epoch} step {step} from the checkpoint taken on a preemption notice"
+    return f"{RESUMING} {epoch} from the checkpoint of epoch {epoch - 1}"
+
+
 def epoch_line(epoch: int, shown: str) -> str:
     return f"{MARK} epoch {epoch}: {shown}"
 
@@ -123,7 +138,7 @@ METRIC = re.compile(r"(\S+)=(\S+)")
 class JobEvent:
     """What one line of the job's log means to the flow."""
 
-    kind: str  # "result", "stop", "epoch", "trial", "nodes" or "setup_done"
+    kind: str  # "result", "stop", "epoch", "trial", "nodes", "checkpoint", "resumed" or "setup_done"
     value: Any = None  # the result's summary, (reason, detail), the epoch, (done, total), (alive, of)
 
 
@@ -141,6 +156,10 @@ def parse_line(line: str) -> JobEvent | None:
         return JobEvent("trial", (int(trial.group(1)), int(trial.group(2))))
     if nodes := NODES_LINE.search(line):
         return JobEvent("nodes", (int(nodes.group(1)), int(nodes.group(2))))
+    if CHECKPOINT_PERSISTED in line:
+        return JobEvent("checkpoint")
+    if RESUMING in line:
+        return JobEvent("resumed")
     if SETUP_DONE in line:
         return JobEvent("setup_done")
     return None

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled, Failed
 
@@ -89,10 +91,11 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
             with replacement:  # on a spot notice, the next cluster is provisioned while this one trains
                 return train(spec, handle, job, life, stop_checks)
         except JobFailed as failure:
+            ended_at = time.time()
             lost = None if life.stopped else lost_on(run.backend, handle.name, failure)
             if not lost:
                 raise
-            life.lost_cluster(lost)
+            life.lost_cluster(lost, ended_at)
             if recovery == spec.compute.max_recoveries:
                 detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
                 life.stop("preempted", detail)

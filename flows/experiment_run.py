@@ -33,7 +33,8 @@ class ExperimentRun:
         """The run's records, before its cluster is requested: the bill counts from here."""
         record, backend = RunRecord(spec, flow_run["id"]), get_backend(spec.compute.backend)
         life = Lifecycle(cluster_name_for(flow_run["id"]), backend.down, Meter(hourly_cost(spec)),
-                         lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)))
+                         lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)),
+                         workers=spec.compute.num_workers)
         return cls(spec, flow_run, webhook, record, life, Capacity(record, life), backend)
 
     @property

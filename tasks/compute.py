@@ -68,6 +68,10 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             result.sweep = payload.get("sweep")
         elif event.kind == "nodes":  # an elastic run lost (or regained) nodes and trains on
             life.nodes_alive(*event.value)
+        elif event.kind == "checkpoint":  # where a resume after a loss would start: lost compute counts from here
+            life.checkpointed()
+        elif event.kind == "resumed":
+            life.resumed()
         elif event.kind == "setup_done":  # the job's setup (SkyPilot) ended: training starts
             life.job_started()
         elif event.kind == "stop":  # the job enforced a limit itself (and closed the MLflow run)

@@ -212,12 +212,16 @@ def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_go
     assert name.endswith("-r1") and replacement["launched_at"] < killer.killed_at, killer.others_at_kill
     logs = flow_logs(state.state_details.flow_run_id)
     assert "notice: replacement cluster provisioning" in logs, logs[-3000:]
-    figures = killer.measured(logs, workers=2)
+    figures = killer.measured(logs)
     assert figures["resumed_step"] is not None, logs[-3000:]
     assert killer.noticed_at < figures["checkpoint_written_at"], "resumed from a checkpoint written after the notice"
     assert figures["steps_redone"] <= 1, f"at most the step in flight is trained again (one step between checkpoints)"
+    # the run's own figure counts from the notice's checkpoint too, not from the epoch's start
+    assert run.data.metrics["redone_seconds"] <= 3 * STEP_PACE_S, run.data.metrics
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
     print(f"\n[spot notice] replacement {replacement['status']} at the loss (asked for "
           f"{killer.killed_at - replacement['launched_at']:.1f}s before); resumed at step {figures['resumed_step']}, "
           f"{figures['steps_redone']} step(s) redone, recovery {figures['recovery_s']:.1f}s (loss → first step); "
+          f"the run's redone_seconds {run.data.metrics['redone_seconds']:.1f} (measured {figures['redone_s']:.1f}), "
+          f"lost_compute_seconds {run.data.metrics['lost_compute_seconds']:.1f}; "
           f"test wall {time.monotonic() - started:.0f}s")

@@ -197,3 +197,48 @@ def test_a_notice_drains_its_node_in_ray_and_tags_the_run(gpuflow_home, monkeypa
     finally:
         backend.down(name)
     assert backend.status() == []
+
+
+def test_the_runs_lost_compute_counts_from_the_checkpoint_it_resumes_from():
+    """A notice's checkpoint mid-epoch (seen as the job's `checkpoint persisted` line) is where lost compute starts,
+    not the last epoch's report: workers × (redone + replacement idle) + workers resumed × recovery."""
+    from gpuflow.cluster.protocol import checkpoint_line, epoch_line, parse_line, resumed_line
+    from gpuflow.cluster.run.losses import LostCompute
+
+    assert parse_line("(TrainController pid=7) " + checkpoint_line(3)).kind == "checkpoint"
+    assert parse_line("(RayTrainWorker pid=9) " + resumed_line(1, 15)).kind == "resumed"
+    assert parse_line(epoch_line(1, "loss=0.2")).kind == "epoch"
+
+    lost = LostCompute(workers=2)
+    lost.epoch(at=100.0)  # the first epoch's report and its checkpoint
+    lost.checkpointed(at=100.0)
+    for at in (160.0, 162.0, 164.0):  # the notice: a checkpoint each step
+        lost.checkpointed(at=at)
+    lost.lost(at=165.0, started_at=50.0, replacements_requested=(150.0,))  # asked for on the notice, 15 s before
+    lost.resumed(at=185.0)  # 20 s to the resumed loop's restore
+    lost.epoch(at=200.0)
+    assert lost.seconds == pytest.approx(2 * (1 + 15) + 2 * 20), "redone from the 164 s checkpoint, not the epoch's"
+    assert lost.metrics() == {"lost_compute_seconds": pytest.approx(72), "redone_seconds": pytest.approx(1),
+                              "recovery_seconds": pytest.approx(35)}
+
+    elastic = LostCompute(workers=2)
+    elastic.lost(at=30.0, started_at=10.0, workers_after=1)  # no checkpoint yet: from the job's start
+    elastic.checkpointed(at=36.0)  # a report on the one worker left: training went on
+    assert elastic.seconds == pytest.approx(2 * 20 + 1 * 6)
+    assert LostCompute(workers=2).metrics() == {}, "no loss, no figure"
+
+
+def test_the_lifecycle_times_a_loss_from_its_first_sight_and_charges_the_replacement_asked_for_before():
+    from gpuflow.cluster.cost.pricing import Estimate
+    from gpuflow.cluster.run.lifecycle import Lifecycle
+    from gpuflow.cluster.run.meter import Meter
+
+    life = Lifecycle("gpuflow-x", down=lambda name: None, meter=Meter(Estimate(3.6, 1.8, 2, True, "catalog")),
+                     workers=2)
+    life.checkpointed()
+    life.replacements["gpuflow-x-r1"] = time.time() - 10  # asked for on a notice, 10 s ago
+    life.end_lost_job("lost", "a node is gone")  # the loss check's sight of it
+    time.sleep(0.2)
+    life.lost_cluster("a node is gone", job_ended_at=time.time())  # confirmed later: counted from the first sight
+    assert life.lost.redone_seconds < 0.15 and life.lost.seconds == pytest.approx(2 * 10, abs=0.5)
+    assert life.bill()["recoveries"] == 1 and "lost_compute_seconds" in life.bill()

@@ -24,7 +24,7 @@ from typing import Any
 from mlflow import MlflowClient
 from ray.train.v2.api.callback import UserCallback
 
-from gpuflow.cluster.protocol import CHECKPOINT_TAG, epoch_line
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 from gpuflow.cluster.util.ray_internals import ControllerCallback  # end of run: no public hook yet
 
@@ -119,11 +119,10 @@ class MlflowTracker:
         self._queue.put(report)
         if self.print_progress:
             shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
-            if step_key == "epoch":
-                print(epoch_line(step, shown), flush=True)
-            else:
-                print(f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}",
-                      flush=True)
+            line = epoch_line(step, shown) if step_key == "epoch" else \
+                f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}"
+            print(*([checkpoint_line(report.index if step is None else step)] if checkpoint else []), line, sep="\n",
+                  flush=True)
         return report
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, PREEMPTION_NOTICE_TAG, JobEnv
+from gpuflow.cluster.protocol import CHECKPOINT_PERSISTED, PREEMPTED_EXIT_CODE, PREEMPTION_NOTICE_TAG, JobEnv
 from gpuflow.cluster.run import limits
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.limits import Check
@@ -21,7 +21,8 @@ FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceba
 JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
 PROGRESS = "gpuflow_progress"  # set on a log record that moves the run on: its fields, for the console (flows/cli/console.py)
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
-NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller")
+NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller",
+         CHECKPOINT_PERSISTED)
 
 
 def visible(raw: str) -> str:

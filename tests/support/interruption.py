@@ -3,7 +3,7 @@ what it cost: tests/test_recovery.py asserts on it, benchmarks/spot_interruption
 notice and a proactive relaunch.
 
     killer = Interruption(home, step_log, at_step=3, double=double, lead_s=30)   # or no double: kill at_step
-    killer.start(); ...run the flow...; figures = killer.measured(logs, workers=2)
+    killer.start(); ...run the flow...; figures = killer.measured(logs)
 
 With a metadata double, the cloud's notice for the worker node comes once the run has done `at_step` steps, and the
 node's raylet is SIGKILLed at the notice's deadline, as the cloud takes it; without one, the raylet is SIGKILLed
@@ -72,8 +72,9 @@ class Interruption(threading.Thread):
                 return epoch, step, path.stat().st_mtime
         raise AssertionError(f"the checkpoint of epoch {epoch} step {step} the run resumed from is not kept")
 
-    def measured(self, logs: str, workers: int) -> dict:
-        """What the loss cost (benchmarks/spot_interruption.py defines each figure)."""
+    def measured(self, logs: str) -> dict:
+        """What the loss cost, seen from outside (benchmarks/spot_interruption.py defines each figure; the run's
+        lost_compute_seconds is cluster/run/losses.py's)."""
         steps = steps_done(self.step_log)
         lost_pid = steps[0][1]
         epoch, step, written = self.resumed_from(logs)
@@ -85,7 +86,5 @@ class Interruption(threading.Thread):
         replacement_s = sum(max(0.0, self.killed_at - other.get("launched_at", self.killed_at))
                             for other in self.others_at_kill.values())
         return {"steps_redone": len(redone), "redone_s": redone_s, "recovery_s": recovery_s,
-                "replacement_before_loss_s": replacement_s,
-                "lost_compute_seconds": workers * (redone_s + recovery_s + replacement_s),
-                "killed_step": self.killed_step, "resumed_epoch": epoch, "resumed_step": step,
+                "replacement_before_loss_s": replacement_s, "killed_step": self.killed_step, "resumed_epoch": epoch, "resumed_step": step,
                 "checkpoint_written_at": written}
