@@ -7,6 +7,10 @@
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
+    GPUFLOW_METADATA_URL      tests only: the base URL of a double of the clouds' node metadata service, asked for
+                              spot notices instead of each cloud's own (cluster/job/notices.py); the local backend's
+                              simulated node asks <url>/<its Ray node id>, and watches for notices only when it is set;
+                              the flow hands it on to the job (a SkyPilot node's watch asks <url> itself)
 
 Each is read when asked for, not at import: one process may serve runs whose environments differ
 (`gpuflow serve`, a test session).
@@ -18,12 +22,13 @@ import json
 import os
 from pathlib import Path
 
-from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
+from gpuflow.cluster.protocol import ENV_NAMES, SERVE_OVERRIDES_ENV
 
 HOME_ENV = "GPUFLOW_HOME"
 DAILY_BUDGET_ENV = "GPUFLOW_DAILY_BUDGET_USD"
 STACK_ENV = "GPUFLOW_STACK"
 SHARED_PATH_ENV = "GPUFLOW_SHARED_PATH"
+METADATA_URL_ENV = ENV_NAMES["metadata_url"]  # the flow hands it on to the job and its nodes
 
 
 def state_dir() -> Path:
@@ -52,3 +57,8 @@ def shared_path() -> str | None:
 def serve_overrides() -> list[str]:
     """The `--set` of the `gpuflow serve` that started this run (none outside one)."""
     return json.loads(os.environ.get(SERVE_OVERRIDES_ENV) or "[]")
+
+
+def metadata_url() -> str | None:
+    """The metadata service a test stands in for the clouds' (None: each cloud's own, on a cloud node)."""
+    return os.environ.get(METADATA_URL_ENV) or None

@@ -1,4 +1,5 @@
-"""Conveniences for a Ray Train per-worker loop: restore, mixed precision, per-epoch checkpoints, the final model.
+"""Conveniences for a Ray Train per-worker loop: restore, mixed precision, per-epoch checkpoints, a checkpoint just in
+time on a spot notice (`preempted`, `report_preempted`), the final model.
 
 None is required: gpuflow tracks every `ray.train.report` of any loop (cluster/job/tracking.py logs
 the metrics to the flow's MLflow run). Rank 0 writes the checkpoints; every rank calls `report` so
@@ -18,12 +19,15 @@ import ray.train
 import torch
 
 from gpuflow.cluster.util.preload import import_in_background
-from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV
+from gpuflow.cluster.protocol import JobEnv, resumed_line
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # when this worker's previous epoch ended (the first: when the loop started), for perf/epoch_s
 _last_report_at = time.monotonic()
+_noticed: set = set()  # the preemptions this worker has seen (`preempted`), each said on the log once
+_resumed: dict = {}  # what a checkpoint taken mid-epoch says of its epoch (`restore`, `resumed_within`)
 
 
 def read_table(uri: str):
@@ -49,7 +53,8 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
 
 
 def restore(model, optimizer, scaler=None) -> int:
-    """Loads Ray Train's latest checkpoint, if any; returns the epoch to start from."""
+    """Loads Ray Train's latest checkpoint, if any; returns the epoch to start from: the next, or the same one when the
+    checkpoint was taken mid-epoch (`report_preempted`), whose progress `resumed_within` then gives."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0
@@ -59,9 +64,59 @@ def restore(model, optimizer, scaler=None) -> int:
     optimizer.load_state_dict(state["optimizer"])
     if scaler is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
+    _resumed.clear()
+    if "within_epoch" in state:
+        _resumed.update(epoch=state["epoch"], **state["within_epoch"])
+        if rank() == 0:
+            print(resumed_line(state["epoch"], state["within_epoch"]["step"]), flush=True)
+        return state["epoch"]
     if rank() == 0:
-        print(f"[gpuflow] resuming at epoch {state['epoch'] + 1} from the checkpoint of epoch {state['epoch']}", flush=True)
+        print(resumed_line(state["epoch"] + 1), flush=True)
     return state["epoch"] + 1
+
+
+def resumed_within(epoch: int) -> dict:
+    """For the epoch a mid-epoch checkpoint was taken in: {"step": steps done, **what the loop saved with them};
+    {} for any other epoch. Skip that many steps, and carry on from the figures."""
+    return {key: value for key, value in _resumed.items() if key != "epoch"} if _resumed.get("epoch") == epoch else {}
+
+
+def preempted() -> bool:
+    """True while a node of this run is under a spot notice: report a checkpoint at each such step
+    (`report_preempted`) and keep training, so that when the node goes at most the step in flight is lost (a run
+    that ends before the deadline is simply done). Every rank gets the same answer at the same call: call it on every
+    rank, every step (or every N steps, the same N everywhere), as it is a barrier (`ray.train.get_preemption_info`,
+    a round trip to Ray Train's synchronization actor). Where gpuflow left Ray Train's watch of drained nodes off (no
+    spot option: no notice can come) it says False at once, asking nothing."""
+    if os.environ.get(PREEMPTION_WATCHER_ENV) == "0":
+        return False
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return False
+    key = (info.deadline_ms, tuple(info.preempted_node_ids))
+    if key not in _noticed and rank() == 0:
+        left = f"{info.deadline_ms / 1000 - time.time():.0f}s" if info.deadline_ms else "an unknown time"
+        print(f"[gpuflow] preemption notice for node(s) {', '.join(n[:12] for n in info.preempted_node_ids)}, "
+              f"{left} before its deadline: a checkpoint at every step until then", flush=True)
+    _noticed.add(key)
+    return True
+
+
+def report_preempted(epoch: int, step: int, model, optimizer, scaler=None, **progress) -> None:
+    """A checkpoint mid-epoch, on a preemption notice: `step` steps of `epoch` done, and `progress` (small numbers:
+    the epoch's loss so far...) for the resumed run to finish the epoch's figures. No metrics: the epoch's report
+    logs them once the epoch ends, here or after the resume (MLflow gets each epoch once)."""
+    if rank() != 0:
+        ray.train.report({"step": epoch})
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        state = {"epoch": epoch, "within_epoch": {"step": step, **progress}, "model": unwrap(model).state_dict(),
+                 "optimizer": optimizer.state_dict()}
+        if scaler is not None and scaler.is_enabled():
+            state["scaler"] = scaler.state_dict()
+        torch.save(state, os.path.join(folder, CHECKPOINT_FILE))
+        # "step", not "epoch": gpuflow's tracking logs nothing of this report, the epoch is not over
+        ray.train.report({"step": epoch}, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
 
 def report(epoch: int, metrics: dict, model, optimizer, scaler=None) -> None:

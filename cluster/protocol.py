@@ -26,6 +26,7 @@ ENV_NAMES = {  # JobEnv field -> environment variable
     "spec_json": "GPUFLOW_SPEC_JSON",
     "run_name": "GPUFLOW_RUN_NAME",
     "notify_json": "GPUFLOW_NOTIFY",
+    "metadata_url": "GPUFLOW_METADATA_URL",
 }
 SECRET_ENV_NAMES = {"GPUFLOW_NOTIFY"}  # never in a log or a backend's job record: SkyPilot gets them as secrets
 
@@ -44,6 +45,7 @@ class JobEnv:
     spec_json: str | None = None  # a SkyPilot node: the spec, and Ray Train's run name, for the job it starts
     run_name: str | None = None
     notify_json: str | None = None  # the run's webhook, links and name (cluster/run/notify.py): a secret
+    metadata_url: str | None = None  # a test's double of the clouds' metadata service (cluster/config.py), for nodes
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[f.name]: str(value) for f in fields(self) if (value := getattr(self, f.name)) is not None}
@@ -77,6 +79,12 @@ MARK = "[gpuflow]"  # gpuflow's own lines; the rest is Ray's, MLflow's or the lo
 SETUP_DONE = f"{MARK} setup finished"  # rank 0's first line on a cloud node: the job's runtime counts from here
 RESULT_PREFIX = f"{MARK} result "  # the job's last line: its summary as JSON
 STOP_PREFIX = f"{MARK} stopped "  # "<prefix><reason>: <detail>": the job stopped the run itself
+CHECKPOINT_PERSISTED = f"{MARK} checkpoint persisted"
+RESUMING = f"{MARK} resuming at epoch"
+NOTICE_PREFIX = f"{MARK} preemption notice: "  # a node's watcher saw its cloud's notice and drained it in Ray
+# The job's exit when Ray Train ended training because a node was preempted (drained, its deadline passed): the node
+# may not be gone yet, so the flow waits for the loss as it does for a job killed by a signal.
+PREEMPTED_EXIT_CODE = 4
 
 
 def result_line(summary: dict) -> str:
@@ -85,6 +93,28 @@ def result_line(summary: dict) -> str:
 
 def stop_line(reason: str, detail: str) -> str:
     return f"{STOP_PREFIX}{reason}: {detail}"
+
+
+def notice_line(detail: str) -> str:
+    return NOTICE_PREFIX + detail
+
+
+def nodes_line(alive: int, of: int) -> str:
+    """An elastic run's cluster has `alive` of its `of` nodes: the flow bills those (Meter.resized)."""
+    return f"{MARK} nodes alive: {alive} of {of}"
+
+
+def checkpoint_line(step: int) -> str:
+    """A report's checkpoint is in storage (Ray Train calls the report's callbacks after that): a resume starts here."""
+    return f"{CHECKPOINT_PERSISTED} (step {step})"
+
+
+def resumed_line(epoch: int, step: int | None = None) -> str:
+    """The loop restored a checkpoint (cluster/loop.py restore) and trains again: `step` steps of `epoch` done when
+    the checkpoint was taken on a preemption notice, else at the start of `epoch`."""
+    if step is not None:
+        return f"{RESUMING} {epoch} step {step} from the checkpoint taken on a preemption notice"
+    return f"{RESUMING} {epoch} from the checkpoint of epoch {epoch - 1}"
 
 
 def epoch_line(epoch: int, shown: str) -> str:
@@ -100,6 +130,7 @@ RESULT_LINE = re.compile(r"^(?:\([^()]*, pid=\d+\) )?" + re.escape(RESULT_PREFIX
 STOP_LINE = re.compile(re.escape(STOP_PREFIX) + r"(\w+): (.*)$")
 EPOCH_LINE = re.compile(re.escape(MARK) + r" epoch (\d+):")
 TRIAL_LINE = re.compile(re.escape(MARK) + r" trial \S+ .*\((\d+) of (\d+) done\)")
+NODES_LINE = re.compile(re.escape(MARK) + r" nodes alive: (\d+) of (\d+)")
 METRIC = re.compile(r"(\S+)=(\S+)")
 
 
@@ -107,8 +138,8 @@ METRIC = re.compile(r"(\S+)=(\S+)")
 class JobEvent:
     """What one line of the job's log means to the flow."""
 
-    kind: str  # "result", "stop", "epoch", "trial" or "setup_done"
-    value: Any = None  # the result's summary, (reason, detail), the epoch, (done, total)
+    kind: str  # "result", "stop", "epoch", "trial", "nodes", "checkpoint", "resumed" or "setup_done"
+    value: Any = None  # the result's summary, (reason, detail), the epoch, (done, total), (alive, of)
 
 
 def parse_line(line: str) -> JobEvent | None:
@@ -123,6 +154,12 @@ def parse_line(line: str) -> JobEvent | None:
         return JobEvent("epoch", int(epoch.group(1)))
     if trial := TRIAL_LINE.search(line):
         return JobEvent("trial", (int(trial.group(1)), int(trial.group(2))))
+    if nodes := NODES_LINE.search(line):
+        return JobEvent("nodes", (int(nodes.group(1)), int(nodes.group(2))))
+    if CHECKPOINT_PERSISTED in line:
+        return JobEvent("checkpoint")
+    if RESUMING in line:
+        return JobEvent("resumed")
     if SETUP_DONE in line:
         return JobEvent("setup_done")
     return None
@@ -150,6 +187,7 @@ RENEWED_TAG = "gpuflow.lease_renewed_at"  # the flow's lease on the run (cluster
 GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP
 STOP_DETAIL_TAG = "gpuflow.stop_detail"
+PREEMPTION_NOTICE_TAG = "gpuflow.preemption_notice"  # the latest spot notice: its cloud, node, deadline (UTC)
 HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
 PHASE_METRIC_PREFIX = "gpuflow."  # + a phase's name: the flow's own figures, not the loop's reports
 PRICE_SOURCE_TAG = "gpuflow.price_source"  # where the run's price came from (Estimate.source)

@@ -146,10 +146,12 @@ def autocast(precision: str, device: torch.device):
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader, device: torch.device, precision: str,
-                timer: StepTimer, scaler: torch.amp.GradScaler | None = None) -> float:
-    """One pass over the loader; returns the mean training loss. fp16 needs a scaler; bf16 has fp32's range."""
+                timer: StepTimer, scaler: torch.amp.GradScaler | None = None, after_step=None,
+                resumed: tuple[int, float] = (0, 0.0)) -> float:
+    """One pass over the loader; returns the mean training loss. fp16 needs a scaler; bf16 has fp32's range.
+    `after_step(steps, total_loss)` runs after each step; `resumed`: the (steps, summed loss) the epoch had already."""
     model.train()
-    total, steps = torch.zeros((), device=device), 0
+    total, steps = torch.full((), resumed[1], device=device), resumed[0]
     for inputs, targets in timer.steps(loader):
         inputs = inputs.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
@@ -166,6 +168,8 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader, devi
         # summed on the device: loss.item() each step would wait for the GPU (a CPU-GPU sync point)
         total += loss.detach()
         steps += 1
+        if after_step is not None:
+            after_step(steps, total)
     return (total / max(steps, 1)).item()
 
 
@@ -219,8 +223,15 @@ def train_loop(config: dict) -> None:
         if sampler is not None:
             sampler.set_epoch(epoch)
         # steps_per_epoch (optional) caps an epoch: a short run on a CPU, or more frequent reports
-        epoch_batches = itertools.islice(train_batches, config.get("steps_per_epoch"))
-        train_loss = train_epoch(model, optimizer, epoch_batches, device, config["precision"], timer, scaler)
+        done = loop.resumed_within(epoch)  # this epoch's steps before a preemption (their checkpoint), if any
+        epoch_batches = itertools.islice(train_batches, done.get("step", 0), config.get("steps_per_epoch"))
+
+        def on_notice(steps, total, epoch=epoch):  # a node has its spot notice: a checkpoint each step until it goes
+            if loop.preempted():
+                loop.report_preempted(epoch, steps, model, optimizer, scaler, loss=total.item())
+
+        train_loss = train_epoch(model, optimizer, epoch_batches, device, config["precision"], timer, scaler, on_notice,
+                                 resumed=(done.get("step", 0), done.get("loss", 0.0)))
         figures = timer.end_epoch()
         metrics = {"train_loss": train_loss, **evaluate(model, validation_batches, device, config["precision"])}
         loop.report(epoch, {**metrics, **figures}, model, optimizer, scaler)

@@ -3,6 +3,7 @@
     gpuflow run experiments/digits.yaml
 """
 
+import itertools
 import math
 
 import numpy as np
@@ -86,8 +87,10 @@ def train_loop(config: dict) -> None:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(epoch, config)
         model.train()
-        total_loss, steps = 0.0, 0
-        for pixels, labels in timer.steps(batches("train", config["batch_size"], shuffle=True)):
+        done = loop.resumed_within(epoch)  # this epoch's steps before a preemption (their checkpoint), if any
+        total_loss, steps = done.get("loss", 0.0), done.get("step", 0)
+        shuffled = batches("train", config["batch_size"], shuffle=True)
+        for pixels, labels in timer.steps(itertools.islice(shuffled, steps, None)):
             with loop.autocast(config["precision"], device):
                 loss = nn.functional.cross_entropy(model(pixels), labels)
             optimizer.zero_grad()
@@ -95,6 +98,8 @@ def train_loop(config: dict) -> None:
             scaler.step(optimizer)
             scaler.update()
             total_loss, steps = total_loss + loss.item(), steps + 1
+            if loop.preempted():  # a node of the run has its spot notice: a checkpoint each step until it goes
+                loop.report_preempted(epoch, steps, model, optimizer, scaler, loss=total_loss)
 
         # evaluate on the held-out split, then checkpoint (gpuflow logs the report to MLflow)
         model.eval()

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import flow, get_run_logger, runtime
 from prefect.states import Cancelled, Failed
 
@@ -13,11 +15,12 @@ from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
-from gpuflow.cluster.run.monitor import LOSS_SETTLE_S, JobFailed, TrainResult, cost_check, deadline_check, lost_after
+from gpuflow.cluster.run.monitor import JobFailed, TrainResult, cost_check, deadline_check, lost_on
 from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
+from gpuflow.flows.capacity import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, QueueTimeout, turn_for_gpus
@@ -76,18 +79,23 @@ def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
 
 def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: list[Check]) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
-    and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times.
+    and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times. A spot notice
+    starts the relaunched cluster before the loss (`Replacement`).
 
     A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
     spec, life, capacity, job = run.spec, run.life, run.capacity, run.job()
     for recovery in range(spec.compute.max_recoveries + 1):
+        replacement = Replacement(capacity, cluster_name_for(flow_run_id_of(handle.name), recovery + 1), job.env,
+                                  recovery)
         try:
-            return train(spec, handle, job, life, stop_checks)
+            with replacement:  # on a spot notice, the next cluster is provisioned while this one trains
+                return train(spec, handle, job, life, stop_checks)
         except JobFailed as failure:
-            lost = None if life.stopped else lost_after(run.backend, handle.name, LOSS_SETTLE_S if failure.killed else 0)
+            ended_at = time.time()
+            lost = None if life.stopped else lost_on(run.backend, handle.name, failure)
             if not lost:
                 raise
-            life.lost_cluster(lost)
+            life.lost_cluster(lost, ended_at)
             if recovery == spec.compute.max_recoveries:
                 detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
                 life.stop("preempted", detail)
@@ -97,10 +105,9 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
             if handle.info.get("launched", {}).get("spot") == "true":
                 capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
             # downs the lost one; the next is priced at the dearest option it may get, until it launches
-            life.relaunching(cluster_name_for(flow_run_id_of(handle.name), recovery + 1),
-                             hourly_cost(capacity.launch_spec))
+            life.relaunching(replacement.name, hourly_cost(capacity.launch_spec))
             run.record.relaunched(life.meter.attempts)
-            handle = capacity.provision(life.cluster_name, job)
+            handle = replacement.take() or capacity.provision(life.cluster_name, job)
             notify_recovered(run, lost, recovery + 1)
     raise AssertionError("unreachable")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import Backend, Job, cluster_name_for, get_backend, train_run_name
+from gpuflow.cluster.config import metadata_url
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.run.lifecycle import Lifecycle
@@ -32,7 +33,8 @@ class ExperimentRun:
         """The run's records, before its cluster is requested: the bill counts from here."""
         record, backend = RunRecord(spec, flow_run["id"]), get_backend(spec.compute.backend)
         life = Lifecycle(cluster_name_for(flow_run["id"]), backend.down, Meter(hourly_cost(spec)),
-                         lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)))
+                         lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)),
+                         workers=spec.compute.num_workers)
         return cls(spec, flow_run, webhook, record, life, Capacity(record, life), backend)
 
     @property
@@ -46,7 +48,8 @@ class ExperimentRun:
         (and to say so, to the run's webhook)."""
         env = JobEnv(tracking_uri=self.spec.tracking_uri, mlflow_run_id=self.record.run_id,
                      artifact_uri=self.record.artifact_uri, requested_at=self.life.requested_at,
-                     hourly_usd=self.life.meter.hourly_usd(), notify_json=self.notify_json())
+                     hourly_usd=self.life.meter.hourly_usd(), notify_json=self.notify_json(),
+                     metadata_url=metadata_url())
         return Job(train_run_name(self.spec.name, self.record.flow_run_id), env.to_env())
 
     def notify_json(self) -> str | None:

@@ -16,7 +16,8 @@ from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, epoch_met
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import (ANSI, FAILURE_TAIL_LINES, JOB_DETAIL, NOISE, JobFailed, JobReported,
-                                         TrainResult, loss_check, progress, stopped_by_the_job, visible)
+                                         TrainResult, elastic_loss_check, loss_check, progress, stopped_by_the_job,
+                                         visible)
 from gpuflow.cluster.spec import ExperimentSpec
 
 
@@ -65,6 +66,12 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             payload = event.value
             result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
             result.sweep = payload.get("sweep")
+        elif event.kind == "nodes":  # an elastic run lost (or regained) nodes and trains on
+            life.nodes_alive(*event.value)
+        elif event.kind == "checkpoint":  # where a resume after a loss would start: lost compute counts from here
+            life.checkpointed()
+        elif event.kind == "resumed":
+            life.resumed()
         elif event.kind == "setup_done":  # the job's setup (SkyPilot) ended: training starts
             life.job_started()
         elif event.kind == "stop":  # the job enforced a limit itself (and closed the MLflow run)
@@ -93,8 +100,12 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     job_id = backend.exec(handle, spec, job.run_name, job.env)
     if not backend.starts_job_at_launch:
         life.job_started()
-    # Where asking is cheap (local), a lost node is noticed at once and its job ended, instead of Ray's own timeouts.
-    loss_checks = [loss_check(backend, handle.name)] if backend.loss_poll_s else []
+    # Where asking is cheap (local), a lost node is noticed at once and its job ended, instead of Ray's own timeouts;
+    # an elastic run's job trains on without the node, down to its minimum.
+    if spec.compute.min_workers:
+        loss_checks = [elastic_loss_check(spec, life)]
+    else:
+        loss_checks = [loss_check(backend, handle.name)] if backend.loss_poll_s else []
     with Watchdog(stop_checks, life.stop), \
             Watchdog(loss_checks, life.end_lost_job, interval_s=backend.loss_poll_s or 1):
         try:
@@ -121,7 +132,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
 def epoch_progress(spec: ExperimentSpec, epoch: int, line: str, life: Lifecycle, seconds: float) -> dict:
     """What the console makes of an epoch's line: epoch i of N, its metrics, the time so far and the bill."""
     return progress(phase="training", epoch=epoch + 1, epochs=spec.train.epochs, metrics=epoch_metrics(line),
-                    train_seconds=seconds, cost_usd=life.bill()["cost_usd"], hourly_usd=life.meter.hourly_usd())
+                    train_seconds=seconds, cost_usd=life.bill()["cost_usd"], hourly_usd=life.meter.live_hourly_usd())
 
 
 @task(name="teardown", cache_policy=NO_CACHE)

@@ -198,6 +198,29 @@ def test_the_bill_of_a_run_counts_from_the_provision_request_at_the_launched_pri
     assert priced_by_user.meter.hourly_usd() == 2.0
 
 
+def test_a_replacement_asked_for_on_a_notice_is_billed_from_its_request_and_downed_if_unused():
+    """Both clusters bill from the notice to the loss; a replacement no loss came for is downed with the run."""
+    class Launch:
+        def wait(self):
+            pass
+
+    estimate = Estimate(hourly_usd=3.6, per_node_hourly_usd=1.8, num_nodes=2, use_spot=True, source="catalog")
+    downed: list[str] = []
+    life = Lifecycle("gpuflow-x", down=downed.append, meter=Meter(estimate, requested_at=time.time() - 100))
+    life.launching(Launch(), "gpuflow-x-r1")  # on the notice
+    life.replacements["gpuflow-x-r1"] -= 30  # asked for 30 s ago
+    life.relaunching("gpuflow-x-r1")  # the loss: the run goes on on the replacement
+    [lost] = life.meter.attempts
+    assert lost["seconds"] == pytest.approx(100, abs=1) and life.bill()["cluster_hours"] * 3600 == pytest.approx(130, abs=1)
+    life.launching(Launch(), "gpuflow-x-r2")  # a second notice, and the run ends before its loss
+    life.replacements["gpuflow-x-r2"] -= 20
+    life.teardown()
+    assert {"gpuflow-x-r1", "gpuflow-x-r2"} <= set(downed) and "gpuflow-x" in downed
+    unused = life.meter.attempts[-1]
+    assert unused["option"] == "replacement, unused" and unused["seconds"] == pytest.approx(20, abs=1)
+    assert life.replacements == {}
+
+
 def log_utilization(client, run_id, start, step_s, values_per_gpu):
     """A GPU-utilisation series in the keys MLflow's own GPU monitor writes."""
     metrics = [Metric(f"system/gpu_{gpu}_utilization_percentage", value, int((start + i * step_s) * 1000), i)

@@ -1,5 +1,8 @@
 """A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches it (as
-<name>-r1, then -r2), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once."""
+<name>-r1, then -r2), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once. With a
+spot notice first (a double of the cloud's metadata service), the loop checkpoints until the node goes and the
+flow provisions the replacement cluster before the loss. An elastic run (num_workers: [min, max]) trains on without
+the node instead."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend
 from gpuflow.cluster.util.processes import stop_sessions
+from tests.loops import STEPPED_LOOP
 from tests.support.processes import processes_of
 from tests.support.runs import flow_logs, mlflow_run_of
 
@@ -40,6 +44,7 @@ class NodeKiller(threading.Thread):
         super().__init__(daemon=True)
         self.home, self.losses, self.after = home, losses, after
         self.killed: list[str] = []
+        self.killed_at: list[float] = []
 
     def checkpoints(self) -> int:
         return len(list(self.home.glob("checkpoints/*/checkpoint_*")))
@@ -64,6 +69,7 @@ class NodeKiller(threading.Thread):
         else:  # the whole cluster, head included: every process of its session
             stop_sessions([record["session"]])
         self.killed.append(what)
+        self.killed_at.append(time.time())
 
 
 def epochs_logged(spec, run) -> list[int]:
@@ -109,6 +115,48 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
 
 
+ELASTIC_EPOCHS = 4
+RATE = 3.6  # limits.hourly_rate_usd of the 2-node cluster: $0.0005 a node-second
+
+
+def test_an_elastic_run_trains_on_without_a_lost_node(prefect_server, digits_spec, gpuflow_home):
+    """num_workers [1, 2] on 2 nodes, a worker node's raylet killed after the first checkpoint: training goes on with
+    1 worker within a minute, no relaunch, and finishes; MLflow has `workers` 2 then 1, the bill follows the nodes."""
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.flows.experiment import run_experiment
+    from tests.loops import PACED_LOOP
+
+    raw = digits_spec.model_dump(mode="json")
+    raw["compute"].update(num_nodes=2, workers_per_node=1, num_workers=[1, 2])
+    raw["train"].update(epochs=ELASTIC_EPOCHS, loop=PACED_LOOP, params={**raw["train"]["params"], "pace_s": 3})
+    raw["tracking"]["register_model"] = False
+    raw["limits"]["hourly_rate_usd"] = RATE
+    spec = parse_spec(raw)
+    killer = NodeKiller(gpuflow_home, "worker node", after=1)
+    killer.start()
+    state = run_experiment(spec, return_state=True)
+    assert killer.killed == ["worker node"]
+    assert state.is_completed(), state.message
+    client, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
+    logs = flow_logs(state.state_details.flow_run_id)
+    assert "recoveries" not in run.data.metrics and "-r1" not in logs, "trained on, not relaunched"
+    assert "nodes alive: 1 of 2" in logs, logs[-3000:]
+    assert epochs_logged(spec, run) == list(range(ELASTIC_EPOCHS)), "each epoch logged exactly once"
+
+    workers = sorted(client.get_metric_history(run.info.run_id, "workers"), key=lambda m: m.step)
+    sizes = [int(m.value) for m in workers]
+    assert sizes[0] == 2 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True), sizes
+    first_small = min(m.timestamp for m in workers if m.value == 1) / 1000
+    trained_on_after = first_small - killer.killed_at[0]
+    assert trained_on_after < 60 + 3 * 2, "an epoch on 1 worker reported within a minute (and an epoch's pace)"
+
+    cost, hours = run.data.metrics["cost_usd"], run.data.metrics["cluster_hours"]
+    assert RATE / 2 * hours < cost < RATE * hours, "billed for 2 nodes, then for 1"
+    print(f"\n[elastic, a worker node lost] an epoch on 1 worker {trained_on_after:.1f}s after the loss; "
+          f"${cost:.5f} for {hours * 3600:.0f}s (whole: ${RATE * hours:.5f})")
+    assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
+
+
 def test_more_losses_than_allowed_fail_the_run_as_preempted(prefect_server, digits_spec, gpuflow_home):
     from gpuflow.flows.experiment import run_experiment
 
@@ -123,3 +171,57 @@ def test_more_losses_than_allowed_fail_the_run_as_preempted(prefect_server, digi
     assert run.data.metrics["recoveries"] == 1
     assert list(gpuflow_home.glob("checkpoints/*/checkpoint_*/checkpoint.pt")), "checkpoints kept"
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
+
+
+LEAD_S = 30  # GCP's and Azure's notice; AWS gives two minutes
+STEP_PACE_S = 2.0  # ~23 steps an epoch of digits on 2 workers: ~46 s, longer than the notice's lead
+NOTICE_AT_STEP = 2
+
+
+def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_goes(prefect_server, digits_spec,
+                                                                                    gpuflow_home, monkeypatch):
+    """A notice 30 s before a worker node of a 2-node run is killed: the replacement cluster (-r1) is provisioned
+    before the node goes, the run resumes on it mid-epoch from a checkpoint written after the notice, redoes at most
+    the one step in flight (a checkpoint at every step while noticed), and logs each epoch once."""
+    from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG
+    from gpuflow.flows.experiment import run_experiment
+    from tests.support.interruption import Interruption
+    from tests.support.metadata_double import metadata_double
+
+    started = time.monotonic()
+    step_log = gpuflow_home / "steps.log"
+    spec = two_nodes(digits_spec)
+    spec = spec.model_copy(update={"train": spec.train.model_copy(update={
+        "epochs": 1, "loop": STEPPED_LOOP,
+        "params": {**spec.train.params, "step_pace_s": STEP_PACE_S, "step_log": str(step_log)}})})
+    with metadata_double("aws") as double:
+        monkeypatch.setenv("GPUFLOW_METADATA_URL", double.url)
+        killer = Interruption(gpuflow_home, step_log, at_step=NOTICE_AT_STEP, double=double, lead_s=LEAD_S)
+        killer.start()
+        state = run_experiment(spec, return_state=True)
+        killer.join(timeout=5)
+    assert killer.killed_at, "the notice was given and the node killed"
+    assert state.is_completed(), state.message
+    _, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
+    assert run.info.status == "FINISHED" and run.data.metrics["recoveries"] == 1
+    assert "aws takes node" in run.data.tags[PREEMPTION_NOTICE_TAG]
+    assert epochs_logged(spec, run) == [0], "each epoch logged exactly once"
+
+    # the replacement was asked for on the notice, before the loss: the resume did not wait for a provision
+    [(name, replacement)] = killer.others_at_kill.items()
+    assert name.endswith("-r1") and replacement["launched_at"] < killer.killed_at, killer.others_at_kill
+    logs = flow_logs(state.state_details.flow_run_id)
+    assert "notice: replacement cluster provisioning" in logs, logs[-3000:]
+    figures = killer.measured(logs)
+    assert figures["resumed_step"] is not None, logs[-3000:]
+    assert killer.noticed_at < figures["checkpoint_written_at"], "resumed from a checkpoint written after the notice"
+    assert figures["steps_redone"] <= 1, f"at most the step in flight is trained again (one step between checkpoints)"
+    # the run's own figure counts from the notice's checkpoint too, not from the epoch's start
+    assert run.data.metrics["redone_seconds"] <= 3 * STEP_PACE_S, run.data.metrics
+    assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
+    print(f"\n[spot notice] replacement {replacement['status']} at the loss (asked for "
+          f"{killer.killed_at - replacement['launched_at']:.1f}s before); resumed at step {figures['resumed_step']}, "
+          f"{figures['steps_redone']} step(s) redone, recovery {figures['recovery_s']:.1f}s (loss → first step); "
+          f"the run's redone_seconds {run.data.metrics['redone_seconds']:.1f} (measured {figures['redone_s']:.1f}), "
+          f"lost_compute_seconds {run.data.metrics['lost_compute_seconds']:.1f}; "
+          f"test wall {time.monotonic() - started:.0f}s")

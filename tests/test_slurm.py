@@ -6,7 +6,7 @@
 A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains on
 its second compute option (the first, spot nodes, this cluster cannot satisfy: SkyPilot's own failover), a setup that
 fails, a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation
-(relaunch, resume). A failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
+(relaunch, resume), and a spot notice before it (the notice's checkpoint, the replacement provisioned on it). A failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
 (tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
 """
 
@@ -85,9 +85,10 @@ def launcher(slurm_infra, mlflow_url, shared_disk, logs: Path):
 
     runs = []
 
-    def start(*overrides: str, epochs: int = 3) -> Run:
-        args, env = digits_on_slurm("run", slurm_infra, mlflow_url, shared_disk, f"train.epochs={epochs}", *overrides)
-        env = {**env, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    def start(*overrides: str, epochs: int = 3, env: dict[str, str] | None = None) -> Run:
+        args, run_env = digits_on_slurm("run", slurm_infra, mlflow_url, shared_disk, f"train.epochs={epochs}",
+                                        *overrides)
+        env = {**run_env, **(env or {}), "PREFECT_API_URL": PREFECT_API_URL.value()}
         run = Run(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True))
         runs.append(run)
@@ -190,12 +191,13 @@ def mlflow_run_on(mlflow_url: str, cluster: str):
     return client, run
 
 
-def assert_nothing_left(slurm_infra, cluster: str):
-    assert cluster not in harness.sky_clusters(slurm_infra)
+def assert_nothing_left(slurm_infra, *clusters: str):
+    assert set(clusters).isdisjoint(harness.sky_clusters(slurm_infra))
     assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
-    # nor a process of the cluster on the node (a Ray that escaped the job would hold port 6390)
+    # nor a process of the clusters on the node (a Ray that escaped the job would hold port 6390)
     deadline = time.monotonic() + 120
-    while (left := [p for p in harness.leftover_processes() if cluster in p]) and time.monotonic() < deadline:
+    while (left := [p for p in harness.leftover_processes() if any(c in p for c in clusters)]) and \
+            time.monotonic() < deadline:
         time.sleep(2)
     assert left == []
 
@@ -375,8 +377,7 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     resumed = re.findall(r"resuming at epoch (\d+)", run.output)
     assert resumed and int(resumed[0]) >= 3
     assert f"{run.cluster}-r1" in run.output
-    assert_nothing_left(slurm_infra, run.cluster)
-    assert_nothing_left(slurm_infra, f"{run.cluster}-r1")
+    assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
     print(f"\n[scancel on slurm] recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s (loss → first resumed "
           f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
           f"{time.monotonic() - lost_at:.0f}s after the scancel")
@@ -445,3 +446,77 @@ def test_a_partition_the_cluster_lacks_is_refused_before_anything_starts(slurm_i
     done = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr  # the cluster as it is passes
     assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
+
+
+NOTICE_LEAD_S = 15  # the cloud's notice comes this long before the allocation goes (AWS's is 120 s, GCP's 30 s)
+
+
+def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resumes(gpuflow_on_slurm, slurm_infra,
+                                                                                     mlflow_url, shared_disk):
+    """The notice path of docs/spot.md on a SkyPilot node: a spec with a spot option (SkyPilot drops it here, there is
+    no spot on Slurm, and launches the on-demand one), the AWS metadata double on 127.0.0.1 standing in for the node's
+    metadata service (the flow hands GPUFLOW_METADATA_URL to the node). Mid-epoch the double gives the notice: the
+    node's watch drains it in Ray and tags the run, the loop checkpoints at every step, the flow provisions the
+    replacement (-r1); at the deadline the allocation is scancelled, as the cloud takes the node, and the run resumes
+    on the replacement from the notice's checkpoint, in the same MLflow run."""
+    from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG
+    from tests.loops import STEPPED_LOOP
+    from tests.loops.stepped import steps_done
+    from tests.support.metadata_double import metadata_double
+    from tests.support.runs import flow_logs
+
+    started = time.monotonic()
+    step_log = shared_disk / f"steps-{uuid.uuid4().hex[:8]}.log"
+    options = f'[{{infra: "{slurm_infra.infra}", use_spot: true}}, {{infra: "{slurm_infra.infra}"}}]'
+    with metadata_double("aws") as double:
+        run = gpuflow_on_slurm("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}",
+                               f"train.loop={STEPPED_LOOP}", "train.params.step_pace_s=0.5",
+                               f"train.params.step_log={step_log}", "tracking.register_model=false", epochs=1,
+                               env={"GPUFLOW_METADATA_URL": double.url})
+        wait_for_value(lambda: len(steps_done(step_log)) >= 3 or run.process.poll() is not None, RUN_TIMEOUT_S,
+                       "three steps trained on the first cluster")
+        [job] = harness.slurm_jobs(user=slurm_infra.ssh_user)  # the replacement's comes on the notice
+        noticed_at = time.time()
+        deadline = double.notify(in_s=NOTICE_LEAD_S)  # the node asks <url> itself: node ""
+        time.sleep(max(0.0, deadline - time.time()))
+        killed_at, killed = time.time(), time.monotonic() - run.started
+        subprocess.run(["scancel", job["id"]], check=True, timeout=60)
+        double.taken()  # the replacement's node asks the same URL: its own service would have no notice
+        code = run.wait()
+    assert code == 0, run.output[-6000:]
+    assert double.polls.get("", 0) > 0, "the node's watch asked the double"
+    client, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
+    assert mlflow_run.info.status == "FINISHED" and mlflow_run.data.metrics["recoveries"] == 1
+    assert "aws takes node" in mlflow_run.data.tags[PREEMPTION_NOTICE_TAG]
+    assert sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy")) == [0]
+
+    logs = flow_logs(flow_run_id_of(run.cluster))
+    assert "[gpuflow] preemption notice: aws takes node" in logs, logs[-3000:]
+    assert f"notice: replacement cluster provisioning: {run.cluster}-r1" in logs, logs[-3000:]
+    provisioning = run.at(f"notice: replacement cluster provisioning: {run.cluster}-r1")
+    assert provisioning is not None and provisioning < killed, "the replacement was asked for before the loss"
+    resumed = re.search(r"resuming at epoch 0 step (\d+) from the checkpoint taken on a preemption notice", logs)
+    assert resumed, logs[-3000:]
+    written = checkpoint_of_step(Path(mlflow_run.data.tags["gpuflow.checkpoints"]), int(resumed[1]))
+    assert noticed_at < written <= killed_at + 1, "resumed from a checkpoint written after the notice"
+    steps = steps_done(step_log)
+    lost_pid = steps[0][1]
+    assert {pid for _, pid in steps if pid != lost_pid}, "the replacement trained"
+    redone = [at for at, pid in steps if pid == lost_pid and at > written]
+    assert len(redone) <= 1, f"at most the step in flight redone: {len(redone)}"
+    assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
+    print(f"\n[spot notice on slurm] replacement asked for {killed - provisioning:.0f}s before the loss; resumed at "
+          f"step {resumed[1]}, {len(redone)} step(s) redone, recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "
+          f"test wall {time.monotonic() - started:.0f}s")
+    report("spot notice", run, mlflow_run.data.metrics)
+
+
+def checkpoint_of_step(checkpoints: Path, step: int) -> float:
+    """When the checkpoint taken on the notice at `step` (epoch 0) was written."""
+    import torch
+
+    for path in checkpoints.glob("checkpoint_*/checkpoint.pt"):
+        state = torch.load(path, weights_only=False)
+        if state["epoch"] == 0 and state.get("within_epoch", {}).get("step") == step:
+            return path.stat().st_mtime
+    raise AssertionError(f"no checkpoint of epoch 0 step {step} under {checkpoints}")

@@ -42,6 +42,10 @@ class Estimate:
     def cost_usd(self, seconds: float) -> float:
         return self.hourly_usd * seconds / 3600
 
+    def per_node_cost_usd(self, node_seconds: float) -> float:
+        """What `node_seconds` of this cluster's nodes cost (its whole price shared evenly among its nodes)."""
+        return self.hourly_usd / max(self.num_nodes, 1) * node_seconds / 3600
+
     def max_runtime_cost_usd(self, spec: ExperimentSpec) -> float:
         """The bill if the job runs to limits.max_runtime_minutes."""
         return self.hourly_usd * spec.limits.max_runtime_minutes / 60

@@ -21,8 +21,9 @@ from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.util.waiting import wait_until
-from gpuflow.cluster.protocol import JobEnv, result_line
+from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec, job_spec
+from gpuflow.cluster.job.spot_watch import expect_notices, is_preemption, start_local_watches, stop_watches
 from gpuflow.cluster.job.trainer import run_training
 from gpuflow.cluster.usercode import on_sys_path
 
@@ -32,7 +33,6 @@ def tune_ray_train() -> None:
     # Ray Train v2's controller polls its workers every 2 s by default, and each report waits for a
     # poll: on short epochs that is most of the wall time. The driver's value propagates to workers.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     # Ray Train re-logs every print() of a worker through its logger: each line would reach us twice.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     # Starting the workers imports torch in each: on a busy small machine that can outlast the default 60 s, and
@@ -153,6 +153,7 @@ def main(argv=None) -> int:
         wait_for_handoff(args)
     spec = job_spec(Path(args.spec).read_text()).anchored()
     job = JobEnv.from_env()
+    preemption_settings = expect_notices(spec)  # Ray Train's watch of drained nodes: on where a notice can come
     JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too: the flow may die
     preload(spec)
     import ray
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
         # host (two runs, or a run beside a Slurm node) they fail with "multiple active Ray instances".
         "RAY_ADDRESS": args.address,
         **JobEnv(tracking_uri=job.tracking_uri, mlflow_run_id=job.mlflow_run_id).to_env(),
+        **preemption_settings,
         **spec.envs,
         **{name: os.environ[name] for name in spec.secrets if name in os.environ},
     }
@@ -174,7 +176,11 @@ def main(argv=None) -> int:
         wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
+    from gpuflow.cluster.job.elastic import count_nodes  # loads Ray Train
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
+    # the local backend's simulated nodes: each watches its own notices (a cloud node's watch starts with its Ray)
+    watches = start_local_watches(args.address) if job.local_cluster_session else []
+    node_count = count_nodes(spec.compute)  # an elastic run: the flow bills the nodes left
     try:
         with on_sys_path(workdir):
             if spec.sweep:
@@ -183,7 +189,15 @@ def main(argv=None) -> int:
                 summary = run_sweep(spec, args.run_name)
             else:
                 summary = run_training(spec, args.run_name)
+    except Exception as exc:
+        if not is_preemption(exc):
+            raise
+        print(f"[gpuflow] training ended: a node was preempted ({exc})", flush=True)
+        return PREEMPTED_EXIT_CODE
     finally:
+        stop_watches(watches)
+        if node_count:
+            node_count.stop()
         if monitor:
             monitor.finish()
     summary["fit_seconds"] = round(time.time() - started, 2)

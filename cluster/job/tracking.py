@@ -5,8 +5,8 @@
 The callbacks run in Ray Train's controller, not in the workers: a loop needs no gpuflow code to be tracked. Ray
 Train calls `after_report` once all workers have reported and after the report's checkpoint is persisted to storage,
 so a step's metrics are logged only once its checkpoint exists. A background thread logs what is reported within a
-few seconds in one call (MLflow's per-call latency would otherwise hold up the workers' next report, and behind basic
-auth each call costs the server a password check); a resumed attempt skips steps the run already holds.
+few seconds in one call (MLflow's per-call latency would hold up the workers' next report; behind basic auth each call
+costs a password check); a resumed attempt skips steps the run holds. An elastic run also logs `workers` per report.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import queue
 import re
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
 from ray.train.v2.api.callback import UserCallback
 
-from gpuflow.cluster.protocol import CHECKPOINT_TAG, epoch_line
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 from gpuflow.cluster.util.ray_internals import ControllerCallback  # end of run: no public hook yet
 
@@ -119,11 +119,10 @@ class MlflowTracker:
         self._queue.put(report)
         if self.print_progress:
             shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
-            if step_key == "epoch":
-                print(epoch_line(step, shown), flush=True)
-            else:
-                print(f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}",
-                      flush=True)
+            line = epoch_line(step, shown) if step_key == "epoch" else \
+                f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}"
+            print(*([checkpoint_line(report.index if step is None else step)] if checkpoint else []), line, sep="\n",
+                  flush=True)
         return report
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
@@ -247,8 +246,7 @@ class MlflowTracker:
 def persisted_reports(snapshot_uri: str | None) -> list[Report]:
     """The reports of every checkpoint Ray Train persisted so far (its checkpoint-manager snapshot), those with a
     step of their own: a lost controller can take the last reports with it before they reached MLflow, while their
-    checkpoints are in storage and the resumed attempt starts after them. Logging them again is harmless: a step
-    the run holds is skipped."""
+    checkpoints are in storage and the resumed attempt starts after them. A step the run holds is skipped."""
     if not snapshot_uri:
         return []
     try:
@@ -268,13 +266,14 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
 
 
 class ReportToMlflow(UserCallback):
-    """Ray Train's public hook: each round of reports, checkpoint already persisted."""
+    """Ray Train's public hook: each round of reports (one per worker), checkpoint already persisted."""
 
-    def __init__(self, tracker: MlflowTracker):
-        self.tracker = tracker
+    def __init__(self, tracker: MlflowTracker, count_workers: bool = False):
+        self.tracker, self.count_workers = tracker, count_workers
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self.tracker.add(metrics[0] if metrics else {}, checkpoint)  # rank 0's metrics
+        self.tracker.add({**(metrics[0] if metrics else {}),  # rank 0's metrics, and how many workers reported
+                          **({"workers": len(metrics)} if self.count_workers else {})}, checkpoint)
 
 
 class FinishTracking(ControllerCallback):
@@ -290,11 +289,11 @@ class FinishTracking(ControllerCallback):
         self.tracker.finish(timeout_s=10)
 
 
-def tracking_callbacks(run_id: str | None, tracking_uri: str | None, run_folder: str | None = None) -> list:
-    """The Ray Train callbacks that log to the run; none when the job runs without an MLflow run.
-    `run_folder`: RunConfig's storage_path/name, where Ray Train keeps its checkpoint-manager snapshot."""
+def tracking_callbacks(run_id: str | None, tracking_uri: str | None, run_folder: str | None = None,
+                       count_workers: bool = False) -> list:
+    """Ray Train's callbacks into the run (none without one); `run_folder`: where Ray Train keeps its snapshot."""
     if not run_id or not tracking_uri:
         return []
     snapshot = f"{run_folder.rstrip('/')}/{SNAPSHOT_FILE}" if run_folder else None
     tracker = MlflowTracker(run_id, tracking_uri, snapshot_uri=snapshot)  # pickled once with both: state is shared
-    return [ReportToMlflow(tracker), FinishTracking(tracker)]
+    return [ReportToMlflow(tracker, count_workers), FinishTracking(tracker)]

@@ -74,6 +74,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from gpuflow.cluster.job.elastic import ElasticRestarts, elastic_workers, failure_budget, worker_slot
     from gpuflow.cluster.job.ingest import SplitInMemory
     from gpuflow.cluster.job.stacks import with_stack_dumps
     from gpuflow.cluster.job.tracking import tracking_callbacks
@@ -89,9 +90,9 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
         datasets=datasets_of(spec),
         dataset_config=SplitInMemory(),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=num_workers,
+            num_workers=num_workers if spec.sweep else elastic_workers(compute),
             use_gpu=compute.use_gpu,
-            resources_per_worker={"CPU": compute.cpus_per_worker, "GPU": gpus_per_worker},
+            resources_per_worker={"CPU": compute.cpus_per_worker, "GPU": gpus_per_worker, **worker_slot(compute)},
             # one node's workers per node: multi-node placement is what the user asked for
             placement_strategy="SPREAD" if num_workers > compute.workers_per_node else "PACK",
         ),
@@ -99,13 +100,13 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
             name=run_name,
             storage_path=spec.checkpoint_uri,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=spec.storage.num_to_keep),
-            # The flow, not Ray, decides about a lost node: left at their defaults, a missing node makes fit()
-            # retry forever (the worker group's start timeout, 60 s, and preemptions have budgets of their own).
-            failure_config=ray.train.FailureConfig(max_failures=compute.worker_restarts, controller_failure_limit=0,
-                                                   max_preemption_failures=0),
+            # Left at their defaults, a missing node makes fit() retry forever (the worker group's start timeout and
+            # preemptions have budgets of their own): the flow decides about a lost node, unless the run is elastic.
+            failure_config=ray.train.FailureConfig(**failure_budget(compute)),
             # every report of any loop reaches the run, from Ray Train's controller
-            callbacks=[*tracking_callbacks(run_id, job.tracking_uri,
-                                           f"{spec.checkpoint_uri.rstrip('/')}/{run_name}"), *callbacks],
+            callbacks=[*tracking_callbacks(run_id, job.tracking_uri, f"{spec.checkpoint_uri.rstrip('/')}/{run_name}",
+                                           count_workers=bool(compute.min_workers)),
+                       *([ElasticRestarts()] if compute.min_workers else []), *callbacks],
             # the loop's own MLflow logging (gpuflow.cluster.loop: the model, a profile) goes to the same run
             worker_runtime_env={"env_vars": JobEnv(mlflow_run_id=run_id).to_env()} if run_id else None,
         ),

@@ -20,6 +20,7 @@ from typing import Callable
 
 from gpuflow.cluster.cost.pricing import Estimate
 from gpuflow.cluster.protocol import STATUS_FOR_STOP
+from gpuflow.cluster.run.losses import LostCompute
 from gpuflow.cluster.run.meter import Meter
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ class Outcome:
 
 class Lifecycle:
     def __init__(self, cluster_name: str, down: Callable[[str], object], meter: Meter,
-                 close: Callable[[Outcome, dict], None] | None = None):
+                 close: Callable[[Outcome, dict], None] | None = None, workers: int = 1):
         self.cluster_name, self.down, self.meter, self.close = cluster_name, down, meter, close
-        self._launches: list = []  # futures of launches in flight (anything with .wait())
+        self._launches: list = []  # (future of a launch in flight, anything with .wait(); its cluster's name or None)
+        self.replacements: dict[str, float] = {}  # a cluster asked for on a spot notice, not used yet: its request
         self.launched_at: float | None = None
         self.job_started_at: float | None = None  # the training job's first start (after setup): limits count from it
         self.last_output_at: float | None = None  # the job's last log line: idle from here to the teardown
@@ -58,10 +60,9 @@ class Lifecycle:
         self.teardown_seconds: float | None = None
         self.teardown_error: BaseException | None = None
         self.recoveries = 0
-        self.lost_compute_seconds = 0.0  # training since the last checkpoint when a cluster was lost: done again
-        self.recovery_seconds: list[float] = []  # each loss noticed → first resumed epoch
-        self._last_epoch_at: float | None = None
-        self._lost_at: float | None = None
+        self.live_nodes: int | None = None  # an elastic run's nodes left, as its job says; None: all of them
+        self.lost = LostCompute(workers)  # what the losses cost (cluster/run/losses.py)
+        self._loss_seen_at: float | None = None  # the loss check's first sight of the loss being relaunched
         self.ended_at: float | None = None
         self.stop_reason: str | None = None
         self.stop_detail = ""
@@ -74,9 +75,12 @@ class Lifecycle:
         return self.meter.requested_at
 
     # -- during the run ----------------------------------------------------------------------------
-    def launching(self, future) -> None:
-        """A launch in flight: the end waits for it, so that a launch outrunning the teardown cannot outlive the run."""
-        self._launches.append(future)
+    def launching(self, future, replacement: str | None = None) -> None:
+        """A launch in flight (of the run's cluster, or of the `replacement` named): the end waits for it, so that a
+        launch outrunning the teardown cannot outlive the run."""
+        if replacement:
+            self.replacements[replacement] = time.time()
+        self._launches.append((future, replacement))
 
     def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
         """The cluster is up; the meter prices it (Meter.launched)."""
@@ -87,22 +91,41 @@ class Lifecycle:
         self.job_started_at = self.job_started_at or time.time()
 
     def epoch_done(self) -> None:
-        """An epoch reported (and checkpointed): the end of work a loss could take away, or of a recovery."""
-        self._last_epoch_at = time.time()
-        if self._lost_at is not None:
-            self.recovery_seconds.append(self._last_epoch_at - self._lost_at)
-            self._lost_at = None
+        """An epoch reported: the end of a recovery's `recovery_seconds`."""
+        self.lost.epoch()
 
-    def lost_cluster(self, why: str) -> None:
-        """The cluster was lost mid-job: the work since the last checkpoint is gone, and a recovery begins."""
-        self._lost_at = time.time()
-        self.lost_compute_seconds += self._lost_at - (self._last_epoch_at or self.launched_at or self._lost_at)
+    def checkpointed(self) -> None:
+        """A checkpoint is persisted: where a resume would start from."""
+        self.lost.checkpointed()
+
+    def resumed(self) -> None:
+        """The loop restored a checkpoint and trains again."""
+        self.lost.resumed()
+
+    def nodes_alive(self, alive: int, of: int) -> None:
+        """An elastic run's cluster has `alive` of its `of` nodes: billed for those from now (it is not relaunched)."""
+        if alive != self.live_nodes:
+            log.warning(f"cluster {self.cluster_name}: {alive} of {of} nodes alive; training goes on, billed for {alive}")
+        if alive < (self.live_nodes or of):  # Ray Train restarts the workers from the last checkpoint on the rest
+            self.lost.lost(time.time(), self.job_started_at or self.launched_at, self.lost.workers * alive // of)
+        self.live_nodes = alive
+        self.meter.resized(alive)
+
+    def lost_cluster(self, why: str, job_ended_at: float | None = None) -> None:
+        """The cluster was lost mid-job: the work since the last checkpoint is gone, and a recovery begins. The loss
+        counts from the loss check's first sight of it, else from the job's end (its node's loss may be confirmed
+        only seconds later)."""
+        at = min(t for t in (self._loss_seen_at, job_ended_at, time.time()) if t is not None)
+        self._loss_seen_at = None
+        self.lost.lost(at, self.job_started_at or self.launched_at,
+                       replacements_requested=tuple(t for t in self.replacements.values() if t < at))
         self.recoveries += 1
         log.warning(f"cluster {self.cluster_name} lost: {why}")
 
     def end_lost_job(self, reason: str, why: str) -> None:
         """A node of the cluster is gone: what is left of it is downed now, so that its job ends at once instead of
         after Ray's own timeouts. Whether the run relaunches is the flow's call once the job has ended."""
+        self._loss_seen_at = self._loss_seen_at or time.time()
         log.warning(f"cluster {self.cluster_name}: {why}; ending its job")
         try:
             self.down(self.cluster_name)
@@ -111,10 +134,11 @@ class Lifecycle:
 
     def relaunching(self, cluster_name: str, price: Estimate | None = None) -> dict:
         """The lost cluster is downed; from now on the run's cluster is the relaunched one, metered at `price` until
-        it launches. Returns the attempt that ended: its option, price and cost."""
+        it launches (from its request: a replacement asked for on a notice bills from then). Returns the attempt
+        that ended: its option, price and cost."""
         self.down(self.cluster_name)
-        self.cluster_name = cluster_name
-        return self.meter.relaunched(price)
+        self.cluster_name, self.live_nodes = cluster_name, None
+        return self.meter.relaunched(price, self.replacements.pop(cluster_name, None))
 
     def output(self) -> None:
         self.last_output_at = time.time()
@@ -153,10 +177,11 @@ class Lifecycle:
         # after a failed teardown (the block then ends with it), one more try, not the whole series again
         for delay in (None,) if self.teardown_error else (*TEARDOWN_DELAYS_S, None):
             try:
-                self.down(self.cluster_name)
-                for launch in self._launches:  # downing cancelled it; wait, and down whatever it still made
+                for name in (self.cluster_name, *self.replacements):
+                    self.down(name)
+                for launch, name in self._launches:  # downing cancelled it; wait, and down whatever it still made
                     launch.wait()
-                    self.down(self.cluster_name)
+                    self.down(name or self.cluster_name)
                 self._launches.clear()
                 self.teardown_error = None
                 break
@@ -170,6 +195,9 @@ class Lifecycle:
                         f"or run `gpuflow down {self.cluster_name}`") from exc
                 time.sleep(delay)
         self.teardown_seconds = time.time() - started
+        for requested_at in self.replacements.values():
+            self.meter.unused(requested_at, time.time())
+        self.replacements.clear()
         log.info(f"cluster {self.cluster_name} is down ({self.teardown_seconds:.1f}s)")
         return self.teardown_seconds
 
@@ -193,10 +221,8 @@ class Lifecycle:
         if self.teardown_seconds is not None:
             metrics["teardown_seconds"] = self.teardown_seconds
         if self.recoveries:
-            metrics.update(recoveries=self.recoveries, lost_compute_seconds=self.lost_compute_seconds)
-            if self.recovery_seconds:
-                metrics["recovery_seconds"] = max(self.recovery_seconds)
-        return metrics
+            metrics["recoveries"] = self.recoveries
+        return {**metrics, **self.lost.metrics()}
 
     def __enter__(self) -> Lifecycle:
         return self

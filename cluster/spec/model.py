@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, StrictBool, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gpuflow.cluster.config import default_tracking_uri, state_dir
-from gpuflow.cluster.spec import fields as checks
+from gpuflow.cluster.spec import elastic, fields as checks
 from gpuflow.cluster.spec.fields import (Amount, Count, Entrypoint, EnvName, StorageUri, Strict, Text, no_problem,
                                          absolute_uri, is_remote_uri)
 from gpuflow.cluster.spec.limits import LimitsSpec, ProfileSpec
@@ -81,7 +81,11 @@ class ComputeSpec(Strict):
     backend: Literal["local", "skypilot"] = Field("local", description="'local': a Ray cluster on this machine; 'skypilot': a cloud cluster.")
     num_nodes: Count(1, 512) = Field(1, description="Machines in the cluster.")
     workers_per_node: Count(1, 64) = Field(2, description="Ray Train workers on each node.")
-    num_workers: Count(1, 512 * 64) | None = Field(None, description="Total workers; if set, must equal num_nodes × workers_per_node, or sets workers_per_node.")
+    num_workers: Count(1, 512 * 64) | Annotated[list[StrictInt], Field(min_length=2, max_length=2)] | None = Field(
+        None, description="Total workers; if set, must equal num_nodes × workers_per_node, or sets workers_per_node. "
+        "A range [min, max] trains elastically: a lost node leaves the run on the workers left, down to min, instead "
+        "of a relaunch (docs/spot.md).")
+    min_workers: Count(1, 512 * 64) | None = Field(None, description="Set by num_workers: [min, max]; unset: a fixed size.")
     cpus_per_worker: Amount(le=1024) = Field(1, description="CPUs reserved for each worker.")
     accelerators: Annotated[str, Field(max_length=64)] | Annotated[list[Annotated[str, Field(max_length=64)]], Field(max_length=32)] | None = Field(None, description="GPUs per node in SkyPilot form, e.g. 'H100:8' or ['H100:1', 'A100:1'].")
     use_gpu: StrictBool | None = Field(None, description="Train on GPUs; defaults to true when accelerators are set.")
@@ -123,6 +127,8 @@ class ComputeSpec(Strict):
 
     @model_validator(mode="after")
     def _topology(self):
+        if problem := elastic.split_range(self):
+            raise ValueError(problem)
         if self.num_workers is not None and self.num_workers != self.num_nodes * self.workers_per_node:
             if self.num_workers % self.num_nodes:
                 raise ValueError(
@@ -131,6 +137,8 @@ class ComputeSpec(Strict):
                 )
             object.__setattr__(self, "workers_per_node", self.num_workers // self.num_nodes)
         object.__setattr__(self, "num_workers", self.num_nodes * self.workers_per_node)
+        if problem := elastic.range_problem(self):
+            raise ValueError(problem)
         problems = options_problems(self)
         if problems:  # one error per problem, each at its own field
             raise ValidationError.from_exception_data("ComputeSpec", [

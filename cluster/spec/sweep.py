@@ -105,6 +105,9 @@ def sweep_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
                     problems.append((field, f"{parameter.kind} value {checks.shorten(value, 60)} is not a valid "
                                             f"{path}: {cut(exc.errors()[0]['msg'], 120)}; fix or remove it"))
                     break
+    if spec.compute.min_workers:
+        problems.append(("compute.num_workers", "an elastic range [min, max] is for one training run, not a sweep's "
+                                                f"trials; give a fixed num_workers: {spec.compute.num_workers}"))
     workers = spec.workers_per_trial * sweep.max_concurrent_trials
     if workers > spec.compute.num_workers:
         problems.append(("sweep.max_concurrent_trials", (

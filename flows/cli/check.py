@@ -80,7 +80,8 @@ def sweep_lines(spec, price=None) -> list[str]:
 
 def describe(spec) -> str:
     c = spec.compute
-    return (f"{spec.name}: {c.backend} backend, {c.num_nodes} node(s) × {c.workers_per_node} worker(s), "
+    elastic = f" (elastic: trains on down to {c.min_workers})" if c.min_workers else ""
+    return (f"{spec.name}: {c.backend} backend, {c.num_nodes} node(s) × {c.workers_per_node} worker(s){elastic}, "
             f"{c.accelerators or 'CPU'}, {spec.precision}, {spec.train.epochs} epochs, tracked at {spec.tracking_uri}")
 
 

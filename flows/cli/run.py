@@ -183,9 +183,9 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
     if log_file:
         print(f"  full log     {log_file} (or gpuflow run -v)")
     cost = summary.get("cost") or {}
-    if cost.get("recoveries"):
-        print(f"  recovered    {cost['recoveries']:g} time(s) from a lost cluster: {cost['lost_compute_seconds']:.0f}s "
-              f"of training redone, {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
+    if "lost_compute_seconds" in cost:
+        print(f"  recovered    {cost.get('recoveries', 0):g} relaunch(es): {cost['lost_compute_seconds']:.0f} worker-s "
+              f"lost (redone, recovering), {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
     return 0
 
 

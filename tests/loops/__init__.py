@@ -3,6 +3,7 @@
 PACED_LOOP = "tests.loops.paced:train_loop"  # named here, not imported: importing it loads torch and Ray Train
 HANGING_LOOP = "tests.loops.hanging:train_loop"  # reports train.params.hang_after epochs, then hangs
 TUNABLE_LOOP = "tests.loops.tunable:train_loop"  # a score known in advance from lr and hidden: sweep tests
+STEPPED_LOOP = "tests.loops.stepped:train_loop"  # digits at a step every train.params.step_pace_s: spot notices
 PLAIN_LOOP = "tests.loops.plain:epochs_with_checkpoints"  # Ray Train alone, no data: params offset (and pace_s)
 
 

@@ -5,5 +5,6 @@
 - runs: a flow run read back (Prefect's logs and progress bars, its MLflow runs);
 - tiers, cpu_report: the suite's pytest plugins (the tiers and hygiene checks; CPU-seconds by file);
 - servers, team_stack, sky_double: real servers for a test, the team stack, the SkyPilot SDK double;
+- metadata_double: the clouds' node metadata service (AWS's, GCP's), giving spot notices a test posts;
 - shards_driver: a Ray Data driver run as `python -m tests.support.shards_driver`.
 """

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 LAUNCH_TIMEOUT_S = 120
 RECORD_S = 30.0  # a cluster's folder gets its record at once: one without it for longer lost its launcher
-NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid, head first (what a test kills)
+NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid and Ray node id, head first (for tests)
 LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
 OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
 # The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process
@@ -76,7 +76,7 @@ class LocalBackend:
             process = subprocess.Popen(
                 [sys.executable, "-m", "gpuflow.cluster.backends.local.supervisor", "--nodes", str(shape["num_nodes"]),
                  "--cpus-per-node", str(shape["cpus"]), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
-                 "--owner-pid", str(owner_pid)],
+                 "--owner-pid", str(owner_pid), "--worker-slots", str(shape.get("worker_slots", 0))],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
             )
         self._children[f"cluster:{process.pid}"] = process
@@ -282,7 +282,7 @@ def shape_of(spec: ExperimentSpec) -> dict:
     cpus = spec.compute.workers_per_node * spec.compute.cpus_per_worker
     if spec.data is not None:  # Ray Data's read tasks need a logical CPU the training workers have not taken
         cpus += 1
-    return {"num_nodes": spec.compute.num_nodes, "cpus": cpus}
+    return {"num_nodes": spec.compute.num_nodes, "cpus": cpus, "worker_slots": spec.compute.workers_per_node}
 
 
 def ray_env() -> dict[str, str]:

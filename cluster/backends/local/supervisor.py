@@ -21,7 +21,7 @@ from pathlib import Path
 # Ray binds the host's primary address unless told this: every node on loopback, traffic stays local.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-from gpuflow.cluster.util.ray_internals import dead_processes, no_ray_address_file, raylet_pid  # noqa: E402
+from gpuflow.cluster.util.ray_internals import dead_processes, no_ray_address_file, node_id_of, raylet_pid  # noqa: E402
 
 # Cluster() records its address in /tmp/ray for `ray.init()` to find: no driver but ours may attach.
 no_ray_address_file()
@@ -30,6 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
+from gpuflow.cluster.spec.elastic import node_resources  # noqa: E402
 from gpuflow.cluster.util.files import write_atomically  # noqa: E402
 from gpuflow.cluster.util.processes import alive, session_members, stop_sessions  # noqa: E402
 from gpuflow.cluster.util.waiting import wait_until  # noqa: E402
@@ -42,16 +43,20 @@ def main() -> int:
     parser.add_argument("--temp-dir", required=True)
     parser.add_argument("--address-file", required=True)
     parser.add_argument("--owner-pid", type=int, default=None, help="stop the cluster when this process is gone")
+    parser.add_argument("--worker-slots", type=int, default=0, help="Ray Train workers a node holds (elastic runs)")
     args = parser.parse_args()
 
     if args.owner_pid is not None:  # from the start: an owner killed while Ray starts must not leave it behind
         threading.Thread(target=watch_owner, args=(args.owner_pid, Path(args.temp_dir) / OWNER_FILE), daemon=True,
                          name="owner-watch").start()
-    node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2}
+    slots = node_resources(args.worker_slots) if args.worker_slots else {}
+    node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2, "resources": slots}
     cluster = Cluster(
         initialize_head=True,
         head_node_args={**node_args, "temp_dir": args.temp_dir, "include_dashboard": False,
-                        "resources": HEAD_NODE_RESOURCES},
+                        "resources": {**HEAD_NODE_RESOURCES, **slots},
+                        # a lost node is dead to Ray within ~3 s (default ~15 s): an elastic run restarts without it
+                        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}},
     )
     for _ in range(args.nodes - 1):
         cluster.add_node(**node_args)
@@ -64,8 +69,8 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     folder = Path(args.temp_dir)
-    write_atomically(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node)}
-                                                      for node in cluster.list_all_nodes()]))
+    write_atomically(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node),
+                                                       "node_id": node_id_of(node)} for node in cluster.list_all_nodes()]))
     write_atomically(Path(args.address_file), cluster.address)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
     lost = None

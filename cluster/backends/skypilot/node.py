@@ -1,4 +1,4 @@
-"""Runs on every node of a SkyPilot cluster: joins one Ray cluster, and on rank 0 runs the job.
+"""Runs on every node of a SkyPilot cluster: joins one Ray cluster, watches for a spot notice, and on rank 0 runs the job.
 
     run: python -m gpuflow.cluster.backends.skypilot.node          (the whole `run:` of gpuflow's SkyPilot task)
 
@@ -16,7 +16,9 @@ import threading
 from pathlib import Path
 
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES
+from gpuflow.cluster.job.spot_watch import start_node_watch, stop_watches
 from gpuflow.cluster.protocol import SETUP_DONE, JobEnv
+from gpuflow.cluster.spec.elastic import node_resources
 
 # Our own Ray head on 6390: SkyPilot's internal Ray uses 6380, and the default 6379 may be anyone's.
 RAY_PORT = 6390
@@ -56,9 +58,18 @@ def main() -> int:
     os.environ["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     temp_dir = tempfile.mkdtemp(prefix="gf-ray-")
     common = ["--disable-usage-stats", f"--temp-dir={temp_dir}", "--include-dashboard=false"]
-    if rank != 0:
-        return subprocess.call(ray("start", f"--address={address}", "--block", *common))
+    watch = start_node_watch(address, temp_dir)  # for the cloud's spot notice to this node, if it can get one
+    try:
+        if rank != 0:
+            return subprocess.call(ray("start", f"--address={address}", "--block",
+                                       f"--resources={json.dumps(worker_slots())}", *common))
+        return run_head(address, num_nodes, temp_dir, common)
+    finally:
+        stop_watches([watch] if watch else [])
 
+
+def run_head(address: str, num_nodes: int, temp_dir: str, common: list[str]) -> int:
+    """Rank 0: Ray's head, and the job beside it; returns the job's exit code."""
     print(f"{SETUP_DONE}: starting Ray on {num_nodes} node(s)", flush=True)
     # --block keeps every Ray process a child of this job, so whatever ends the job (a cancel, a Slurm
     # scancel, SIGKILL: Ray's reaper) ends Ray too; a daemonized Ray outlives it and holds the port.
@@ -73,7 +84,7 @@ def main() -> int:
                             "--address", address, "--run-name", job.run_name,
                             "--nodes", str(num_nodes), "--after", str(ray_started)])
     head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
-                                f"--resources={json.dumps(HEAD_NODE_RESOURCES)}", *common),
+                                f"--resources={json.dumps({**HEAD_NODE_RESOURCES, **worker_slots()})}", *common),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_started(head)
@@ -86,6 +97,13 @@ def main() -> int:
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def worker_slots() -> dict[str, float]:
+    """This node's slots for Ray Train's workers (cluster/spec/elastic.py): its spec's workers_per_node."""
+    spec_json = JobEnv.from_env().spec_json
+    per_node = json.loads(spec_json)["compute"]["workers_per_node"] if spec_json else 0
+    return node_resources(per_node) if per_node else {}
 
 
 def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:

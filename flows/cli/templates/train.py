@@ -1,5 +1,5 @@
 """A Ray Train per-worker loop: plain Ray Train and torch, no gpuflow import. gpuflow logs every
-ray.train.report to MLflow (step = "epoch"), and records each checkpoint.
+ray.train.report to MLflow (step = "epoch"), and records each checkpoint; a spot notice gets one mid-epoch.
 
     gpuflow run experiment.yaml
 """
@@ -27,36 +27,43 @@ def train_loop(config: dict) -> None:
     loader = ray.train.torch.prepare_data_loader(
         torch.utils.data.DataLoader(train, batch_size=config["batch_size"], shuffle=True))
 
-    # model and optimizer; resume from the last checkpoint if this run was restarted
+    # model and optimizer; resume from the last checkpoint if this run was restarted (mid-epoch after a spot notice)
     model = ray.train.torch.prepare_model(nn.Linear(1, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"])
-    start = 0
+    start, skip = 0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as folder:
             state = torch.load(os.path.join(folder, "state.pt"))
         getattr(model, "module", model).load_state_dict(state["model"])
-        start = state["epoch"] + 1
+        start, skip = (state["epoch"], state["step"]) if "step" in state else (state["epoch"] + 1, 0)
 
     for epoch in range(start, config["epochs"]):
         if ray.train.get_context().get_world_size() > 1:
             loader.sampler.set_epoch(epoch)
         model.train()
-        for x, y in loader:
+        loss = torch.zeros(())
+        for step, (x, y) in enumerate(loader):
+            if epoch == start and step < skip:  # done before the restart
+                continue
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            # a spot notice for a node of this run: a checkpoint each step until it goes (every rank asks every step)
+            if ray.train.get_preemption_info() is not None:
+                report({}, {"epoch": epoch, "step": step + 1}, model)
         model.eval()
         with torch.no_grad():
             val_loss = nn.functional.mse_loss(model(x_val), y_val).item()
-        metrics = {"epoch": epoch, "train_loss": loss.item(), "val_loss": val_loss}
+        report({"epoch": epoch, "train_loss": loss.item(), "val_loss": val_loss}, {"epoch": epoch}, model)
 
-        # rank 0 saves the checkpoint; every rank reports, so that the workers stay in step
-        if ray.train.get_context().get_world_rank() == 0:
-            with tempfile.TemporaryDirectory() as folder:
-                torch.save({"epoch": epoch, "model": getattr(model, "module", model).state_dict()},
-                           os.path.join(folder, "state.pt"))
-                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
-        else:
-            ray.train.report(metrics)
+
+def report(metrics: dict, state: dict, model) -> None:
+    """Rank 0 saves the checkpoint; every rank reports, so that the workers stay in step."""
+    if ray.train.get_context().get_world_rank() == 0:
+        with tempfile.TemporaryDirectory() as folder:
+            torch.save({**state, "model": getattr(model, "module", model).state_dict()}, os.path.join(folder, "state.pt"))
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
+    else:
+        ray.train.report(metrics)
