@@ -112,3 +112,25 @@ def test_closing_a_parent_run_closes_its_running_trials_with_the_same_status(gpu
     assert close_run(client, parent, "KILLED")
     status = {run_id: client.get_run(run_id).info.status for run_id in (parent, finished, running, unrelated)}
     assert status == {parent: "KILLED", finished: "FINISHED", running: "KILLED", unrelated: "RUNNING"}
+
+
+def test_a_sweeps_job_has_ray_tune_whole_before_it_imports_ray_train_itself():
+    """The job preloads Ray Train and Tune while Ray connects; its own next import of Ray Train, begun while that
+    preload ran, met a half-imported module and failed every sweep. The preload is finished first."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from gpuflow.cluster.job.__main__ import preload
+from gpuflow.cluster.spec import parse_spec
+from gpuflow.cluster.util.preload import finish_background_imports
+preload(parse_spec(%r))
+finish_background_imports()
+print("ray.tune" in sys.modules, flush=True)
+from gpuflow.cluster.job.elastic import count_nodes
+from gpuflow.cluster.job.sweep import run_sweep
+""" % (tunable_sweep(),)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
-from gpuflow.cluster.util.preload import import_in_background
+from gpuflow.cluster.util.preload import finish_background_imports, import_in_background
 from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec, job_spec
@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
-    from gpuflow.cluster.job.elastic import count_nodes  # loads Ray Train
+    finish_background_imports()  # Ray Train and Tune, loaded while Ray connected: from here on this thread imports
+    from gpuflow.cluster.job.elastic import count_nodes
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
     # the local backend's simulated nodes: each watches its own notices (a cloud node's watch starts with its Ray)
     watches = start_local_watches(args.address) if job.local_cluster_session else []

@@ -10,6 +10,7 @@ from typing import Callable
 
 
 _started: set[tuple[str, ...]] = set()
+_threads: list[threading.Thread] = []
 
 
 def import_in_background(*modules: str, then: Callable[[], object] | None = None) -> None:
@@ -29,4 +30,14 @@ def import_in_background(*modules: str, then: Callable[[], object] | None = None
             except Exception:  # noqa: BLE001 - see above
                 pass
 
-    threading.Thread(target=load, name="gpuflow-preload").start()
+    thread = threading.Thread(target=load, name="gpuflow-preload")
+    _threads.append(thread)
+    thread.start()
+
+
+def finish_background_imports() -> None:
+    """Waits for this process's background imports. A thread that imports a package the preload may be loading must
+    call this first: two threads importing modules that import each other (Ray Train's and Ray Tune's do) can each
+    meet the other's half-initialized module, and Python then raises ImportError instead of deadlocking."""
+    for thread in list(_threads):
+        thread.join()
