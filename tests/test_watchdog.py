@@ -13,11 +13,10 @@ from tests.loops import PACED_LOOP
 pytestmark = pytest.mark.full
 
 
-# The limits: room for the cluster and Ray Train's workers to start, so that the stop comes mid-training. The load
-# test, whose three flows at once once made the first epoch here take over 130 s, runs before this one in the same
-# lane of the suite (tests/conftest.py), never beside it. The budget's bill starts with provisioning, the timeout's
-# clock with the job: the budget needs the provisioning's time more. In CI, with this module's three flows and two
-# other lanes on two cores, a job has gone 98 s and once 120 s without its first epoch.
+# The limits: room for the cluster and Ray Train's workers to start, so that the stop comes mid-training. This
+# module's three flows start at once, beside two other lanes of the suite (tests/conftest.py) on two cores: in CI a
+# job has gone 98 s, and once 120 s, without its first epoch. The budget's bill starts with provisioning, the
+# timeout's clock with the job: the budget needs the provisioning's time more.
 LIMIT_MINUTES = 3.0
 BUDGET_MINUTES = 4.0
 HUNG_MINUTES = 0.75
