@@ -18,6 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend
+from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 from gpuflow.cluster.util.processes import stop_sessions
 from tests.loops import STEPPED_LOOP
 from tests.support.processes import processes_of
@@ -37,8 +38,8 @@ def two_nodes(spec, **compute):
 
 
 class NodeKiller(threading.Thread):
-    """Once `after` checkpoints exist, SIGKILLs a part of the running local cluster: each of `losses` in turn, the
-    next once the resumed run has checkpointed twice more."""
+    """Once `after` checkpoints are registered, SIGKILLs a part of the running local cluster: each of `losses` in
+    turn, the next once the resumed run has checkpointed twice more."""
 
     def __init__(self, home: Path, *losses: str, after: int = 3):
         super().__init__(daemon=True)
@@ -47,7 +48,15 @@ class NodeKiller(threading.Thread):
         self.killed_at: list[float] = []
 
     def checkpoints(self) -> int:
-        return len(list(self.home.glob("checkpoints/*/checkpoint_*")))
+        """Those Ray Train registered (its snapshot lists them), not the folders: a folder is there as soon as rank 0
+        uploaded it, before every rank reported the epoch, and a loss then takes the whole epoch with it."""
+        registered = 0
+        for snapshot in self.home.glob(f"checkpoints/*/{SNAPSHOT_FILE}"):
+            try:
+                registered += len(json.loads(snapshot.read_text())["checkpoint_results"])
+            except (OSError, ValueError, KeyError):  # being rewritten: read again on the next poll
+                return 0
+        return registered
 
     def run(self):
         deadline = time.monotonic() + 600

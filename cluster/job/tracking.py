@@ -26,14 +26,13 @@ from ray.train.v2.api.callback import UserCallback
 
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
-from gpuflow.cluster.util.ray_internals import ControllerCallback  # end of run: no public hook yet
+from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
 FINISH_TIMEOUT_S = 120
 BATCH_WINDOW_S = 3.0  # reports within this long of the first queued go to MLflow together: one call, not one each
-SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train v2's, next to the checkpoints
 
 
 @dataclass

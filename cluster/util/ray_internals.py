@@ -39,6 +39,9 @@ On a Ray upgrade, check these first.
                            restarted after a node's loss would be sized for the lost node and wait for it (until
                            the worker group's start timeout). get_reserved_resources(recompute=True) re-reads it now
                            (cluster/job/elastic.py, once Ray has the node dead).
+    SNAPSHOT_FILE          ray.train.v2's checkpoint manager snapshot, beside a run's checkpoints: the reports it
+                           registered, each checkpoint's metrics (cluster/job/tracking.py logs those a lost controller
+                           took with it).
     PREEMPTION_WATCHER_ENV ray.train.v2._internal.constants: the switch of Ray Train's PreemptionWatcher (default on in
                            2.60; gpuflow turns it on only where a notice can come), propagated to the workers.
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 _CALLBACK_MODULE = "ray.train.v2._internal.execution.callback"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"  # how often that watcher polls (default 5 s)
 _CALLBACKS = {"ControllerCallback", "WorkerGroupCallback"}
 
