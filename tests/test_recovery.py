@@ -46,17 +46,18 @@ class NodeKiller(threading.Thread):
         self.home, self.losses, self.after = home, losses, after
         self.killed: list[str] = []
         self.killed_at: list[float] = []
+        self.registered = 0
 
     def checkpoints(self) -> int:
         """Those Ray Train registered (its snapshot lists them), not the folders: a folder is there as soon as rank 0
-        uploaded it, before every rank reported the epoch, and a loss then takes the whole epoch with it."""
-        registered = 0
-        for snapshot in self.home.glob(f"checkpoints/*/{SNAPSHOT_FILE}"):
-            try:
-                registered += len(json.loads(snapshot.read_text())["checkpoint_results"])
-            except (OSError, ValueError, KeyError):  # being rewritten: read again on the next poll
-                return 0
-        return registered
+        uploaded it, before every rank reported the epoch, and a loss then takes the whole epoch with it. A snapshot
+        being rewritten keeps the last count: read as none, it would set the next loss's target too low."""
+        try:
+            self.registered = sum(len(json.loads(snapshot.read_text())["checkpoint_results"])
+                                  for snapshot in self.home.glob(f"checkpoints/*/{SNAPSHOT_FILE}"))
+        except (OSError, ValueError, KeyError):
+            pass
+        return self.registered
 
     def run(self):
         deadline = time.monotonic() + 600

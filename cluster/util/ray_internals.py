@@ -54,8 +54,8 @@ from __future__ import annotations
 
 _CALLBACK_MODULE = "ray.train.v2._internal.execution.callback"
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
-SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"  # how often that watcher polls (default 5 s)
+SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"
 _CALLBACKS = {"ControllerCallback", "WorkerGroupCallback"}
 
 
