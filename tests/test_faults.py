@@ -219,12 +219,12 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_se
     import threading
 
     from gpuflow.flows.experiment import run_experiment
-    from tests.support.servers import free_port, mlflow_server
+    from tests.support.servers import mlflow_server, stable_port
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # MLflow's client would retry for minutes
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     # an epoch a second: still training when the server is back (down 10 s, then its start-up)
-    store, port, epochs = tmp_path / "mlflow-server", free_port(), 60
+    store, port, epochs = tmp_path / "mlflow-server", stable_port(), 60
     spec = digits_spec.model_copy(update={
         "train": digits_spec.train.model_copy(update={"epochs": epochs, "loop": PACED_LOOP,
                                                       "params": {**digits_spec.train.params, "pace_s": 1.0}}),
@@ -257,10 +257,10 @@ def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, mon
     from mlflow.exceptions import MlflowException
 
     from gpuflow.cluster.loop import when_mlflow_answers
-    from tests.support.servers import free_port, mlflow_server
+    from tests.support.servers import mlflow_server, stable_port
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    store, port = tmp_path / "mlflow-server", free_port()
+    store, port = tmp_path / "mlflow-server", stable_port()
     client = MlflowClient(f"http://127.0.0.1:{port}")
     with mlflow_server(store, port):
         run_id = client.create_run(client.create_experiment("down")).info.run_id

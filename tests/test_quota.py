@@ -25,7 +25,8 @@ from gpuflow.flows.quota import LIMIT_PREFIX, WAITING
 from tests.support.repo import REPO
 from tests.support.processes import processes_of
 from tests.loops import PLAIN_LOOP
-from tests.support.servers import BIN, base_env, free_port, gpuflow_serve, prefect_server, prefect_server_process
+from tests.support.servers import (BIN, base_env, gpuflow_serve, prefect_server, prefect_server_process,
+                                   stable_port)
 from tests.support.processes import wait_until
 from tests.support.tiers import carrying
 
@@ -313,7 +314,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     from gpuflow.flows.deployments.known_servers import forgetful_server
     from gpuflow.flows.reconcile.quota import recount
 
-    home, port, pool = tmp_path / "prefect", free_port(), "restarted"
+    home, port, pool = tmp_path / "prefect", stable_port(), "restarted"
     processes = []
     try:
         with prefect_server_process(home, port, lease_storage) as (server, api_url), \

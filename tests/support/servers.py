@@ -9,6 +9,7 @@ import contextlib
 import copy
 import http.client
 import os
+import random
 import signal
 import socket
 import socketserver
@@ -26,12 +27,25 @@ from tests.support import tiers
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 240  # generous: the machine is shared with Ray jobs
+RAY_WORKER_PORTS_END = 19999  # Ray's default max_worker_port
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stable_port() -> int:
+    """A free port that no other process takes by chance, for a server started well after the probe or stopped and
+    started again on it: below the kernel's ephemeral range, so no outgoing connection gets it as its local port,
+    and above Ray's worker ports."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(RAY_WORKER_PORTS_END + 1, low), 200):
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port))
+            return port
+    raise RuntimeError(f"no free port between {RAY_WORKER_PORTS_END + 1} and {low}")
 
 
 def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support import tiers
+from tests.support.servers import stable_port
 
 USER = "gpuflow"
 READY_TIMEOUT_S = 60
@@ -60,12 +61,6 @@ class Postgres:
         return f"{driver}://{self.user}:{self.password}@127.0.0.1:{self.port}/{database}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def as_server_user(command: list[str], **kwargs) -> subprocess.CompletedProcess:
     """initdb and postgres refuse to run as root: run them as Debian's `postgres` user then."""
     prefix = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
@@ -87,7 +82,7 @@ def postgres(folder: Path, databases: tuple[str, ...] = ("prefect", "mlflow", "m
         for path in (folder, sockets, password_file):
             shutil.chown(path, "postgres", "postgres")
         folder.chmod(0o755)
-    port = free_port()
+    port = stable_port()  # initdb runs between the probe and the bind
     as_server_user([str(tools / "initdb"), "-D", str(data), "-U", USER, "--pwfile", str(password_file),
                     "--auth-host=scram-sha-256", "--auth-local=scram-sha-256", "-E", "UTF8"])
     password_file.unlink()
