@@ -19,7 +19,7 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.support.servers import (BIN, REPO, base_env, free_port, prefect_server_at, serving, stop_group,
+from tests.support.servers import (BIN, REPO, base_env, prefect_server_at, serving, stable_port, stop_group,
                                    wait_for_http)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -33,7 +33,7 @@ class Webhook:
     def __init__(self):
         self.messages: dict[str, list[str]] = defaultdict(list)  # flow run id -> events
         self.unmatched: list[dict] = []
-        self.port, self.server, self.closed = free_port(), None, False
+        self.port, self.server, self.closed = stable_port(), None, False  # down and up again
         self.up()
 
     @property
@@ -80,7 +80,7 @@ class Stack:
         self.root = Path(root or tempfile.mkdtemp(prefix="gpuflow-chaos-"))
         self.home = self.root / "gpuflow-home"  # GPUFLOW_HOME of every run: its processes are found by it
         self.home.mkdir(parents=True, exist_ok=True)
-        self.prefect_port, self.mlflow_port = free_port(), free_port()
+        self.prefect_port, self.mlflow_port = stable_port(), stable_port()  # restarted on them
         self.api_url = f"http://127.0.0.1:{self.prefect_port}/api"
         self.mlflow_url = f"http://127.0.0.1:{self.mlflow_port}"
         self.exits = contextlib.ExitStack()

@@ -123,9 +123,10 @@ def second_serve_stopped(served, tmp_path_factory) -> str:
     from tests.support.servers import gpuflow_serve
 
     home = tmp_path_factory.mktemp("second-serve")
-    # its shutdown waits two poll intervals for another serve's poll: on a busy machine, more than the usual grace
+    # its shutdown waits two of its poll intervals for another serve's poll: 10 s against the session serve's 1 s, so
+    # that a busy machine's slow poll is not taken for no serve at all; more than the usual grace to stop
     with gpuflow_serve(served.api_url, home, served_overrides(served.mlflow_url, served.home), ("nightly-digits",),
-                       only=True, stop_grace_s=90):
+                       only=True, stop_grace_s=90, poll_s=5):
         # the session's serve registered nightly-digits already: wait for this one's own start, then its first poll
         deadline = time.monotonic() + 240
         while "being served" not in (home / "serve.log").read_text() and time.monotonic() < deadline:

@@ -188,7 +188,9 @@ def test_a_killed_holder_gives_its_share_back_once_its_cluster_is_gone_and_a_can
         assert not {"open-mlflow-run", "provision"} & steps_of(cancelled)
         assert {"open-mlflow-run", "provision"} <= steps_of(waiter)
     assert took_over >= gone  # never while the killed run's cluster still ran
-    assert took_over - killed_at < 60 + 15 + 10  # within its lease (Prefect's 60 s minimum) and a repossessor pass
+    # within its lease (Prefect's 60 s minimum), a repossessor pass (15 s) and a loaded machine's polls; a slot held
+    # on for the lease a cloud cluster gets (150 s and more) fails this
+    assert took_over - killed_at < 60 + 15 + 30
     assert final[2].state.is_cancelled(), final[2].state.message
     assert processes_of(home) == []
 
@@ -353,7 +355,7 @@ def test_a_slot_held_when_the_prefect_server_restarts_is_given_back(tmp_path):
     # and the second run times out waiting
     said, warning = held_across_a_restart(tmp_path)
     assert said.startswith("held"), said
-    assert float(said.split()[-2]) < 15, said  # at once, not after a lease's expiry
+    assert float(said.split()[-2]) < 40, said  # at once, not after a lease's expiry (60 s and more)
     assert warning is None  # leases on disk: nothing to warn of
 
 
@@ -361,7 +363,7 @@ def test_a_slot_held_when_the_prefect_server_restarts_is_given_back(tmp_path):
 def test_a_slot_that_a_server_restart_leaked_is_given_back_by_the_recount(tmp_path):
     said, warning = held_across_a_restart(tmp_path, "prefect.server.concurrency.lease_storage.memory",
                                           recount_after=True)
-    assert said.startswith("held") and float(said.split()[-2]) < 15, said
+    assert said.startswith("held") and float(said.split()[-2]) < 40, said
     assert "keeps concurrency leases in memory" in warning and "lease_storage.filesystem" in warning
 
 

@@ -17,6 +17,7 @@ from gpuflow.cluster.backends.skypilot.options import no_capacity
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.flows.experiment import run_experiment
 from tests.support.repo import A_LOOP, REPO
+from tests.support.processes import wait_until
 from tests.support.sky_double import FakeSky
 from tests.support.runs import flow_logs, mlflow_run_of
 
@@ -197,7 +198,8 @@ def test_down_cancels_a_launch_in_flight():
     failure = []
     launcher = threading.Thread(target=lambda: failure.append(_launch_error(backend)))
     launcher.start()
-    time.sleep(0.3)
+    wait_until(lambda: any(r.name == "launch" and r.status == "RUNNING" for r in list(fake.requests.values())), 30,
+               "a launch in flight")
     started = time.monotonic()
     backend.down(NAME)
     launcher.join(timeout=10)

@@ -129,7 +129,8 @@ def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(stopped_
     assert [loss.step for loss in losses] == [0, 1, 2]
     # stopped within the limit and the guard's poll after the last report, not at max_runtime_minutes
     silent_s = run.info.end_time / 1000 - losses[-1].timestamp / 1000
-    assert HUNG_MINUTES * 60 <= silent_s <= HUNG_MINUTES * 60 + 60, silent_s
+    # the guard's poll, the stacks' dump (up to 30 s for a worker to run it) and a busy machine's margin
+    assert HUNG_MINUTES * 60 <= silent_s <= HUNG_MINUTES * 60 + 120, silent_s
     stacks = Path(MlflowClient(spec.tracking_uri).download_artifacts(run.info.run_id, "hung/stacks.txt",
                                                                       str(home / "stacks"))).read_text()
     assert 'loops/hanging.py", line 12 in train_loop' in stacks, stacks[-3000:]

@@ -36,15 +36,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+STABLE_PORTS_GIVEN: set[int] = set()
+
+
 def stable_port() -> int:
     """A free port that no other process takes by chance, for a server started well after the probe or stopped and
     started again on it: below the kernel's ephemeral range, so no outgoing connection gets it as its local port,
-    and above Ray's worker ports."""
+    and above Ray's worker ports. Never the same port twice in one process."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for port in random.sample(range(RAY_WORKER_PORTS_END + 1, low), 200):
         with socket.socket() as s, contextlib.suppress(OSError):
-            s.bind(("127.0.0.1", port))
-            return port
+            if port not in STABLE_PORTS_GIVEN:
+                s.bind(("127.0.0.1", port))
+                STABLE_PORTS_GIVEN.add(port)
+                return port
     raise RuntimeError(f"no free port between {RAY_WORKER_PORTS_END + 1} and {low}")
 
 
@@ -198,15 +203,15 @@ def mlflow_server(home: Path, port: int | None = None):
 
 @contextlib.contextmanager
 def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names: tuple[str, ...], only: bool = False,
-                  limit: int | None = None, stop_grace_s: float = 15):
+                  limit: int | None = None, stop_grace_s: float = 15, poll_s: float = 1):
     """`gpuflow serve` against the test's Prefect server; yields once every named deployment is registered
-    (only: serve only those; limit: its --limit)."""
+    (only: serve only those; limit: its --limit; poll_s: how often it polls for runs)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     gpuflow_home.mkdir(parents=True, exist_ok=True)
     env = base_env(PREFECT_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"), GPUFLOW_HOME=str(gpuflow_home),
-                   PREFECT_RUNNER_POLL_FREQUENCY="1", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
+                   PREFECT_RUNNER_POLL_FREQUENCY=f"{poll_s:g}", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
                    PYTHONUNBUFFERED="1")
     command = [str(BIN / "gpuflow"), "serve", *[f"--set={item}" for item in overrides],
                *[f"--only={name}" for name in (names if only else ())], *([f"--limit={limit}"] if limit else [])]
