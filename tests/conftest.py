@@ -189,15 +189,14 @@ def slurm_infra():
 # each in file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute,
 # and the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
 # - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm), then
-#   the worker in a fresh venv, the watchdog's limits and the recovery tests;
-# - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests,
-#   the chaos soak;
+#   the recovery tests;
+# - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests, the chaos
+#   soak and the watchdog's limits;
 #   most of them wait for a signal, a lease or a cleanup (their loops train an epoch a second);
-# - "main": everything else.
-LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_workers.py", "tests/test_watchdog.py",
-                   "tests/test_recovery.py"),
+# - "main": everything else, the worker in a fresh venv included.
+LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py"),
          "faults": ("tests/test_team_stack.py", "tests/test_quota.py", "tests/test_stack.py", "tests/test_faults.py",
-                    "tests/test_chaos.py")}
+                    "tests/test_chaos.py", "tests/test_watchdog.py")}
 
 
 def lane_of(nodeid: str) -> str:
