@@ -44,12 +44,12 @@ def stable_port() -> int:
     started again on it: below the kernel's ephemeral range, so no outgoing connection gets it as its local port,
     and above Ray's worker ports. Never the same port twice in one process."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(RAY_WORKER_PORTS_END + 1, low), 200):
+    untaken = sorted(set(range(RAY_WORKER_PORTS_END + 1, low)) - STABLE_PORTS_GIVEN)
+    for port in random.sample(untaken, 200):
         with socket.socket() as s, contextlib.suppress(OSError):
-            if port not in STABLE_PORTS_GIVEN:
-                s.bind(("127.0.0.1", port))
-                STABLE_PORTS_GIVEN.add(port)
-                return port
+            s.bind(("127.0.0.1", port))
+            STABLE_PORTS_GIVEN.add(port)
+            return port
     raise RuntimeError(f"no free port between {RAY_WORKER_PORTS_END + 1} and {low}")
 
 
