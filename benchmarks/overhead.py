@@ -29,7 +29,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "experiments" / "digits.yaml"
-EPOCH = re.compile(r"\[gpuflow\] epoch \d+:")
+EPOCH = re.compile(r"\[gpuflow\] epoch \d+:|^epoch \d+/\d+ ")  # the bare script's line, gpuflow run's in a pipe
 
 
 def started_for(home: Path) -> list[int]:

@@ -3,7 +3,10 @@
     GPUFLOW_HOME              where runtime state lives: the MLflow store, checkpoints, data, cluster records, logs
                               (default: .gpuflow in the current folder; never commit it)
     GPUFLOW_DAILY_BUDGET_USD  the most today's runs (UTC) may cost together; unset: no daily budget
-    GPUFLOW_STACK             "off": `gpuflow run` ignores a warm local stack (`gpuflow up`)
+    GPUFLOW_STACK             the warm local stack (flows/local_stack/stack.py): unset or "auto", a `gpuflow run` on
+                              the local backend without a Prefect server leaves one behind for the next run;
+                              "manual": runs use one that `gpuflow up` started, and leave none; "off": runs ignore it
+    GPUFLOW_STACK_IDLE_MINUTES  how long the stack a run leaves behind waits for the next run (default 10)
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
@@ -46,8 +49,36 @@ def daily_budget() -> str | None:
     return os.environ.get(DAILY_BUDGET_ENV) or None
 
 
+class SettingError(ValueError):
+    """A GPUFLOW_* variable set to what gpuflow cannot use: the message names it, its value and the fix."""
+
+
+STACK_MODES = ("auto", "manual", "off")
+STACK_IDLE_ENV = "GPUFLOW_STACK_IDLE_MINUTES"
+
+
+def stack_mode() -> str:
+    """auto (the default), manual or off: see GPUFLOW_STACK above."""
+    mode = os.environ.get(STACK_ENV, "").strip().lower() or "auto"
+    if mode not in STACK_MODES:
+        raise SettingError(f"{STACK_ENV}={os.environ[STACK_ENV]!r}: set it to one of {', '.join(STACK_MODES)}, or unset it")
+    return mode
+
+
 def stack_enabled() -> bool:
-    return os.environ.get(STACK_ENV, "").lower() != "off"
+    return stack_mode() != "off"
+
+
+def stack_idle_minutes() -> float:
+    """How long a stack left behind by a run waits for the next one."""
+    value = os.environ.get(STACK_IDLE_ENV) or "10"
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = -1
+    if minutes <= 0:
+        raise SettingError(f"{STACK_IDLE_ENV}={value!r}: set it to a number of minutes above 0, e.g. 10")
+    return minutes
 
 
 def shared_path() -> str | None:

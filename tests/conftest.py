@@ -18,6 +18,9 @@ pytest_plugins = ["pytester"]  # tests.support.tiers and tests.support.cpu_repor
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# A run leaves no warm stack behind in tests (tests/test_stack.py turns that on where it tests it): each test's
+# processes are its own, and stop with it.
+os.environ.setdefault("GPUFLOW_STACK", "manual")
 
 
 def pytest_configure(config):

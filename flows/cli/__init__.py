@@ -18,6 +18,7 @@ import argparse
 import importlib
 import sys
 
+from gpuflow.cluster.config import SettingError
 from gpuflow.cluster.spec import SpecError
 
 # Each command's module, in the order `gpuflow -h` lists them: its add_parser(commands) and run(args) -> exit code.
@@ -45,6 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     args = command_line().parse_args(argv)
     try:
         return module_of(args.command).run(args)
-    except SpecError as exc:
+    except (SpecError, SettingError) as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2

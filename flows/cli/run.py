@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpuflow.cluster.config import stack_idle_minutes, stack_mode
 from gpuflow.cluster.spec import check_entrypoints, load_spec, validate_spec
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.flows.cli.console import end_live_line
@@ -119,6 +120,7 @@ def exit_without_prefect(spec, outcome: str, log_file) -> None:
 
 def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    stack_mode(), stack_idle_minutes()  # a setting gpuflow cannot use is refused before anything starts
     interrupt_on_sigterm()
     started = time.time()
     check_entrypoints(spec)  # the loop's import takes seconds: it starts first, in a process of its own
@@ -160,10 +162,13 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
 
     if lost_api or (not state.is_completed() and not prefect_api_answers()):
         exit_without_prefect(spec, lost_api or f"{state.name}: {state.message or ''}", log_file)
+    stack_left = api is not None and leave_a_stack(spec)  # this run started Prefect's API itself: the next need not
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)
         if log_file:
             print(f"  full log     {log_file}", file=sys.stderr)
+        if stack_left:
+            print(stack_left, file=sys.stderr)
         return 1
     summary = state.result()
     phases = summary["phases"]
@@ -186,7 +191,25 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
     if "lost_compute_seconds" in cost:
         print(f"  recovered    {cost.get('recoveries', 0):g} relaunch(es): {cost['lost_compute_seconds']:.0f} worker-s "
               f"lost (redone, recovering), {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
+    if stack_left:
+        print(stack_left)
     return 0
+
+
+def leave_a_stack(spec) -> str | None:
+    """Starts the warm stack as a local run ends (GPUFLOW_STACK auto): the next run finds Prefect's API and a spare
+    cluster of this run's shape up. Returns the line that says so; None when it leaves none. Never fails the run."""
+    if spec.compute.backend != "local" or stack_mode() != "auto":
+        return None
+    from gpuflow.cluster.backends.local import shape_of
+    from gpuflow.flows.local_stack import stack
+
+    minutes = stack_idle_minutes()
+    try:
+        stack.start(minutes, shape_of(spec))
+    except OSError as exc:
+        return f"  warm stack   not left for the next run: {exc}"
+    return f"  warm stack   up for your next run until {minutes:g} min idle (Prefect's API, a spare cluster): gpuflow down"
 
 
 def tracking_uris(given: str | None):

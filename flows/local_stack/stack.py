@@ -8,7 +8,12 @@ the first step. With it, a run uses the stack's API and claims its spare cluster
 from then on is the run's alone: owned by the run's process, downed at its end or with its death, as any other.
 Once no run is going, the stack starts the next spare in the shape of the last run. It stops itself after
 `--idle-minutes` without a run; its API and spare stop with it, even after a kill -9 (each watches its owner).
-GPUFLOW_STACK=off makes a run start its own, as without a stack.
+
+Without `gpuflow up`, the first `gpuflow run` on the local backend (with no Prefect server configured) leaves a stack
+behind as it exits, for GPUFLOW_STACK_IDLE_MINUTES (default 10): the next run is warm without asking. Idle, it holds
+a Prefect API and a spare Ray cluster (memory, and the CPU of their idle polls: benchmarks/README.md). A stack that
+is gone or does not answer is ignored: the run starts cold, as without one. GPUFLOW_STACK=manual uses a stack of
+`gpuflow up` and leaves none; GPUFLOW_STACK=off makes a run start its own, as without a stack.
 """
 
 from __future__ import annotations
@@ -67,17 +72,21 @@ def write_json(path: Path, value: dict) -> None:
 def up(idle_minutes: float, shape: dict | None = None) -> dict:
     """Starts the stack unless one is up; returns its record once its API answers and its spare (if it has a shape
     to make one of) is up."""
+    return wait_until_ready(shape, start(idle_minutes, shape))
+
+
+def start(idle_minutes: float, shape: dict | None = None) -> subprocess.Popen | None:
+    """Starts the stack's process unless one is up, and returns at once (None: one was up)."""
     if shape:
         want_shape(shape)
-    process = None
-    if read_stack() is None:
-        log = state_dir() / "stack" / "stack.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "ab") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "gpuflow.flows.local_stack.stack", "--idle-minutes", f"{idle_minutes:g}"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    return wait_until_ready(shape, process)
+    if read_stack() is not None:
+        return None
+    log = state_dir() / "stack" / "stack.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gpuflow.flows.local_stack.stack", "--idle-minutes", f"{idle_minutes:g}"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def wait_until_ready(shape: dict | None, process: subprocess.Popen | None) -> dict:
