@@ -136,6 +136,36 @@ def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, di
     assert stack_record(gpuflow_home)["api_url"] == stack["api_url"]
 
 
+def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes(stack_env, gpuflow_home):
+    """Without `gpuflow up`: the first run leaves the stack behind, the second is warm without asking."""
+    auto = {**stack_env, "GPUFLOW_STACK": "auto", "GPUFLOW_STACK_IDLE_MINUTES": "0.5"}
+    out = gpuflow(auto, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
+    assert "finished in" in out and "warm stack   up for your next run until 0.5 min idle" in out, out
+    assert (gpuflow_home / "prefect" / "prefect.db").exists(), "the cold run started Prefect's API itself"
+    wait_until(lambda: (gpuflow_home / "stack" / "stack.json").exists()
+               and stack_record(gpuflow_home)["spare_shape"], 120, "the stack's API and spare up once the run ended")
+    stack = stack_record(gpuflow_home)
+    spare = spare_pids(gpuflow_home)
+
+    second = {**auto, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-second-run")}
+    out = gpuflow(second, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
+    assert "finished in" in out and "warm stack   up" not in out, out
+    # the stack's API keeps its flow runs in the first run's Prefect home (it inherited its settings): both are there
+    assert [run.state.is_completed() for run in flow_runs_in(stack["api_url"])] == [True, True]
+    assert not (gpuflow_home / "prefect-of-the-second-run" / "prefect.db").exists(), "no Prefect API of its own"
+    assert alive(spare) == [], "it trained on the stack's spare, and downed it as its own cluster"
+    runs = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+    assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
+
+    # left alone, the stack stops after its idle time: its API, its next spare, itself
+    wait_until(lambda: processes_of(gpuflow_home) == [], 180, "the stack gone once idle, with its API and spare")
+    assert "stopping" in (gpuflow_home / "stack" / "stack.log").read_text()
+
+
+def sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
 def test_the_stack_stops_itself_once_idle_and_a_kill_9_of_it_leaves_nothing(stack_env, gpuflow_home):
     gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "0.5")  # long enough to see its spare on a busy machine
     assert spare_pids(gpuflow_home)
@@ -148,3 +178,10 @@ def test_the_stack_stops_itself_once_idle_and_a_kill_9_of_it_leaves_nothing(stac
     wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the API and the spare gone with the stack")
     print(f"kill -9 of the stack → nothing left in {time.monotonic() - killed_at:.1f}s")
     assert "was not up" in gpuflow(stack_env, "down")
+
+    # the next run finds the dead stack's record, and starts cold instead of failing
+    assert (gpuflow_home / "stack" / "stack.json").exists()
+    own = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-after-the-kill")}
+    out = gpuflow(own, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
+    assert "finished in" in out, out
+    assert (gpuflow_home / "prefect-after-the-kill" / "prefect.db").exists(), "it started Prefect's API itself"

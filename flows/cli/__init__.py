@@ -33,17 +33,19 @@ def module_of(command: str):
     return importlib.import_module(f"{__name__}.{COMMANDS[command]}")
 
 
-def command_line() -> argparse.ArgumentParser:
-    """Every gpuflow command and its arguments."""
+def command_line(only: str | None = None) -> argparse.ArgumentParser:
+    """Every gpuflow command and its arguments; or one command's alone, so that a command does not import the others'
+    modules (some load MLflow: a second of CPU before `gpuflow run` starts anything)."""
     parser = argparse.ArgumentParser(prog="gpuflow", description="Run ML experiments on cloud GPUs as one unit of work.")
     commands = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
+    for command in [only] if only in COMMANDS else COMMANDS:
         module_of(command).add_parser(commands, command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = command_line().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = command_line(argv[0] if argv else None).parse_args(argv)
     try:
         return module_of(args.command).run(args)
     except (SpecError, SettingError) as exc:
