@@ -10,6 +10,7 @@ storage URI; data.train / data.validation reach the loop as Ray Data shards.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
 from gpuflow.cluster.util.preload import finish_background_imports, import_in_background
+from gpuflow.cluster.util.processes import alive
 from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec, job_spec
@@ -93,20 +95,29 @@ def wait_for_file(path: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> No
         raise TimeoutError(f"waited {timeout_s:.0f}s for {what}")
 
 
-def wait_for_handoff(args: argparse.Namespace) -> None:
+def wait_for_handoff(args: argparse.Namespace) -> Path:
     """An early job (the local backend starts it before the run exists): imports what training needs meanwhile, then
     takes its spec, address, run name and environment from the hand-off file. Exits if the process that started it
-    dies first: nobody would ever hand it a run."""
+    dies first: nobody would ever hand it a run. Returns where to write its exit code (its run may not be its parent)."""
+    from gpuflow.cluster.backends.local.early_job import exit_code_file, handoff_environment, owner_of
+
+    started_with = dict(os.environ)
     import_in_background(*TRAINING_IMPORTS, "mlflow.store.tracking.sqlalchemy_store")
-    starter = os.getppid()
-    while not os.path.exists(args.handoff):
-        if os.getppid() != starter:
-            sys.exit(f"[gpuflow] the process that started this job ({starter}) is gone: no run to train")
+    starter, started_in = os.getppid(), os.getcwd()
+    for polls in itertools.count():
+        if os.path.exists(args.handoff):
+            break
+        if polls % 25 == 0 and not alive(owner := owner_of(Path(args.handoff), starter)):
+            sys.exit(f"[gpuflow] the process this job waits for a run from ({owner}) is gone: no run to train")
         time.sleep(0.02)
     handoff = json.loads(Path(args.handoff).read_text())
     Path(args.handoff).unlink()  # read once; it may hold secrets (the run's webhook)
-    os.environ.update(handoff["env"])
+    handoff_environment(started_with, handoff["env"])  # the run's, whoever started this job
+    if handoff.get("cwd"):  # the stack started this job where it was started: the run's folder may be another
+        os.chdir(handoff["cwd"])
+        sys.path[:] = [handoff["cwd"] if entry == started_in else entry for entry in sys.path]
     args.spec, args.address, args.run_name = handoff["spec"], handoff["address"], handoff["run_name"]
+    return exit_code_file(str(Path(args.handoff).parent), os.getpid())
 
 
 def log_lineage_meanwhile(job: JobEnv, uris: dict[str, str | None]) -> threading.Thread:
@@ -150,7 +161,7 @@ def main(argv=None) -> int:
         parser.error("give --spec, --address and --run-name, or --handoff")
     tune_ray_train()
     if args.handoff:
-        wait_for_handoff(args)
+        EXIT_CODE_FILE[:] = [wait_for_handoff(args)]
     spec = job_spec(Path(args.spec).read_text()).anchored()
     job = JobEnv.from_env()
     preemption_settings = expect_notices(spec)  # Ray Train's watch of drained nodes: on where a notice can come
@@ -207,5 +218,21 @@ def main(argv=None) -> int:
     return 0
 
 
+EXIT_CODE_FILE: list[Path] = []  # an early job's: written as it exits, whatever ends it but a kill
+
+
+def main_leaving_exit_code(argv=None) -> int:
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        raise
+    finally:
+        if EXIT_CODE_FILE:
+            EXIT_CODE_FILE[0].write_text(str(code))
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_leaving_exit_code())

@@ -6,7 +6,8 @@
 Without it, each `gpuflow run` starts Prefect's temporary API and a Ray cluster of its own: seconds of CPU before
 the first step. With it, a run uses the stack's API and claims its spare cluster (one of the run's shape), which
 from then on is the run's alone: owned by the run's process, downed at its end or with its death, as any other.
-Once no run is going, the stack starts the next spare in the shape of the last run. It stops itself after
+Once no run is going, the stack starts the next spare in the shape of the last run, and the job process that waits
+on it for a run (cluster/backends/local/early_job.py). It stops itself after
 `--idle-minutes` without a run; its API and spare stop with it, even after a kill -9 (each watches its owner).
 
 Without `gpuflow up`, the first `gpuflow run` on the local backend (with no Prefect server configured) leaves a stack
@@ -28,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuflow.cluster.backends.local import SPARE_PREFIX, LocalBackend
+from gpuflow.cluster.backends.local import CHILDREN, SPARE_PREFIX, LocalBackend
 from gpuflow.cluster.util.processes import session_alive, stop_sessions
 from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.util.files import write_atomically
@@ -151,6 +152,7 @@ class Stack:
             self.spare = f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}"
             self.backend.start_shaped(shape, self.spare, os.getpid())
             self.backend.wait_until_up(self.spare)
+            self.backend.start_early_job(self.spare, os.getcwd())  # the job's imports done before a run claims it
             self.last_busy = time.monotonic()  # idle from when the spare is ready, not while it starts
             print(f"spare cluster {self.spare} up: {shape}", flush=True)
 
@@ -163,6 +165,8 @@ class Stack:
         print(f"Prefect API at {self.start_api()}", flush=True)
         self.last_busy = time.monotonic()
         while True:
+            for child in list(CHILDREN.values()):  # a spare's early job ends as a run's job: reaped here
+                child.poll()
             if self.runs_going():
                 self.last_busy = time.monotonic()
             elif time.monotonic() - self.last_busy > self.idle_s:

@@ -33,8 +33,9 @@ def start() -> str:
 def launch() -> TemporaryApi:
     """Starts the server's process and returns at once: `ready()` waits for it. Its imports take seconds of CPU,
     which overlap whatever this process does meanwhile."""
-    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
+    from prefect.settings import PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
 
+    PREFECT_HOME.value().mkdir(parents=True, exist_ok=True)  # its database's folder: the server makes no parents
     return TemporaryApi(with_lasting_leases(get_current_settings().to_environment_variables(exclude_unset=True)),
                         time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
 

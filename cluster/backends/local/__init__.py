@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import time
 import uuid
 from pathlib import Path
 from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job, LineReader
+from gpuflow.cluster.backends.local import early_job
+from gpuflow.cluster.backends.local.early_job import OWNER_FILE, ray_env
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.util.processes import alive, session_alive, session_members, stop_sessions
 from gpuflow.cluster.protocol import JobEnv
@@ -32,12 +33,10 @@ LAUNCH_TIMEOUT_S = 120
 RECORD_S = 30.0  # a cluster's folder gets its record at once: one without it for longer lost its launcher
 NODES_FILE = "nodes.json"  # in the cluster's temp dir: each node's raylet pid and Ray node id, head first (for tests)
 LOST_FILE = "lost"  # in the cluster's temp dir: written by the supervisor once a node is gone
-OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
 # The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process
 # launches): a hand-over inside one process, so a plain variable.
 PREWARMED: list[str] = []
 SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/local_stack/stack.py)
-HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
 CHILDREN: dict[str, subprocess.Popen] = {}  # this process's children, ours to reap (the CLI starts some, the flow more)
 
 
@@ -107,22 +106,31 @@ class LocalBackend:
         if name is None:
             name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
             self.start(spec, name)
-        self._start_early_job(spec, name)
+        if not self._takes_over_early_job(name):
+            self.start_early_job(name, spec.workdir)
         PREWARMED[:] = [name]
         return name
 
-    def _start_early_job(self, spec: ExperimentSpec, cluster_name: str) -> None:
+    def start_early_job(self, cluster_name: str, cwd: str) -> None:
+        """The cluster's job process, started now to wait for its run (cluster/backends/local/early_job.py)."""
         record = self.record(cluster_name)
-        with open(self.root / cluster_name / "job.log", "wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff",
-                 str(Path(record["temp_dir"]) / HANDOFF_FILE)],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
-                env={**ray_env(), **JobEnv(local_cluster_session=record["session"]).to_env()},
-            )
-        record["jobs"][str(process.pid)] = {"log": "job.log", "run_name": None}
+        process = early_job.start(self.root / cluster_name, record["temp_dir"], record["session"], cwd)
+        record["jobs"][str(process.pid)] = {"log": "job.log", "run_name": None,
+                                            "environment": early_job.environment_digest()}
         self._write(cluster_name, record)
         self._children[str(process.pid)] = process
+
+    def _takes_over_early_job(self, cluster_name: str) -> bool:
+        """Whether a claimed spare's early job (the stack's) waits, started in this process's environment; one started
+        in another is stopped: its environment would not be the run's."""
+        record = self.record(cluster_name)
+        waiting = {pid: job for pid, job in record["jobs"].items() if job["run_name"] is None and running(pid)}
+        if any(job.get("environment") == early_job.environment_digest() for job in waiting.values()):
+            return True
+        stop_sessions([int(pid) for pid in waiting])
+        record["jobs"] = {pid: job for pid, job in record["jobs"].items() if pid not in waiting}
+        self._write(cluster_name, record)
+        return False
 
     def claim_spare(self, spec: ExperimentSpec) -> str | None:
         """Takes the warm stack's spare cluster if it has the spec's shape; returns its new name, or None.
@@ -168,8 +176,10 @@ class LocalBackend:
             [pid] = waiting
             record["jobs"][pid] = {"log": str(folder / "job.log"), "run_name": run_name}
             self._write(handle.name, record)
-            write_atomically(Path(record["temp_dir"]) / HANDOFF_FILE, json.dumps(
-                {"spec": str(spec_file), "address": handle.address, "run_name": run_name, "env": env}))
+            early_job.hand_over(record["temp_dir"], {
+                "spec": str(spec_file), "address": handle.address, "run_name": run_name,
+                "cwd": str(Path(spec.workdir).absolute()),
+                "env": {**env, **JobEnv(local_cluster_session=record["session"]).to_env()}})
             return pid
         log = folder / f"{run_name}.log"
         with open(log, "wb") as out:
@@ -207,7 +217,7 @@ class LocalBackend:
             if finished:
                 if buffered:
                     read(buffered.decode(errors="replace"))
-                return process.wait() if process else -signal.SIGKILL
+                return process.wait() if process else early_job.exit_code(record.get("temp_dir", ""), job_id)
             time.sleep(0.1)
 
     # -- status and teardown ----------------------------------------------------------------------
@@ -283,14 +293,6 @@ def shape_of(spec: ExperimentSpec) -> dict:
     if spec.data is not None:  # Ray Data's read tasks need a logical CPU the training workers have not taken
         cpus += 1
     return {"num_nodes": spec.compute.num_nodes, "cpus": cpus, "worker_slots": spec.compute.workers_per_node}
-
-
-def ray_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes and drivers on 127.0.0.1 (see library facts)
-    env.pop("RAY_ADDRESS", None)  # never attach to a cluster we did not start
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
-    return env
 
 
 def running(pid: str) -> bool:

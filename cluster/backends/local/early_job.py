@@ -1,0 +1,97 @@
+"""The early job: the job's process, started before its run exists so that its imports (Ray, torch, MLflow: seconds of
+CPU) are done by the time the run hands it over (cluster/job/__main__.py, --handoff).
+
+`gpuflow run` starts one beside the cluster it prewarms. The warm stack starts one beside its spare cluster; the run
+that claims the spare takes that job over if it was started in the same environment as the run's would be, else
+stops it and starts its own. A job taken over is not the run's child: it writes its exit code to a file
+(`exit_code_file`) for the run to read."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.util.files import write_atomically
+
+HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
+OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
+
+
+def ray_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes and drivers on 127.0.0.1 (see library facts)
+    env.pop("RAY_ADDRESS", None)  # never attach to a cluster we did not start
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+# What a process reads of its environment as it starts and imports (Python's path, Ray's settings, the loader's, CUDA's,
+# the threads): an early job started with other values than the run's would be cannot be taken over. The rest of its
+# environment is replaced by the run's at the hand-over (`handoff_environment`).
+READ_AT_START = ("PYTHON", "RAY_", "LD_", "CUDA", "NVIDIA", "OMP_", "MKL_", "TORCH", "PATH", "VIRTUAL_ENV", "HOME",
+                 "TMPDIR", "GPUFLOW_HOME")
+
+
+def job_environment() -> dict[str, str]:
+    """What a job started here runs with: this process's environment for Ray, less Prefect's settings (the job
+    imports no orchestrator, and a run points its own at the API it uses)."""
+    return {name: value for name, value in ray_env().items() if not name.startswith("PREFECT_")}
+
+
+def environment_digest() -> str:
+    """What an early job started here would read as it starts: one started by another process (the stack) is taken
+    over only when it read the same."""
+    read = {name: value for name, value in job_environment().items() if name.startswith(READ_AT_START)}
+    return hashlib.sha256(json.dumps(sorted(read.items())).encode()).hexdigest()
+
+
+def handoff_environment(started_with: dict[str, str], runs_with: dict[str, str]) -> None:
+    """Makes this process's environment the run's: its values set, what only the starter's had removed (what the
+    imports since set themselves stays)."""
+    for name in set(started_with) - set(runs_with):
+        os.environ.pop(name, None)
+    os.environ.update(runs_with)
+
+
+def start(cluster_folder: Path, temp_dir: str, session: int, cwd: str) -> subprocess.Popen:
+    """Starts the early job of a cluster (its log: job.log in the cluster's folder)."""
+    with open(cluster_folder / "job.log", "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", str(Path(temp_dir) / HANDOFF_FILE)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+            env={**job_environment(), **JobEnv(local_cluster_session=session).to_env()},
+        )
+
+
+def hand_over(temp_dir: str, run: dict) -> None:
+    """Gives the cluster's early job its run: spec, address, run name, folder, and the environment (this process's
+    for a job, with the run's `env`) it is to run with."""
+    run = {**run, "env": {**job_environment(), **run["env"]}}
+    write_atomically(Path(temp_dir) / HANDOFF_FILE, json.dumps(run))
+
+
+def exit_code_file(temp_dir: str, pid: int | str) -> Path:
+    return Path(temp_dir) / f"job-{pid}.exit"
+
+
+def exit_code(temp_dir: str, pid: int | str) -> int:
+    """The exit code of a job that is not this process's child, from the file it wrote as it exited; a job that
+    wrote none was killed."""
+    try:
+        return int(exit_code_file(temp_dir, pid).read_text())
+    except (FileNotFoundError, ValueError):
+        return -signal.SIGKILL
+
+
+def owner_of(handoff: Path, starter: int) -> int:
+    """The process an early job waits for a run from: whoever claimed its cluster, else whoever started it."""
+    try:
+        return int((handoff.parent / OWNER_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return starter
