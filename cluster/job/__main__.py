@@ -103,7 +103,7 @@ def wait_for_handoff(args: argparse.Namespace) -> Path:
 
     started_with = dict(os.environ)
     import_in_background(*TRAINING_IMPORTS, "mlflow.store.tracking.sqlalchemy_store")
-    starter, started_in = os.getppid(), os.getcwd()
+    starter, started_in = args.starter or os.getppid(), os.getcwd()
     for polls in itertools.count():
         if os.path.exists(args.handoff):
             break
@@ -154,6 +154,8 @@ def main(argv=None) -> int:
     parser.add_argument("--run-name", help="Ray Train run name: the checkpoint folder under storage")
     parser.add_argument("--handoff", help="instead of the three above: wait for this JSON file to give them, and the "
                                           "job's environment")
+    parser.add_argument("--starter", type=int, help="with --handoff: the pid of the process that started this job "
+                                                     "(its parent may be gone already)")
     parser.add_argument("--nodes", type=int, default=1, help="wait for this many Ray nodes before training")
     parser.add_argument("--after", default=None, help="connect to Ray once this file exists (the node starts Ray)")
     args = parser.parse_args(argv)

@@ -63,7 +63,8 @@ def start(cluster_folder: Path, temp_dir: str, session: int, cwd: str) -> subpro
     """Starts the early job of a cluster (its log: job.log in the cluster's folder)."""
     with open(cluster_folder / "job.log", "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", str(Path(temp_dir) / HANDOFF_FILE)],
+            [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", str(Path(temp_dir) / HANDOFF_FILE),
+             "--starter", str(os.getpid())],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
             env={**job_environment(), **JobEnv(local_cluster_session=session).to_env()},
         )
