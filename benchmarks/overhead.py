@@ -5,7 +5,7 @@
 Four sides, one after the other in each round: `bare` (the script, its own ray.init), `gpuflow` (a cold
 `gpuflow run`: nothing of gpuflow's up; it starts Prefect's temporary API and a Ray cluster of its own, and leaves
 the warm stack behind as it ends), `second` (the next `gpuflow run`, as soon as the stack the cold one left has its
-API and spare up: seconds after it ended) and `warm` (`gpuflow run` on a stack that has served runs already, as
+API and spare up and has settled: seconds after it ended) and `warm` (`gpuflow run` on a stack that has served runs already, as
 `gpuflow up` keeps it). The stack is down for `bare` and the cold run. Prints medians of wall time, cluster up, first training step,
 last step → last Ray process of the run gone, each gpuflow side's overhead (− bare) and ratio, the same round by
 round, and where each side's CPU time went during its run (every process of the run, by role): on a machine with
@@ -198,6 +198,7 @@ def main() -> None:
                     wait_for_left_stack(home)
                 else:  # warm: the stack that is up, its next spare ready (or one of `gpuflow up`)
                     subprocess.run(stack, env=env, check=True, stdout=subprocess.DEVNULL)
+                    settled(home)
                 results[name].append(measure(commands[name], env, home, driver_is_ray=name == "bare"))
                 print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()
                                                             if k != "cpu"), flush=True)
@@ -247,6 +248,21 @@ def idle_cost(home: Path, seconds: float = 30) -> dict[str, str]:
             "stack idle CPU %": f"{100 * used / seconds:.1f}"}
 
 
+def settled(home: Path, timeout_s: float = 30) -> None:
+    """Until the stack's processes are quiet (the spare's daemons and its job done starting), at most `timeout_s`:
+    a run started at once would share the CPU with the end of their start, which a person's next run seconds later
+    would not."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        processes = [psutil.Process(pid) for pid in started_for(home)]
+        before = {process.pid: sum(process.cpu_times()[:2]) for process in processes}
+        time.sleep(1)
+        used = sum(sum(process.cpu_times()[:2]) - before[process.pid] for process in processes
+                   if process.is_running())
+        if used < 0.2:
+            return
+
+
 def wait_for_left_stack(home: Path, timeout_s: float = 120) -> None:
     """Until the stack a cold run left behind has its API and spare up; exits if it left none."""
     deadline = time.monotonic() + timeout_s
@@ -255,7 +271,7 @@ def wait_for_left_stack(home: Path, timeout_s: float = 120) -> None:
         try:
             stack = json.loads(record.read_text())
             if stack.get("spare_shape") and psutil.pid_exists(stack["pid"]):
-                return
+                return settled(home)
         except (FileNotFoundError, json.JSONDecodeError):
             pass
         time.sleep(0.2)

@@ -66,3 +66,30 @@ def test_down_of_a_half_made_cluster(gpuflow_home):
     (folder / "cluster.json").write_text('{"session": 999999, "temp_dir": "/tmp/does-not-exist", "jobs": {}}')
     assert backend.down(NAME) is True
     assert not folder.exists()
+
+
+def test_an_early_job_handed_a_run_takes_its_environment_and_keeps_what_it_set_itself(monkeypatch):
+    from gpuflow.cluster.backends.local.early_job import handoff_environment
+
+    started_with = {"ONLY_THE_STARTERS": "1", "BOTH": "starter's"}
+    for name in ("ONLY_THE_STARTERS", "BOTH", "SET_BY_THE_JOB", "THE_RUNS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ONLY_THE_STARTERS", "1")
+    monkeypatch.setenv("BOTH", "starter's")
+    monkeypatch.setenv("SET_BY_THE_JOB", "0.1")  # e.g. Ray Train's health-check interval, set before Ray's import
+    handoff_environment(started_with, {"BOTH": "run's", "THE_RUNS": "2"})
+    import os
+
+    assert (os.environ.get("ONLY_THE_STARTERS"), os.environ["BOTH"], os.environ["SET_BY_THE_JOB"],
+            os.environ["THE_RUNS"]) == (None, "run's", "0.1", "2")
+
+
+def test_an_early_job_is_taken_over_only_if_it_read_the_same_at_start(monkeypatch):
+    from gpuflow.cluster.backends.local.early_job import environment_digest
+
+    before = environment_digest()
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "another")  # read when used: handed over with the run
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert environment_digest() == before
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")  # read as Python starts: another job
+    assert environment_digest() != before

@@ -146,10 +146,13 @@ def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes
                and stack_record(gpuflow_home)["spare_shape"], 120, "the stack's API and spare up once the run ended")
     stack = stack_record(gpuflow_home)
     spare = spare_pids(gpuflow_home)
+    [waiting_job] = json.loads((gpuflow_home / "clusters" / stack["spare"] / "cluster.json").read_text())["jobs"]
 
     second = {**auto, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-second-run")}
     out = gpuflow(second, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
     assert "finished in" in out and "warm stack   up" not in out, out
+    log = Path(out.split("full log     ", 1)[1].split(" ", 1)[0]).read_text()
+    assert f"(job pid {waiting_job})" in log, "it trained with the job the stack had started, its imports done"
     # the stack's API keeps its flow runs in the first run's Prefect home (it inherited its settings): both are there
     assert [run.state.is_completed() for run in flow_runs_in(stack["api_url"])] == [True, True]
     assert not (gpuflow_home / "prefect-of-the-second-run" / "prefect.db").exists(), "no Prefect API of its own"

@@ -30,6 +30,9 @@ from gpuflow.cluster.job.trainer import run_training
 from gpuflow.cluster.usercode import on_sys_path
 
 
+ENVIRONMENT_AT_START = dict(os.environ)  # as its starter gave it: what this process sets itself is not the starter's
+
+
 def tune_ray_train() -> None:
     """Ray Train settings for this driver, set before Ray is imported."""
     # Ray Train v2's controller polls its workers every 2 s by default, and each report waits for a
@@ -101,7 +104,6 @@ def wait_for_handoff(args: argparse.Namespace) -> Path:
     dies first: nobody would ever hand it a run. Returns where to write its exit code (its run may not be its parent)."""
     from gpuflow.cluster.backends.local.early_job import exit_code_file, handoff_environment, owner_of
 
-    started_with = dict(os.environ)
     import_in_background(*TRAINING_IMPORTS, "mlflow.store.tracking.sqlalchemy_store")
     starter, started_in = args.starter or os.getppid(), os.getcwd()
     for polls in itertools.count():
@@ -112,7 +114,8 @@ def wait_for_handoff(args: argparse.Namespace) -> Path:
         time.sleep(0.02)
     handoff = json.loads(Path(args.handoff).read_text())
     Path(args.handoff).unlink()  # read once; it may hold secrets (the run's webhook)
-    handoff_environment(started_with, handoff["env"])  # the run's, whoever started this job
+    handoff_environment(ENVIRONMENT_AT_START, handoff["env"])  # the run's, whoever started this job
+    tune_ray_train()  # this job's own settings stand, unless the run's environment sets them
     if handoff.get("cwd"):  # the stack started this job where it was started: the run's folder may be another
         os.chdir(handoff["cwd"])
         sys.path[:] = [handoff["cwd"] if entry == started_in else entry for entry in sys.path]
@@ -188,7 +191,8 @@ def main(argv=None) -> int:
     if args.after:
         wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
-    print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s)", flush=True)
+    print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s) (job pid {os.getpid()})",
+          flush=True)
     finish_background_imports()  # Ray Train and Tune, loaded while Ray connected: from here on this thread imports
     from gpuflow.cluster.job.elastic import count_nodes
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads

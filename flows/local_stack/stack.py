@@ -33,7 +33,7 @@ from gpuflow.cluster.backends.local import CHILDREN, SPARE_PREFIX, LocalBackend
 from gpuflow.cluster.util.processes import session_alive, stop_sessions
 from gpuflow.cluster.util.waiting import wait_until
 from gpuflow.cluster.util.files import write_atomically
-from gpuflow.cluster.config import stack_enabled, state_dir
+from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_dir
 from gpuflow.flows.local_stack.outlive import alive
 
 POLL_S = 1.0
@@ -77,7 +77,8 @@ def up(idle_minutes: float, shape: dict | None = None) -> dict:
 
 
 def start(idle_minutes: float, shape: dict | None = None) -> subprocess.Popen | None:
-    """Starts the stack's process unless one is up, and returns at once (None: one was up)."""
+    """Starts the stack's process unless one is up, and returns at once (None: one was up). It gets the environment
+    this process was started with: a run's process has more by its end (what Ray, torch and MLflow set as they load)."""
     if shape:
         want_shape(shape)
     if read_stack() is not None:
@@ -87,7 +88,8 @@ def start(idle_minutes: float, shape: dict | None = None) -> subprocess.Popen | 
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "gpuflow.flows.local_stack.stack", "--idle-minutes", f"{idle_minutes:g}"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env=STARTING_ENVIRONMENT)
 
 
 def wait_until_ready(shape: dict | None, process: subprocess.Popen | None) -> dict:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gpuflow.cluster.config import STARTING_ENVIRONMENT
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.util.files import write_atomically
 
@@ -23,8 +24,9 @@ HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits
 OWNER_FILE = "owner"  # in the cluster's temp dir: the pid of the process that claimed a spare (its new owner)
 
 
-def ray_env() -> dict[str, str]:
-    env = dict(os.environ)
+def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment (or `base`), for a Ray process or a job."""
+    env = dict(os.environ if base is None else base)
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes and drivers on 127.0.0.1 (see library facts)
     env.pop("RAY_ADDRESS", None)  # never attach to a cluster we did not start
     env["RAY_USAGE_STATS_ENABLED"] = "0"
@@ -39,9 +41,10 @@ READ_AT_START = ("PYTHON", "RAY_", "LD_", "CUDA", "NVIDIA", "OMP_", "MKL_", "TOR
 
 
 def job_environment() -> dict[str, str]:
-    """What a job started here runs with: this process's environment for Ray, less Prefect's settings (the job
-    imports no orchestrator, and a run points its own at the API it uses)."""
-    return {name: value for name, value in ray_env().items() if not name.startswith("PREFECT_")}
+    """What an early job started here runs with: the environment this process was started with (not what its
+    libraries set since), for Ray, less Prefect's settings (the job imports no orchestrator, and a run points its own
+    at the API it uses). What the run adds comes with the hand-over."""
+    return {name: value for name, value in ray_env(STARTING_ENVIRONMENT).items() if not name.startswith("PREFECT_")}
 
 
 def environment_digest() -> str:
