@@ -86,10 +86,13 @@ def test_an_early_job_handed_a_run_takes_its_environment_and_keeps_what_it_set_i
 
 def test_an_early_job_is_taken_over_only_if_it_read_the_same_at_start(monkeypatch):
     from gpuflow.cluster.backends.local.early_job import environment_digest
+    from gpuflow.cluster.config import STARTING_ENVIRONMENT
 
     before = environment_digest()
-    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "another")  # read when used: handed over with the run
-    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    monkeypatch.setenv("RAY_CLIENT_MODE", "0")  # set by Ray's import in this process: not what it was started with
     assert environment_digest() == before
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")  # read as Python starts: another job
+    monkeypatch.setitem(STARTING_ENVIRONMENT, "MLFLOW_TRACKING_PASSWORD", "another")  # read when used: handed over
+    monkeypatch.setitem(STARTING_ENVIRONMENT, "PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert environment_digest() == before
+    monkeypatch.setitem(STARTING_ENVIRONMENT, "PYTHONPATH", "/elsewhere")  # read as Python starts: another job
     assert environment_digest() != before
