@@ -58,6 +58,7 @@ def test_init_validate_run_in_an_own_project(fresh_venv, tmp_path):
     project.mkdir()
     home = project / ".gpuflow"
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))}
+    env.update(GPUFLOW_STACK="manual")  # a run here leaves no warm stack: the test's processes stop with it
     env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # a busy machine starts Prefect slowly
 

@@ -323,6 +323,7 @@ def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics
     (project / "loop.py").write_text(E2E_LOOP.replace("OFFSET = 0.5", "from offset import OFFSET"))
     (project / "offset.py").write_text("OFFSET = 0.25\n")
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))}
+    env.update(GPUFLOW_STACK="manual")  # a run here leaves no warm stack: the test's processes stop with it
     env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="",
                PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
 
