@@ -19,7 +19,7 @@ def temporary_api_launched() -> TemporaryApi | None:
     from gpuflow.flows.local_stack import stack, temporary_api  # the warm stack's modules: only without a server
 
     record = stack.read_stack()
-    if record and temporary_api.answers(record["api_url"], timeout_s=2):
+    if record and record.get("api_url") and temporary_api.answers(record["api_url"], timeout_s=2):
         temporary_api.use(record["api_url"])
         return None
     return temporary_api.launch()

@@ -164,6 +164,7 @@ class Stack:
                 "spare": self.spare, "spare_shape": spare.get("shape") if spare and spare.get("address") else None}
 
     def serve(self) -> None:
+        write_json(stack_file(), {"pid": os.getpid(), "idle_minutes": self.idle_s / 60})  # `gpuflow down` finds it now
         print(f"Prefect API at {self.start_api()}", flush=True)
         self.last_busy = time.monotonic()
         while True:
