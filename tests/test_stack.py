@@ -143,7 +143,7 @@ def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes
     assert "finished in" in out and "warm stack   up for your next run until 0.5 min idle" in out, out
     assert (gpuflow_home / "prefect" / "prefect.db").exists(), "the cold run started Prefect's API itself"
     wait_until(lambda: (gpuflow_home / "stack" / "stack.json").exists()
-               and stack_record(gpuflow_home)["spare_shape"], 120, "the stack's API and spare up once the run ended")
+               and stack_record(gpuflow_home).get("spare_shape"), 120, "the stack's API and spare up once the run ended")
     stack = stack_record(gpuflow_home)
     spare = spare_pids(gpuflow_home)
     [waiting_job] = json.loads((gpuflow_home / "clusters" / stack["spare"] / "cluster.json").read_text())["jobs"]
