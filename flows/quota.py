@@ -50,6 +50,10 @@ class QueueTimeout(RuntimeError):
     """Waited limits.max_queue_minutes for the quota, or it is smaller than the run: nothing started. Says why."""
 
 
+class QueueCancelled(RuntimeError):
+    """Cancelled from Prefect while waiting for the quota: nothing was started."""
+
+
 @dataclass(frozen=True)
 class Need:
     pool: str
@@ -135,8 +139,7 @@ class QuotaHold:
         self.need, self.flow_run_id = need_of(spec), flow_run_id
         self.max_wait_s = spec.limits.max_queue_minutes * 60
         self.lease_s = lease_seconds(spec)
-        self.lease_id = None
-        self.waited_s = 0.0
+        self.lease_id, self.waited_s = None, 0.0
         self._stop = threading.Event()
 
     def acquire(self) -> bool:
@@ -254,14 +257,17 @@ class QuotaHold:
                 pass
 
     def release(self) -> None:
-        """Gives the slots back (and says so on the flow run): the cluster is down."""
+        """Gives the slots back once the cluster is down, and says so on the flow run (a Cancelling one refuses)."""
         from prefect.client.orchestration import get_client
+        from prefect.states import Running
+
         self._stop.set()
         if self.lease_id is not None:
             try:
                 with get_client(sync_client=True) as client:
                     client.release_concurrency_slots_with_lease(self.lease_id)
                     self._retag(client, remove=[LEASED_TAG, LEASE_TAG_PREFIX + self.lease_id])
+                    client.set_flow_run_state(self.flow_run_id, Running(message=f"gave back {self.need.describe()}"))
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
                 log.warning(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
                             f"its lease lapses within {self.lease_s:.0f} s")
@@ -273,16 +279,11 @@ def turn_for_gpus(spec: ExperimentSpec, flow_run_id: str):
     """Waits for the team's quota (when the run's pool has one) and holds it inside the block: wrap everything from
     the provision request to the cluster being down. Raises QueueTimeout, QueueCancelled before anything starts."""
     hold = QuotaHold(spec, flow_run_id)
-    held = hold.acquire()
+    hold.acquire()
     try:
         yield hold
     finally:
-        if held:
-            hold.release()
-
-
-class QueueCancelled(RuntimeError):
-    """Cancelled from Prefect while waiting for the quota: nothing was started."""
+        hold.release()  # nothing to give back without a quota
 
 
 def accepted(result) -> bool:
@@ -291,7 +292,6 @@ def accepted(result) -> bool:
 
 def waiting_state(message: str):
     from prefect.states import Running
-
     return Running(name=WAITING, message=message)
 
 

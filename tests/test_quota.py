@@ -108,6 +108,13 @@ def steps_of(flow_run_id) -> set[str]:
     return {run.name.rsplit("-", 1)[0] for run in runs}
 
 
+def states_of(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return sorted(client.read_flow_run_states(flow_run_id), key=lambda state: state.timestamp)
+
+
 def holding(run) -> bool:
     return bool(run.state and run.state.is_running() and run.state.name != WAITING
                 and "holding" in (run.state.message or ""))
@@ -131,11 +138,11 @@ def test_gpuflow_status_reads_as_a_table():
 def test_runs_over_the_quota_wait_their_turn_in_submission_order(tmp_path):
     with served_with_quota(tmp_path, size=2) as (api_url, home):
         ids = submit(4)
-        first_held, most_held, status = {}, 0, None
+        first_held, most_held, most_holding, status = {}, 0, 0, None
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             runs, held = runs_and_held(ids)
-            most_held = max(most_held, held, sum(holding(run) for run in runs))
+            most_held, most_holding = max(most_held, held), max(most_holding, sum(holding(run) for run in runs))
             for run in runs:
                 if holding(run) or (run.state and run.state.is_final()):
                     first_held.setdefault(run.id, time.monotonic())
@@ -145,8 +152,11 @@ def test_runs_over_the_quota_wait_their_turn_in_submission_order(tmp_path):
             if all(run.state and run.state.is_final() for run in runs):
                 break
             time.sleep(0.5)
+        said = [[state.message for state in states_of(run_id)] for run_id in ids]
     assert [run.state_name for run in runs] == ["Completed"] * 4, [run.state.message for run in runs]
-    assert most_held <= 2
+    assert all("gave back 1 worker of quota 'local'" in messages for messages in said), said
+    assert most_held <= 2, "Prefect counted more slots held than the quota"
+    assert most_holding <= 2, "more runs said they were holding the quota than it has"  # a run says it gave it back
     assert sorted(ids, key=first_held.get) == ids  # they got the quota in the order they were submitted
     assert status is not None, "never saw 2 holding and 2 waiting"
     rows = {row["flow_run_id"]: row for row in status}
