@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger, runtime
+from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Failed
 
 from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, cluster_names_for, flow_run_id_of, get_backend
@@ -22,6 +23,7 @@ from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.capacity import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
+from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
 from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.quota import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run
@@ -139,6 +141,9 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of:
             if quota.lease_id:  # it held a quota
                 run.record.phases["queue_seconds"] = quota.waited_s
             return run_on_a_cluster(run)
+    except (KeyboardInterrupt, TerminationSignal):  # stopped (a signal, Ctrl-C), torn down by now
+        stop_retrying_if_gone()
+        raise
     except QueueCancelled:
         return Cancelled(message="cancelled while waiting for the team's GPU quota: nothing was started")
     except QueueTimeout as exc:  # the sentence whole, not Prefect's "QueueTimeout: ..." with a traceback in the log

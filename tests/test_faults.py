@@ -133,6 +133,29 @@ def test_prefect_api_killed_mid_run_training_goes_on_and_the_run_ends_saying_so(
     assert len(checkpoints_under(gpuflow_home)) == epochs
 
 
+def test_a_run_whose_prefect_api_is_gone_ends_at_once_on_sigterm(digits_spec, gpuflow_home):
+    """kill -9 of Prefect's API mid-training, then SIGTERM of `gpuflow run` (a scheduler's stop): the run tears down,
+    marks its MLflow run KILLED and exits, instead of waiting on Prefect's log and event workers' retries of the dead
+    API, for minutes, at exit."""
+    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)
+    run.wait_for_line("epoch 2/")
+    [server] = [pid for pid in children_of(run.process.pid)
+                if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(server, signal.SIGKILL)
+    run.wait_for_line("epoch 4/")
+    run.process.send_signal(signal.SIGTERM)
+    stopped_at = time.monotonic()
+
+    assert run.wait(timeout_s=CLEANUP_S) == 130, "".join(run.lines[-40:])
+    print(f"SIGTERM → gpuflow run exited in {time.monotonic() - stopped_at:.1f}s")
+    assert time.monotonic() - stopped_at < 60, "a teardown takes seconds; Prefect's retries at exit take minutes"
+    assert "interrupted" in "".join(run.lines)
+    wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "every process of the run gone (cluster, job)")
+    [mlflow_run] = mlflow_runs(digits_spec)
+    assert mlflow_run.info.status == "KILLED"
+    assert len(checkpoints_under(gpuflow_home)) >= 4, "the checkpoints made before the stop are kept"
+
+
 def children_of(pid: int) -> list[int]:
     return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 

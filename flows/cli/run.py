@@ -67,11 +67,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def interrupt_on_sigterm() -> None:
-    """SIGTERM (a scheduler, `kill`) ends the run like Ctrl-C: teardown runs before the process exits."""
+    """SIGTERM (a scheduler, `kill`) ends the run like Ctrl-C: teardown runs before the process exits. (While the flow
+    runs, Prefect's own handler does the same, raising TerminationSignal.)"""
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def stopped(exc: BaseException | None) -> bool:
+    """Whether a signal or Ctrl-C is what ended the run, anywhere in the exception's chain: the flow's call to a gone
+    API that failed as the run was stopped raises the API's error."""
+    from prefect.exceptions import TerminationSignal
+
+    while exc is not None:
+        if isinstance(exc, (KeyboardInterrupt, TerminationSignal)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def prewarm_cluster(spec) -> str | None:
@@ -99,7 +112,7 @@ def flow_imports(spec) -> list[str]:
     return modules
 
 
-def exit_without_prefect(spec, outcome: str, log_file) -> None:
+def exit_without_prefect(spec, outcome: str, log_file, interrupted: bool = False) -> None:
     """Ends this process when Prefect's API went away mid-run (its server stopped, the warm stack killed).
 
     The flow's teardown has run here by then (the cluster is down, the MLflow run closed), but Prefect's log and event
@@ -107,7 +120,8 @@ def exit_without_prefect(spec, outcome: str, log_file) -> None:
     process exits without them. The watcher of a temporary API stops its server, as after any exit."""
     from prefect.settings import PREFECT_API_URL
 
-    print(f"\ngpuflow: {spec.name} lost Prefect's API ({PREFECT_API_URL.value()} stopped answering): {outcome}\n"
+    lost = f"{'interrupted and ' * interrupted}lost Prefect's API ({PREFECT_API_URL.value()} stopped answering)"
+    print(f"\ngpuflow: {spec.name} {lost}: {outcome}\n"
           f"  its cluster was torn down and its MLflow run closed here: experiment {spec.experiment_name!r} in "
           f"{spec.tracking_uri} says how training ended; Prefect's record of the run stops where its API went",
           file=sys.stderr)
@@ -115,7 +129,7 @@ def exit_without_prefect(spec, outcome: str, log_file) -> None:
         print(f"  full log     {log_file}", file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(130 if interrupted else 1)
 
 
 def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
@@ -131,7 +145,7 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
         from gpuflow.flows.cli.console import quiet_console
 
         log_file = quiet_console(state_dir() / "logs", spec.sweep.metric if spec.sweep else None)
-    warm_cluster, lost_api = None, None
+    warm_cluster, lost_api, interrupted = None, None, False
     try:
         from gpuflow.flows.experiment import run_experiment  # its imports take a second or two: meanwhile, the check
 
@@ -145,23 +159,26 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
         except Exception as exc:
             if prefect_api_answers():
                 raise
-            state, lost_api = None, f"{type(exc).__name__}: {exc}"
+            state, lost_api, interrupted = None, f"{type(exc).__name__}: {exc}", stopped(exc)
     except KeyboardInterrupt:
-        end_live_line()
-        print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
-              file=sys.stderr)
-        return 130
+        state, interrupted = None, True
     finally:
         end_live_line()  # what follows, the summary or what went wrong, takes its place
         if warm_cluster:  # not adopted if the flow never reached provisioning: ours to remove
             from gpuflow.cluster.backends.local import LocalBackend
 
             LocalBackend().down(warm_cluster)
+    if lost_api or (interrupted and not prefect_api_answers(timeout_s=1)):  # else Prefect's workers retry it at exit
+        exit_without_prefect(spec, lost_api or "stopped by a signal or Ctrl-C", log_file, interrupted)
+    if interrupted:
+        print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
+              file=sys.stderr)
+        return 130
     from gpuflow.cluster.run.record import open_command, run_url
     from gpuflow.tasks.compute import metrics_line
 
-    if lost_api or (not state.is_completed() and not prefect_api_answers()):
-        exit_without_prefect(spec, lost_api or f"{state.name}: {state.message or ''}", log_file)
+    if not state.is_completed() and not prefect_api_answers():
+        exit_without_prefect(spec, f"{state.name}: {state.message or ''}", log_file)
     stack_left = api is not None and leave_a_stack(spec)  # this run started Prefect's API itself: the next need not
     if not state.is_completed():
         print(f"\ngpuflow: {spec.name} ended {state.name}: {state.message or ''}", file=sys.stderr)

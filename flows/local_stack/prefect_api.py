@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -25,10 +26,21 @@ def temporary_api_launched() -> TemporaryApi | None:
     return temporary_api.launch()
 
 
-def prefect_api_answers() -> bool:
+def prefect_api_answers(timeout_s: float = 5) -> bool:
     """Whether the API this process uses still answers (True where none is configured: nothing to lose)."""
     from prefect.settings import PREFECT_API_URL
 
     from gpuflow.flows.local_stack import temporary_api
 
-    return temporary_api.answers(PREFECT_API_URL.value(), timeout_s=5) if PREFECT_API_URL.value() else True
+    return temporary_api.answers(PREFECT_API_URL.value(), timeout_s) if PREFECT_API_URL.value() else True
+
+
+def stop_retrying_if_gone() -> None:
+    """For a run being stopped (a signal, Ctrl-C) whose Prefect API no longer answers: its last calls to it (its
+    Crashed state, its logs) fail at once, instead of retrying for a minute or more each (PREFECT_CLIENT_MAX_RETRIES)
+    with its cluster down already. The reaper's pass records the run's end once an API answers."""
+    from gpuflow.flows.prefect_internals import refresh_settings
+
+    if not prefect_api_answers(timeout_s=1):
+        os.environ["PREFECT_CLIENT_MAX_RETRIES"] = "0"
+        refresh_settings()
