@@ -235,13 +235,18 @@ def main() -> None:
     record("overhead", figures)
 
 
+def cpu_over(processes: list, seconds: float) -> float:
+    """CPU-seconds the processes use over the next `seconds` (those that end meanwhile: until they end)."""
+    before = {process.pid: sum(process.cpu_times()[:2]) for process in processes}
+    time.sleep(seconds)
+    return sum(sum(process.cpu_times()[:2]) - before[process.pid] for process in processes if process.is_running())
+
+
 def idle_cost(home: Path, seconds: float = 30) -> dict[str, str]:
     """The idle stack's processes, memory (USS) and CPU (% of one core over `seconds`)."""
     processes = [psutil.Process(pid) for pid in started_for(home)]
-    before = {process.pid: sum(process.cpu_times()[:2]) for process in processes}
     memory = sum(process.memory_full_info().uss for process in processes)
-    time.sleep(seconds)
-    used = sum(sum(process.cpu_times()[:2]) - before[process.pid] for process in processes if process.is_running())
+    used = cpu_over(processes, seconds)
     print(f"\nthe idle warm stack: {len(processes)} processes, {memory / 2**20:.0f} MiB (USS), "
           f"{100 * used / seconds:.1f} % of a core over {seconds:.0f} s")
     return {"stack idle processes": str(len(processes)), "stack idle MiB": f"{memory / 2**20:.0f}",
@@ -254,12 +259,7 @@ def settled(home: Path, timeout_s: float = 30) -> None:
     would not."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        processes = [psutil.Process(pid) for pid in started_for(home)]
-        before = {process.pid: sum(process.cpu_times()[:2]) for process in processes}
-        time.sleep(1)
-        used = sum(sum(process.cpu_times()[:2]) - before[process.pid] for process in processes
-                   if process.is_running())
-        if used < 0.2:
+        if cpu_over([psutil.Process(pid) for pid in started_for(home)], 1) < 0.2:
             return
 
 

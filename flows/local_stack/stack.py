@@ -160,11 +160,12 @@ class Stack:
 
     def record(self) -> dict:
         spare = self.backend.record(self.spare) if self.spare else None
-        return {"pid": os.getpid(), "api_url": self.api.api_url, "idle_minutes": self.idle_s / 60,
+        """What `gpuflow down` and the runs read (stack.json); no API yet as it starts, no spare until one is up."""
+        return {"pid": os.getpid(), "api_url": self.api.api_url if self.api else None, "idle_minutes": self.idle_s / 60,
                 "spare": self.spare, "spare_shape": spare.get("shape") if spare and spare.get("address") else None}
 
     def serve(self) -> None:
-        write_json(stack_file(), {"pid": os.getpid(), "idle_minutes": self.idle_s / 60})  # `gpuflow down` finds it now
+        write_json(stack_file(), self.record())  # `gpuflow down` finds it from now
         print(f"Prefect API at {self.start_api()}", flush=True)
         self.last_busy = time.monotonic()
         while True:
