@@ -235,13 +235,31 @@ def log_model(model, input_example=None) -> None:
                                                                 experiment_id=experiment,
                                                                 tags={"mlflow.user": user} if user else None).model_id
         if "saved" not in logged:
-            mlflow.pytorch.log_model(model, name="model", input_example=input_example, model_id=logged["model_id"],
-                                     pip_requirements=requirements)
+            save_model(model, input_example, logged["model_id"], requirements)
             logged["saved"] = True
         mlflow.MlflowClient().log_outputs(run_id, [LoggedModelOutput(logged["model_id"], step=0)])
 
     when_mlflow_answers(log, "model")
     print("[gpuflow] model logged to MLflow", file=sys.stderr, flush=True)
+
+
+def save_model(model, input_example, model_id: str, requirements: list[str]) -> None:
+    """As pt2 where an example lets torch.export trace the model (a graph: loading it runs no pickled code), else
+    pickled, saying why: a model without an example, or with branches on its data, is logged all the same."""
+    import mlflow.pytorch
+
+    why = "log_model got no input_example to export it with"
+    if input_example is not None:
+        try:
+            return mlflow.pytorch.log_model(model, name="model", input_example=input_example, model_id=model_id,
+                                            pip_requirements=requirements, serialization_format="pt2")
+        except Exception as exc:
+            if unreachable(exc):
+                raise
+            why = f"torch.export could not trace it ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]})"
+    print(f"[gpuflow] the model is logged pickled: {why}", file=sys.stderr, flush=True)
+    mlflow.pytorch.log_model(model, name="model", input_example=input_example, model_id=model_id,
+                             pip_requirements=requirements, serialization_format="pickle")
 
 
 MLFLOW_WAIT_S = 300.0  # how long the end of a run waits for a tracking server that is down

@@ -107,3 +107,39 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     history = client.get_metric_history(run_id, "val_accuracy")
     assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
     assert {m.step: round(m.value, 2) for m in history}[4] == 0.9
+
+
+def test_a_model_torch_export_cannot_trace_or_given_no_example_is_logged_pickled(tmp_path, monkeypatch, capsys):
+    """log_model saves pt2 where torch.export can trace the model with its example; a model with a branch on its data,
+    or logged without an example, is saved pickled instead, saying why, and loads back behaving as it trained."""
+    import mlflow
+    import numpy as np
+    import torch
+
+    from gpuflow.cluster import loop
+
+    class Branchy(torch.nn.Module):  # data-dependent control flow: torch.export refuses it
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri)
+    experiment = client.create_experiment("models", artifact_location=(tmp_path / "artifacts").as_uri())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    monkeypatch.setattr(loop, "rank", lambda: 0)  # rank 0 of a Ray Train job: the one that logs
+    mlflow.set_tracking_uri(tracking_uri)
+    formats = []
+    for model, example in [(torch.nn.Linear(2, 2), np.ones((1, 2), np.float32)),
+                           (Branchy(), np.ones((1, 2), np.float32)), (Branchy(), None)]:
+        run_id = client.create_run(experiment).info.run_id
+        monkeypatch.setenv("GPUFLOW_MLFLOW_RUN_ID", run_id)
+        loop.log_model(model, input_example=example)
+        [output] = client.get_run(run_id).outputs.model_outputs
+        logged = mlflow.pytorch.load_model(f"models:/{output.model_id}")
+        formats.append("pt2" if isinstance(logged, torch.fx.GraphModule) else "pickle")  # an exported graph, or the module
+        x = torch.tensor([[1.0, -2.0]]) if isinstance(model, Branchy) else torch.ones(1, 2)
+        assert torch.equal(logged(x), model(x)) and torch.equal(logged(-x), model(-x))
+    assert formats == ["pt2", "pickle", "pickle"]
+    said = capsys.readouterr().err
+    assert "logged pickled: torch.export could not trace it (GuardOnDataDependentSymNode" in said
+    assert "logged pickled: log_model got no input_example" in said
