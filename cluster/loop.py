@@ -18,6 +18,7 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
+from gpuflow.cluster.util.errors import caused_by
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV
 from gpuflow.cluster.protocol import JobEnv, resumed_line
@@ -287,11 +288,7 @@ def unreachable(exc: BaseException | None) -> bool:
     refusing the request (an error response, an HTTP 4xx): MLflow's client wraps the first in an MlflowException."""
     import requests
 
-    while exc is not None:
-        if isinstance(exc, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return caused_by(exc, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError))
 
 
 def unwrap(model):

@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from gpuflow.cluster.config import metadata_url
 from gpuflow.cluster.job.notices import MetadataService, Notice, NotThisCloud, detect
 from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG, JobEnv, notice_line
+from gpuflow.cluster.util.errors import caused_by
 
 POLL_S = 1.0  # AWS suggests every 5 s; a GCP or Azure notice leaves 30 s, and this is far below any rate limit
 NODE_TIMEOUT_S = 600  # for this node's Ray to join the cluster
@@ -173,11 +174,7 @@ def is_preemption(error: BaseException | None) -> bool:
     """Whether Ray Train ended training because a node was preempted (ray.train.PreemptionError in the chain)."""
     from ray.train import PreemptionError
 
-    while error is not None:
-        if isinstance(error, PreemptionError):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return caused_by(error, PreemptionError)
 
 
 def stop_watches(watches: list[subprocess.Popen]) -> None:

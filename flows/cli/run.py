@@ -80,11 +80,9 @@ def stopped(exc: BaseException | None) -> bool:
     API that failed as the run was stopped raises the API's error."""
     from prefect.exceptions import TerminationSignal
 
-    while exc is not None:
-        if isinstance(exc, (KeyboardInterrupt, TerminationSignal)):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    from gpuflow.cluster.util.errors import caused_by
+
+    return caused_by(exc, (KeyboardInterrupt, TerminationSignal))
 
 
 def prewarm_cluster(spec) -> str | None:
