@@ -159,8 +159,8 @@ class Stack:
             print(f"spare cluster {self.spare} up: {shape}", flush=True)
 
     def record(self) -> dict:
-        spare = self.backend.record(self.spare) if self.spare else None
         """What `gpuflow down` and the runs read (stack.json); no API yet as it starts, no spare until one is up."""
+        spare = self.backend.record(self.spare) if self.spare else None
         return {"pid": os.getpid(), "api_url": self.api.api_url if self.api else None, "idle_minutes": self.idle_s / 60,
                 "spare": self.spare, "spare_shape": spare.get("shape") if spare and spare.get("address") else None}
 
