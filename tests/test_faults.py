@@ -112,10 +112,7 @@ def test_prefect_api_killed_mid_run_training_goes_on_and_the_run_ends_saying_so(
     monkeypatch.setenv("PREFECT_CLIENT_MAX_RETRIES", "1")  # each call to the dead API gives up sooner: same path
     epochs = 12
     run = GpuflowRun(digits_spec, gpuflow_home, f"train.epochs={epochs}", ephemeral_api=True)
-    run.wait_for_line("epoch 2/")
-    [server] = [pid for pid in children_of(run.process.pid)
-                if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    os.kill(server, signal.SIGKILL)
+    kill_its_prefect_api_at_epoch_2(run)
     killed_at = time.monotonic()
 
     assert run.wait(timeout_s=CLEANUP_S) == 1
@@ -138,10 +135,7 @@ def test_a_run_whose_prefect_api_is_gone_ends_at_once_on_sigterm(digits_spec, gp
     marks its MLflow run KILLED and exits, instead of waiting on Prefect's log and event workers' retries of the dead
     API, for minutes, at exit."""
     run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)
-    run.wait_for_line("epoch 2/")
-    [server] = [pid for pid in children_of(run.process.pid)
-                if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    os.kill(server, signal.SIGKILL)
+    kill_its_prefect_api_at_epoch_2(run)
     run.wait_for_line("epoch 4/")
     run.process.send_signal(signal.SIGTERM)
     stopped_at = time.monotonic()
@@ -154,6 +148,14 @@ def test_a_run_whose_prefect_api_is_gone_ends_at_once_on_sigterm(digits_spec, gp
     [mlflow_run] = mlflow_runs(digits_spec)
     assert mlflow_run.info.status == "KILLED"
     assert len(checkpoints_under(gpuflow_home)) >= 4, "the checkpoints made before the stop are kept"
+
+
+def kill_its_prefect_api_at_epoch_2(run: GpuflowRun) -> None:
+    """kill -9 of the temporary Prefect API server that `gpuflow run` started, once its second epoch is reported."""
+    run.wait_for_line("epoch 2/")
+    [server] = [pid for pid in children_of(run.process.pid)
+                if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(server, signal.SIGKILL)
 
 
 def children_of(pid: int) -> list[int]:

@@ -136,7 +136,7 @@ def test_a_model_torch_export_cannot_trace_or_given_no_example_is_logged_pickled
         loop.log_model(model, input_example=example)
         [output] = client.get_run(run_id).outputs.model_outputs
         logged = mlflow.pytorch.load_model(f"models:/{output.model_id}")
-        formats.append("pt2" if isinstance(logged, torch.fx.GraphModule) else "pickle")  # an exported graph, or the module
+        formats.append("pt2" if isinstance(logged, torch.fx.GraphModule) else "pickle")  # an exported graph, or not
         x = torch.tensor([[1.0, -2.0]]) if isinstance(model, Branchy) else torch.ones(1, 2)
         assert torch.equal(logged(x), model(x)) and torch.equal(logged(-x), model(-x))
     assert formats == ["pt2", "pickle", "pickle"]
