@@ -25,12 +25,15 @@ from gpuflow.flows.capacity import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
 from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
+from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
 from gpuflow.flows.quota import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
 from gpuflow.tasks.tracking import open_mlflow_run, publish_summary, register_model
+
+end_without_heartbeat_wait()  # a second at most, after every run
 
 
 def run_name() -> str:

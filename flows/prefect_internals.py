@@ -15,6 +15,10 @@ Prefect upgrade, check these first.
     ensure_logging_setup    prefect.logging.configuration.ensure_logging_setup: Prefect configures its logging (its
                             console handler) on first use; `gpuflow run` needs that handler now, to put its filter on
                             it (flows/cli/console.py).
+    end_without_heartbeat_wait
+                            prefect.flow_engine._send_heartbeats: a sync flow run's end joins its heartbeat thread,
+                            which sleeps in one-second steps before it sees the stop: up to a second (half on average)
+                            after every run. Prefect's async engine does not join it; the sync one is made not to.
     extra_logger_handlers   the handlers of Prefect's `prefect.extra` logger (logging.yml): what Prefect gives each
                             logger of its extra-loggers setting, for a process that set Prefect up before gpuflow
                             named its loggers there (flows/run_logs.py).
@@ -67,3 +71,13 @@ def extra_logger_handlers() -> list:
     ensure_logging_setup()
     return list(logging.getLogger("prefect.extra").handlers)
 
+
+def end_without_heartbeat_wait() -> None:
+    """A flow run of this process ends without waiting for its heartbeat thread to wake (it stops by itself, as after
+    an async flow run). Idempotent."""
+    import functools
+
+    from prefect import flow_engine
+
+    if not isinstance(flow_engine._send_heartbeats, functools.partial):
+        flow_engine._send_heartbeats = functools.partial(flow_engine._send_heartbeats, join_on_exit=False)
