@@ -5,7 +5,7 @@ Prefect upgrade, check these first.
 
     start_api_server        how Prefect 3.8 starts its temporary ("ephemeral") API server in a process of its own:
                             uvicorn of the server's app factory `prefect.server.api.server:create_app` (server
-                            internals), from Prefect's own folder (`prefect.__module_path__`), with its private
+                            internals), from the folder Prefect is installed in, with its private
                             settings PREFECT__SERVER_EPHEMERAL and PREFECT__SERVER_FINAL. gpuflow starts it itself so
                             that `gpuflow run` does not import Prefect's server package
                             (flows/local_stack/temporary_api.py).
@@ -29,19 +29,20 @@ command, and `gpuflow run` must start fast.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 
 def start_api_server(listener: socket.socket, settings_env: dict[str, str]) -> subprocess.Popen:
     """Prefect's API server (its UI off) on `listener`, a bound socket that uvicorn inherits (it listens on it once
     the app is loaded); `settings_env`: this process's Prefect settings, for the server's."""
-    import prefect
-
+    app_dir = Path(importlib.util.find_spec("prefect").origin).parents[1]  # found, not imported: it may not be yet
     return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+        [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
          "prefect.server.api.server:create_app", "--fd", str(listener.fileno()), "--log-level", "error",
          "--lifespan", "on"],
         env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",

@@ -104,3 +104,39 @@ def all_gone(gpuflow_home, within_s: float = 30) -> bool:  # the watcher's poll,
     while processes_of(gpuflow_home) and time.monotonic() < deadline:
         time.sleep(0.1)
     return processes_of(gpuflow_home) == []
+
+
+@pytest.mark.parametrize("name, text", [("prefect.toml", "[api]\nurl = 'http://127.0.0.1:4200/api'\n"),
+                                        (".env", "PREFECT_API_URL=http://127.0.0.1:4200/api\n"),
+                                        ("pyproject.toml", "[tool.prefect.api]\nurl = 'http://127.0.0.1:4200/api'\n"),
+                                        ("profiles.toml", "[profiles.team]\nPREFECT_API_URL = 'x'\n")])
+def test_a_settings_file_leaves_the_api_to_start_once_prefect_has_read_it(tmp_path, monkeypatch, name, text):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    assert temporary_api.settings_files() == []
+    (tmp_path / ".env").write_text("OTHER=1\n")  # files that say nothing of Prefect's settings do not count
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\ndependencies = ['prefect']\n")
+    assert temporary_api.settings_files() == []
+    path = (tmp_path / "home" if name == "profiles.toml" else tmp_path) / name
+    path.write_text(text)
+    assert [found.name for found in temporary_api.settings_files()] == [name]
+    assert temporary_api.launch_before_prefect() is None
+
+
+def test_a_server_started_before_prefect_is_stopped_when_the_settings_want_none(gpuflow_home, tmp_path):
+    """Launched before Prefect's settings are read (none is configured in the environment), it is stopped once they
+    say no temporary server may start: nothing is left of it, and the command uses none."""
+    check = ("import psutil\n"
+             "from gpuflow.flows.local_stack.prefect_api import temporary_api_launched\n"
+             "api = temporary_api_launched()\n"
+             "servers = [child for child in psutil.Process().children() if 'uvicorn' in ' '.join(child.cmdline())]\n"
+             "print(api, len(servers))\n")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
+    env.update(GPUFLOW_HOME=str(gpuflow_home), PREFECT_HOME=str(gpuflow_home / "prefect"),
+               PREFECT_SERVER_EPHEMERAL_ENABLED="false", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["None", "0"]
+    assert all_gone(gpuflow_home)

@@ -11,19 +11,27 @@ if TYPE_CHECKING:
 
 def temporary_api_launched() -> TemporaryApi | None:
     """Prefect's temporary API, launched now when no Prefect server is configured: its seconds of start-up overlap
-    this process's imports and checks. The warm stack's API instead, when one is up (`gpuflow up`); None when a
-    server is configured."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+    this process's imports and checks, Prefect's own first where its settings allow. The warm stack's API instead,
+    when one is up (`gpuflow up`); None when a server is configured."""
+    from gpuflow.flows.local_stack import stack, temporary_api  # gpuflow's own: no Prefect loaded yet
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return None
-    from gpuflow.flows.local_stack import stack, temporary_api  # the warm stack's modules: only without a server
+    record = None if os.environ.get("PREFECT_API_URL") else stack.read_stack()
+    stack_api = record["api_url"] if record and record.get("api_url") else None
+    if stack_api and not temporary_api.answers(stack_api, timeout_s=2):
+        stack_api = None
+    early = None if stack_api or os.environ.get("PREFECT_API_URL") else temporary_api.launch_before_prefect()
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    record = stack.read_stack()
-    if record and record.get("api_url") and temporary_api.answers(record["api_url"], timeout_s=2):
-        temporary_api.use(record["api_url"])
+    configured = PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value()
+    if early and (configured or early.home.resolve() != PREFECT_HOME.value().resolve()):  # a setting said otherwise
+        temporary_api.stop(early.server)
+        early = None
+    if configured:
         return None
-    return temporary_api.launch()
+    if stack_api:
+        temporary_api.use(stack_api)
+        return None
+    return early or temporary_api.launch()
 
 
 def prefect_api_answers(timeout_s: float = 5) -> bool:

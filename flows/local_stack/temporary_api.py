@@ -7,6 +7,10 @@ the server runs in a process of its own. This starts that process as Prefect 3.8
 process's Prefect settings at it (PREFECT_API_URL), so that no part of Prefect starts another one. The server stops
 when this process exits, and a watcher (flows/local_stack/outlive.py) stops it if this process is killed.
 
+`gpuflow run` launches it before it imports Prefect itself, where no settings file can say otherwise
+(`launch_before_prefect`): the second that import takes then overlaps the server's start. Once Prefect has read its
+settings, a server they do not want is stopped (flows/local_stack/prefect_api.py).
+
 Its port is bound here and handed to uvicorn as an open socket: a port probed free and bound later by the server
 can be taken in between (Ray's servers take ports all the time), and uvicorn's exit code does not say so once
 Prefect's lifespan fails on the way out.
@@ -20,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from gpuflow.cluster.util.http import probe
 from gpuflow.flows.prefect_internals import refresh_settings, start_api_server
@@ -33,11 +38,33 @@ def start() -> str:
 def launch() -> TemporaryApi:
     """Starts the server's process and returns at once: `ready()` waits for it. Its imports take seconds of CPU,
     which overlap whatever this process does meanwhile."""
-    from prefect.settings import PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, get_current_settings
+    from prefect.settings import PREFECT_HOME, get_current_settings
 
-    PREFECT_HOME.value().mkdir(parents=True, exist_ok=True)  # its database's folder: the server makes no parents
     return TemporaryApi(with_lasting_leases(get_current_settings().to_environment_variables(exclude_unset=True)),
-                        time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+                        PREFECT_HOME.value())
+
+
+def launch_before_prefect() -> TemporaryApi | None:
+    """The same server, launched before this process imports Prefect: that import is a second of CPU that the server's
+    start then overlaps. Only where Prefect's settings come from the environment alone, which the server inherits;
+    None where a settings file may say otherwise (`launch` reads them, once Prefect is loaded)."""
+    if settings_files():
+        return None
+    return TemporaryApi(with_lasting_leases({}), home_from_environment())
+
+
+def settings_files() -> list[Path]:
+    """Where Prefect 3.8 reads settings besides the environment, those that may hold some: its profiles, and this
+    folder's prefect.toml, .env and pyproject.toml ([tool.prefect])."""
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH") or home_from_environment() / "profiles.toml").expanduser()
+    candidates = [(profiles, ""), (Path("prefect.toml"), ""), (Path(".env"), "PREFECT_"),
+                  (Path("pyproject.toml"), "[tool.prefect")]
+    return [path for path, marker in candidates if path.is_file() and marker in path.read_text(errors="replace")]
+
+
+def home_from_environment() -> Path:
+    """PREFECT_HOME as Prefect reads it where no settings file sets it."""
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
 
 
 LEASE_STORAGE = "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"
@@ -52,8 +79,10 @@ def with_lasting_leases(settings_env: dict[str, str]) -> dict[str, str]:
 
 
 class TemporaryApi:
-    def __init__(self, settings_env: dict[str, str], deadline: float):
-        self.deadline = deadline
+    def __init__(self, settings_env: dict[str, str], home: Path):
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)  # its database's folder: the server makes no parents
+        self.started = time.monotonic()
         with socket.socket() as listener:
             listener.bind(("127.0.0.1", 0))
             self.api_url = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
@@ -63,7 +92,10 @@ class TemporaryApi:
 
     def ready(self) -> str:
         """Waits until the server answers, then points this process's Prefect settings at it; returns its URL."""
-        if not wait_until_healthy(self.server, self.api_url, self.deadline):
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        deadline = self.started + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        if not wait_until_healthy(self.server, self.api_url, deadline):
             stop(self.server)
             raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
                                f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
