@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlflow import MlflowClient
 from ray.train.v2.api.callback import UserCallback
 
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, checkpoint_line, epoch_line
-from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
@@ -100,6 +98,8 @@ class MlflowTracker:
     @property
     def client(self):
         if self._client is None:
+            from mlflow import MlflowClient  # here, off the controller's start (it unpickles this module): seconds
+
             self._client = MlflowClient(tracking_uri=self.tracking_uri)
         return self._client
 
@@ -223,6 +223,8 @@ class MlflowTracker:
     # -- at the end of the run ------------------------------------------------------------------------------
     def close_run_records(self, checkpoint, succeeded: bool) -> None:
         """The list of checkpoints as an artifact; and a run that logged no model gets its last checkpoint."""
+        from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
+
         self.finish()
         artifacts = lambda: artifact_repo(self._read_run().artifact_uri, self.tracking_uri)  # noqa: E731
         if self.checkpoints:
