@@ -24,7 +24,7 @@ def temporary_api_launched() -> TemporaryApi | None:
 
     configured = PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value()
     if early and (configured or early.home.resolve() != PREFECT_HOME.value().resolve()):  # a setting said otherwise
-        temporary_api.stop(early.server)
+        early.stop()
         early = None
     if configured:
         return None

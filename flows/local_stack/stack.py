@@ -184,9 +184,7 @@ class Stack:
         if self.spare:
             self.backend.down(self.spare)
         if self.api:
-            from gpuflow.flows.local_stack.temporary_api import stop
-
-            stop(self.api.server)
+            self.api.stop()
         try:
             if json.loads(stack_file().read_text())["pid"] == os.getpid():
                 stack_file().unlink()

@@ -87,8 +87,8 @@ class TemporaryApi:
             listener.bind(("127.0.0.1", 0))
             self.api_url = f"http://127.0.0.1:{listener.getsockname()[1]}/api"
             self.server = start_api_server(listener, settings_env)
-        atexit.register(stop, self.server)
-        watch(self.server)
+        self.watcher = watch(self.server)
+        atexit.register(self.stop)
 
     def ready(self) -> str:
         """Waits until the server answers, then points this process's Prefect settings at it; returns its URL."""
@@ -96,11 +96,17 @@ class TemporaryApi:
 
         deadline = self.started + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
         if not wait_until_healthy(self.server, self.api_url, deadline):
-            stop(self.server)
+            self.stop()
             raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
                                f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
         use(self.api_url)
         return self.api_url
+
+    def stop(self) -> None:
+        """Stops the server, then its watcher: this process's exit must leave neither (the watcher would see the
+        server gone and exit by itself, but only within its poll)."""
+        stop(self.server)
+        stop(self.watcher)
 
 
 def use(api_url: str) -> None:
@@ -126,18 +132,19 @@ def answers(api_url: str, timeout_s: float = 5) -> bool:
     return probe(f"{api_url}/health", timeout_s)[0] == 200
 
 
-def watch(server: subprocess.Popen) -> None:
+def watch(server: subprocess.Popen) -> subprocess.Popen:
     """A watcher in a session of its own: the server must not outlive this process, even after a kill -9."""
-    subprocess.Popen([sys.executable, "-m", "gpuflow.flows.local_stack.outlive", "--owner", str(os.getpid()),
+    return subprocess.Popen([sys.executable, "-m", "gpuflow.flows.local_stack.outlive", "--owner", str(os.getpid()),
                       "--kill", str(server.pid)], start_new_session=True,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def stop(server: subprocess.Popen) -> None:
-    if server.poll() is None:
-        server.terminate()
+def stop(process: subprocess.Popen) -> None:
+    """Terminates a child of this process and reaps it (killed if it takes over 5 s)."""
+    if process.poll() is None:
+        process.terminate()
         try:
-            server.wait(timeout=5)
+            process.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            process.kill()
+            process.wait()
