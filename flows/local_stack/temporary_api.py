@@ -135,8 +135,8 @@ def answers(api_url: str, timeout_s: float = 5) -> bool:
 def watch(server: subprocess.Popen) -> subprocess.Popen:
     """A watcher in a session of its own: the server must not outlive this process, even after a kill -9."""
     return subprocess.Popen([sys.executable, "-m", "gpuflow.flows.local_stack.outlive", "--owner", str(os.getpid()),
-                      "--kill", str(server.pid)], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--kill", str(server.pid)], start_new_session=True,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def stop(process: subprocess.Popen) -> None:
