@@ -13,7 +13,7 @@ from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 from gpuflow.flows.deployments.known_servers import tracking_tag
-from gpuflow.flows.quota import POOL_TAG_PREFIX, need_of
+from gpuflow.flows.quota_hold import POOL_TAG_PREFIX, need_of
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None,
@@ -156,7 +156,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
                                                 FlowRunFilterStateType)
 
     from gpuflow.cluster.run.liveness import LiveRun, age_s, mlflow_run_exists, silent_death
-    from gpuflow.flows import quota
+    from gpuflow.flows import quota_hold
     from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 
     with get_client(sync_client=True) as client:
@@ -166,7 +166,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
             limit=200)
         dead = {}
         for run in runs:
-            run_id, waiting = str(run.id), run.state.name == quota.WAITING
+            run_id, waiting = str(run.id), run.state.name == quota_hold.WAITING
             has_cluster = run_id.replace("-", "") in {found.replace("-", "") for found in cluster_run_ids}
             own = [tag.removeprefix(TRACKING_TAG_PREFIX) for tag in run.tags if tag.startswith(TRACKING_TAG_PREFIX)]
             mlflow = None if waiting or has_cluster else mlflow_run_exists(
@@ -174,7 +174,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
             beat = None if waiting or has_cluster or mlflow is not False else last_heartbeat(client, run_id)
             live = LiveRun(run_id, waiting, age_s(now, run.state.timestamp.timestamp()),
                            None if beat is None else age_s(now, beat), has_cluster, mlflow)
-            if why := silent_death(live, quota.STALE_S):
+            if why := silent_death(live, quota_hold.STALE_S):
                 dead[run_id] = why
     return dead
 

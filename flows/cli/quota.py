@@ -27,26 +27,26 @@ def add_parser(commands, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuflow.flows import quota
+    from gpuflow.flows import quota_hold
 
     if args.action == "set":
         problem = quota_name_problem(args.pool)
         if problem or args.size < 0:
             raise SpecError([f"pool: {problem}" if problem else f"size: {args.size} is negative; give 0 or more"])
-        quota.set_quota(args.pool, args.size)
+        quota_hold.set_quota(args.pool, args.size)
         print(f"quota {args.pool}: {args.size} at once")
         warn_of_a_forgetful_server()
     elif args.action == "remove":
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            client.delete_global_concurrency_limit_by_name(quota.LIMIT_PREFIX + args.pool)
+            client.delete_global_concurrency_limit_by_name(quota_hold.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
         from gpuflow.flows.reconcile.quota import recount
 
         counts = recount()  # held: what the runs truly hold, once a leak is given back
-        rows = [(found.pool, found.size, found.counted - found.freed, len(quota.waiting_runs(found.pool)))
+        rows = [(found.pool, found.size, found.counted - found.freed, len(quota_hold.waiting_runs(found.pool)))
                 for found in counts]
         print("no quotas: runs never wait (gpuflow quota set POOL SIZE)" if not rows else
               "\n".join([f"{'quota':<24} {'size':>5} {'held':>5} {'waiting runs':>13}",

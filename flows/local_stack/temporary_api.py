@@ -74,7 +74,7 @@ FILESYSTEM_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 def with_lasting_leases(settings_env: dict[str, str]) -> dict[str, str]:
     """A server's settings with its concurrency leases kept on disk (under PREFECT_HOME), unless the lease storage is
     set already: Prefect's default keeps them in memory, and a restart would leak every slot held on the GPU quota
-    (flows/quota.py)."""
+    (flows/quota_hold.py)."""
     return {LEASE_STORAGE: FILESYSTEM_LEASES, **settings_env}
 
 

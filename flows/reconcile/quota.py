@@ -5,7 +5,7 @@
 A slot leaks when Prefect forgets the lease it was held on: a server restart with the in-memory lease storage
 (Prefect's default). Then neither the holder's release nor the lease's expiry gives it back, and the runs of the
 pool wait for good. The recount counts what the runs truly hold: a run tagged `quota-held:` or `quota-taking:`
-(flows/quota.py) that is not over, or whose cluster a backend still lists; a run that is over gives its slots back
+(flows/quota_hold.py) that is not over, or whose cluster a backend still lists; a run that is over gives its slots back
 only once no backend lists its cluster. Prefect's count above that is lowered to it.
 
 Two recounts at once (the reaper, a `gpuflow quota list`) take turns on a one-slot limit named gpuflow-recount,
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.flows.quota import (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, LEASED_TAG, LIMIT_PREFIX, SLOTS_TAG_PREFIX,
-                                 TAKING_TAG_PREFIX, need_of, quotas)
+from gpuflow.flows.quota_hold import (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, LEASED_TAG, LIMIT_PREFIX, SLOTS_TAG_PREFIX,
+                                      TAKING_TAG_PREFIX, need_of, quotas)
 
 log = logging.getLogger(__name__)
 
