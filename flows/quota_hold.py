@@ -9,7 +9,7 @@ until its cluster is down, first submitted first served. Its flow run's tags say
 start, `quota-wait:` while it waits (its state stamped "Waiting for GPUs" with its place; a stale stamp is passed
 over), `quota-taking:` while it asks, `quota-held:`, `quota-slots:<n>` and `quota-lease:<id>` while it holds. The
 lease, renewed while the run's process lives, lasts as long as its cluster may outlive it; the reaper's recount
-(flows/reconcile/quota.py) gives a dead run's slots back once its cluster is gone, a leaked one at once.
+(flows/reconcile/quota_recount.py) gives a dead run's slots back once its cluster is gone, a leaked one at once.
 """
 
 from __future__ import annotations

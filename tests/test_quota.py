@@ -243,7 +243,7 @@ def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone
 
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.flows.quota_hold import QuotaHold, set_quota
-    from gpuflow.flows.reconcile.quota import recount
+    from gpuflow.flows.reconcile.quota_recount import recount
     from gpuflow.flows.reaper import reap_clusters
 
     pool, api_url = f"recount-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
@@ -324,7 +324,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
 
     from gpuflow.flows.quota_hold import set_quota
     from gpuflow.flows.deployments.known_servers import forgetful_server
-    from gpuflow.flows.reconcile.quota import recount
+    from gpuflow.flows.reconcile.quota_recount import recount
 
     home, port, pool = tmp_path / "prefect", stable_port(), "restarted"
     processes = []

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
             client.delete_global_concurrency_limit_by_name(quota_hold.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
-        from gpuflow.flows.reconcile.quota import recount
+        from gpuflow.flows.reconcile.quota_recount import recount
 
         counts = recount()  # held: what the runs truly hold, once a leak is given back
         rows = [(found.pool, found.size, found.counted - found.freed, len(quota_hold.waiting_runs(found.pool)))

@@ -78,7 +78,7 @@ def send_unsaid(run: Pass) -> list[str]:
 
 
 def free_slots(run: Pass) -> list[str]:
-    from gpuflow.flows.reconcile.quota import recount
+    from gpuflow.flows.reconcile.quota_recount import recount
 
     by_name = {backend.name: backend for backend in run.backends}
 
