@@ -44,7 +44,7 @@ class JobEnv:
     local_cluster_session: int | None = None  # the local backend's session of the cluster: the guard may stop it
     spec_json: str | None = None  # a SkyPilot node: the spec, and Ray Train's run name, for the job it starts
     run_name: str | None = None
-    notify_json: str | None = None  # the run's webhook, links and name (cluster/run/notify.py): a secret
+    notify_json: str | None = None  # the run's webhook, links and name (cluster/run/webhook.py): a secret
     metadata_url: str | None = None  # a test's double of the clouds' metadata service (cluster/config.py), for nodes
 
     def to_env(self) -> dict[str, str]:

@@ -3,7 +3,7 @@ end and recovery messages, the reaper's, and `gpuflow notify add` to make a bloc
 
     gpuflow notify add team-alerts https://hooks.slack.com/services/T/B/X --format slack
 
-Sending is cluster/run/notify.py's (the job's guard sends too, with no Prefect)."""
+Sending is cluster/run/webhook.py's (the job's guard sends too, with no Prefect)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG,
                                       STOPPED_BY_TAG)
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
-from gpuflow.cluster.run.notify import Event, send, send_once
+from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
 from gpuflow.flows.run_info import flow_run_ui_url, prefect_link, spec_from
@@ -33,7 +33,7 @@ FORMATS = {  # what a message's JSON looks like, by `gpuflow notify add --format
 
 
 def webhook_of(block_name: str) -> dict:
-    """The Custom Webhook block's settings, secrets included, as cluster/run/notify.py sends them."""
+    """The Custom Webhook block's settings, secrets included, as cluster/run/webhook.py sends them."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
     block = CustomWebhookNotificationBlock.load(block_name)

@@ -11,9 +11,9 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, NOTIFY_FAILED_TAG,
                                       NOTIFY_SENDING_TAG, STOPPED_BY_TAG)
-from gpuflow.cluster.run import notify
+from gpuflow.cluster.run import webhook
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
-from gpuflow.cluster.run.notify import Event, send, send_once, short_reason
+from gpuflow.cluster.run.webhook import Event, send, send_once, short_reason
 from gpuflow.cluster.spec.notifying import NotifySpec
 from gpuflow.flows.cli import main as gpuflow
 from tests.support.servers import the_one_message, webhook_receiver
@@ -93,15 +93,15 @@ def test_validate_refuses_a_missing_block_naming_the_field(prefect_server, capsy
 
 def quick_retries(monkeypatch, bound_s: float) -> None:
     """The retry bound shortened so that a test lasts seconds: first retry after 0.1 s, then 0.2, 0.4 ..."""
-    monkeypatch.setattr(notify, "RETRY_BOUND_S", bound_s)
-    monkeypatch.setattr(notify, "FIRST_RETRY_S", 0.1)
+    monkeypatch.setattr(webhook, "RETRY_BOUND_S", bound_s)
+    monkeypatch.setattr(webhook, "FIRST_RETRY_S", 0.1)
 
 
 def test_a_webhook_down_for_its_first_tries_gets_the_message_once(tmp_path, monkeypatch, caplog):
     quick_retries(monkeypatch, 10)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = client.create_run(client.create_experiment("down-then-up")).info.run_id
-    with webhook_receiver(down_for=3) as (url, messages), caplog.at_level(logging.WARNING, notify.__name__):
+    with webhook_receiver(down_for=3) as (url, messages), caplog.at_level(logging.WARNING, webhook.__name__):
         assert send_once(client, run_id, {"url": url, "json_data": {"text": "{{body}}"}}, EVENT) is None
         assert send_once(client, run_id, {"url": url, "json_data": {"text": "{{body}}"}}, EVENT) is None
         assert len(messages) == 1, messages
@@ -127,8 +127,8 @@ def test_two_senders_at_once_send_one_message(tmp_path, monkeypatch):
 
 def test_a_client_error_is_not_retried_a_busy_webhook_is():
     error = lambda code: urllib.error.HTTPError("http://x", code, "", {}, None)  # noqa: E731
-    assert notify.failure_of(error(404)) == ("HTTP 404", True)
-    assert notify.failure_of(error(429)) == ("HTTP 429", False) and notify.failure_of(error(503))[1] is False
+    assert webhook.failure_of(error(404)) == ("HTTP 404", True)
+    assert webhook.failure_of(error(429)) == ("HTTP 429", False) and webhook.failure_of(error(503))[1] is False
 
 
 def failing_flow_run(spec, block: str):

@@ -100,7 +100,7 @@ class JobGuard:
         close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill,
                   {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]})
         if reason == "orphaned" and self.notify_json:  # no flow is left to tell anyone
-            from gpuflow.cluster.run.notify import notify_orphaned
+            from gpuflow.cluster.run.webhook import notify_orphaned
 
             failure = notify_orphaned(self.client(), self.run_id, self.notify_json, detail, bill["cost_usd"])
             if failure:
