@@ -52,7 +52,7 @@ def check(stack) -> Check:
             "messages": events}
         if not (state and state.is_final()):
             violations.append(f"flow runs final: {flow_run_id} is {state.name if state else 'without a state'}")
-        elif state.is_cancelled():  # a person's own stop: not messaged, by design (flows/notify.py notify_end)
+        elif state.is_cancelled():  # a person's own stop: not messaged, by design (flows/run_messages.py notify_end)
             if events:
                 violations.append(f"one message per bad end: {flow_run_id} Cancelled yet messaged {events}")
         elif not state.is_completed():

@@ -24,7 +24,7 @@ from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.capacity import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
-from gpuflow.flows.notify import notify_end, notify_recovered, webhook_for
+from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
 from gpuflow.flows.quota_hold import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_info import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run

@@ -14,7 +14,7 @@ from tests.support.runs import flow_logs, mlflow_run_of
 @pytest.mark.full
 def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, digits_spec, gpuflow_home):
     from gpuflow.cluster.spec.notifying import NotifySpec
-    from gpuflow.flows.notify import add_webhook
+    from gpuflow.flows.run_messages import add_webhook
     from tests.support.servers import the_one_message, webhook_receiver
 
     spec = digits_spec.model_copy(update={"train": digits_spec.train.model_copy(update={

@@ -403,11 +403,11 @@ def test_the_room_checks_find_an_arrow_back_up_and_a_tower():
     rooms = {
         "gpuflow.flows.cli.run": "from gpuflow.flows import experiment\nfrom gpuflow.cluster import spec",
         "gpuflow.flows.experiment": "def f():\n    from gpuflow.flows.cli import run  # lazy: still an arrow\n",
-        "gpuflow.flows.notify": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuflow.flows import experiment",
+        "gpuflow.flows.run_messages": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuflow.flows import experiment",
         "gpuflow.flows.cli": "", "gpuflow.cluster.spec": "",
     }
     graph = room_graph(rooms)
-    assert graph == {"cli": {"experiment"}, "experiment": {"cli"}, "notify": set()}
+    assert graph == {"cli": {"experiment"}, "experiment": {"cli"}, "run_messages": set()}
     assert circles(graph) == [["cli", "experiment"]]
     tower = {"a": {"b"}, "b": {"c"}, "c": {"d"}, "d": {"e"}, "e": {"f"}, "f": set(), "g": {"f"}}
     assert floors(tower) == ["a", "b", "c", "d", "e", "f"]

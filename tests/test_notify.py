@@ -23,7 +23,7 @@ EVENT = Event("stopped", "digits-mlp-2026-11-26-0300", "stopped_by=budget: stopp
 
 
 def test_a_saved_block_sends_the_event_with_its_reason_cost_and_links(prefect_server, capsys):
-    from gpuflow.flows.notify import webhook_of
+    from gpuflow.flows.run_messages import webhook_of
 
     with webhook_receiver() as (url, messages):
         assert gpuflow(["notify", "add", "team-alerts", url, "--format", "slack"]) == 0
@@ -135,7 +135,7 @@ def failing_flow_run(spec, block: str):
     """A flow run that fails as an experiment does, with the real end hook: its MLflow run FAILED, then raised."""
     from prefect import flow, runtime
 
-    from gpuflow.flows.notify import notify_end
+    from gpuflow.flows.run_messages import notify_end
 
     @flow(name="run-experiment", on_failure=[notify_end])
     def failing_experiment(spec: dict):
@@ -223,7 +223,7 @@ def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_s
     from prefect.states import Cancelling, Crashed, Running
 
     from gpuflow.flows.experiment import run_experiment
-    from gpuflow.flows.notify import notify_end
+    from gpuflow.flows.run_messages import notify_end
 
     with webhook_receiver() as (url, messages):
         assert gpuflow(["notify", "add", "cancelled-block", url]) == 0

@@ -92,7 +92,7 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
     from gpuflow.flows.experiment import run_experiment
 
     from gpuflow.cluster.spec.notifying import NotifySpec
-    from gpuflow.flows.notify import add_webhook
+    from gpuflow.flows.run_messages import add_webhook
     from tests.support.servers import the_messages, webhook_receiver
 
     spec = two_nodes(digits_spec)

@@ -63,7 +63,7 @@ def stopped_flows(prefect_server, tmp_path_factory):
     from gpuflow.cluster.spec import load_spec
     from gpuflow.cluster.spec.notifying import NotifySpec
     from gpuflow.flows.experiment import run_experiment
-    from gpuflow.flows.notify import add_webhook
+    from gpuflow.flows.run_messages import add_webhook
     from tests.support.repo import REPO
     from tests.loops import HANGING_LOOP
     from tests.support.servers import webhook_receiver

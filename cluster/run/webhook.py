@@ -4,13 +4,13 @@ The flow sends at the run's end (Failed, Crashed, a `stopped_by`, and Completed 
 a lost cluster; the job's guard when it ends an orphaned run (no flow is left to say it); the reaper for the runs
 it closes. An end is said once: whoever sends it first tags the MLflow run (NOTIFIED_TAG), and the others see that.
 
-The webhook is a Prefect Custom Webhook block (flows/notify.py loads it); here it is a plain dict (url, method,
+The webhook is a Prefect Custom Webhook block (flows/run_messages.py loads it); here it is a plain dict (url, method,
 params, headers, json_data or form_data, values), so that the job sends with no Prefect. Its URL is a secret: it
 reaches the job in its environment only (JobEnv.notify_json), never a log, a tag or a file.
 
 At least once, said once: `send` retries a webhook that is down for up to RETRY_BOUND_S; `send_once` claims the
 run's message (NOTIFY_SENDING_TAG) before sending and records the outcome on the run (NOTIFIED_TAG, or
-NOTIFY_FAILED_TAG); what no one delivered, the reaper's next pass sends (flows/notify.py: notify_undelivered)."""
+NOTIFY_FAILED_TAG); what no one delivered, the reaper's next pass sends (flows/run_messages.py: notify_undelivered)."""
 
 from __future__ import annotations
 

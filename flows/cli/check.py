@@ -35,7 +35,7 @@ def validate(spec, path: str) -> int:
     check_infra(validate_spec(spec))
     if spec.notify:  # the block lives in Prefect: the API `gpuflow run` would use
         from gpuflow.flows.local_stack.prefect_api import temporary_api_launched
-        from gpuflow.flows.notify import webhook_for
+        from gpuflow.flows.run_messages import webhook_for
 
         api = temporary_api_launched()
         if api:

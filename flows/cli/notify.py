@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from gpuflow.flows.notify import FORMATS, add_webhook
+from gpuflow.flows.run_messages import FORMATS, add_webhook
 
 
 def add_parser(commands, name: str) -> None:

@@ -115,7 +115,7 @@ def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    from gpuflow.flows.notify import UNSAID_WITHIN_S
+    from gpuflow.flows.run_messages import UNSAID_WITHIN_S
     from gpuflow.flows.reconcile.records import tracking_uris_or_local
 
     by_id, added = {row.flow_run_id: row for row in rows}, []

@@ -71,7 +71,7 @@ def crash_flow_runs(run: Pass) -> list[str]:
 
 
 def send_unsaid(run: Pass) -> list[str]:
-    from gpuflow.flows.notify import notify_owed, notify_undelivered
+    from gpuflow.flows.run_messages import notify_owed, notify_undelivered
 
     run.said = [] if run.dry_run else notify_undelivered(run.tracking_uris) + notify_owed()
     return [f"message: {line}" for line in run.said]

@@ -136,13 +136,13 @@ def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
 
 def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone), each
-    owed the message of its end (no hook of theirs will say it: flows/notify.py notify_owed)."""
+    owed the message of its end (no hook of theirs will say it: flows/run_messages.py notify_owed)."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
-    from gpuflow.flows.notify import OWED_TAG
+    from gpuflow.flows.run_messages import OWED_TAG
 
     with get_client(sync_client=True) as client:
         for flow_run_id in flow_run_ids:
