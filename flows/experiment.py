@@ -27,7 +27,7 @@ from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
 from gpuflow.flows.quota_hold import QueueCancelled, QueueTimeout, turn_for_gpus
-from gpuflow.flows.run_info import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run
+from gpuflow.flows.run_spec import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate

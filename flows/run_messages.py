@@ -19,7 +19,7 @@ from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
-from gpuflow.flows.run_info import flow_run_ui_url, prefect_link, spec_from
+from gpuflow.flows.run_spec import flow_run_ui_url, prefect_link, spec_from
 
 if TYPE_CHECKING:
     from gpuflow.flows.experiment_run import ExperimentRun

@@ -129,7 +129,7 @@ def test_a_spec_file_under_serve_takes_what_it_leaves_out_from_serves_overrides(
     import json
 
     from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
-    from gpuflow.flows.run_info import spec_from
+    from gpuflow.flows.run_spec import spec_from
 
     monkeypatch.setenv(SERVE_OVERRIDES_ENV, json.dumps(["tracking.uri=http://mlflow.team:5000", "train.epochs=3"]))
     spec = spec_from(None, str(REPO / "experiments" / "digits.yaml"))

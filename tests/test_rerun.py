@@ -260,7 +260,7 @@ def test_the_dry_run_says_what_would_run_and_launches_nothing(repo, store, data,
 def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deployment_s_form(repo, store, data):
     from gpuflow.cluster.spec import SpecError, parse_spec
     from gpuflow.cluster.spec.form_policy import FormPolicy
-    from gpuflow.flows.run_info import hooks_spec, rerun_cache, rerun_spec
+    from gpuflow.flows.run_spec import hooks_spec, rerun_cache, rerun_spec
 
     run = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny"), data=data)
     deployed = tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny", train={
