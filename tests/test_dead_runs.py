@@ -25,7 +25,7 @@ from gpuflow.flows import quota_hold
 from gpuflow.flows.cli.status import status
 from gpuflow.flows.quota_hold import LIMIT_PREFIX, WAITING, set_quota
 from gpuflow.flows.reaper import reap_clusters
-from gpuflow.flows.run_spec import last_heartbeat
+from gpuflow.flows.reconcile.dead_runs import last_heartbeat
 from tests.loops import PLAIN_LOOP
 from tests.support.processes import alive, processes_of, wait_until
 from tests.support.servers import BIN, REPO, base_env

@@ -3,7 +3,7 @@
 A run killed while it waits for the quota, or before its MLflow run opens, has no MLflow lease and no cluster: the
 reaper judges it by what Prefect keeps. A waiter re-stamps its state every few seconds (flows/quota_hold.py); any other
 run is judged by Prefect's flow-run heartbeats when it sends them (PREFECT_FLOWS_HEARTBEAT_FREQUENCY), else by how
-long it has gone without a cluster or an MLflow run. Prefect-free: the facts are read in flows/run_spec.py.
+long it has gone without a cluster or an MLflow run. Prefect-free: the facts are read in flows/reconcile/dead_runs.py.
 """
 
 from __future__ import annotations
