@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 
 from prefect import flow, get_run_logger, runtime
 from prefect.exceptions import TerminationSignal
@@ -24,11 +25,12 @@ from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.capacity import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
-from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
 from gpuflow.flows.quota_hold import QueueCancelled, QueueTimeout, turn_for_gpus
-from gpuflow.flows.run_spec import flow_run_ui_url, hooks_spec, run_name_for, spec_from, tag_flow_run
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
+from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
+from gpuflow.flows.run_spec import hooks_spec, spec_from
+from gpuflow.flows.run_tags import flow_run_ui_url, tag_flow_run
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
 from gpuflow.tasks.tracking import open_mlflow_run, publish_summary, register_model
@@ -37,8 +39,14 @@ end_without_heartbeat_wait()  # a second at most, after every run
 
 
 def run_name() -> str:
-    """Says what ran and when, e.g. digits-mlp-2026-11-21-0300."""
-    return run_name_for(runtime.flow_run.parameters)
+    """Says what ran and when: <spec name>-<UTC time>, e.g. digits-mlp-2026-11-21-030000; a spec that does not parse
+    still names its run."""
+    parameters = runtime.flow_run.parameters
+    try:
+        name = spec_from(parameters.get("spec"), parameters.get("spec_file")).name
+    except Exception:  # the flow itself reports the bad spec, with the field named
+        name = "experiment"
+    return f"{name}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M%S}"
 
 
 def release(flow, flow_run, state) -> None:

@@ -15,7 +15,7 @@ from gpuflow.cluster.run.webhook import for_the_job
 from gpuflow.cluster.run.record import RunRecord, run_url
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.capacity import Capacity
-from gpuflow.flows.run_spec import prefect_link
+from gpuflow.flows.run_tags import prefect_link
 
 
 @dataclass

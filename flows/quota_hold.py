@@ -30,7 +30,7 @@ from gpuflow.cluster.spec.options import compute_options
 log = logging.getLogger(__name__)
 
 LIMIT_PREFIX = "gpuflow-quota-"
-POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_spec.py)
+POOL_TAG_PREFIX = "quota:"  # every run, from its start (flows/run_tags.py)
 WAIT_TAG_PREFIX = "quota-wait:"  # while it waits
 HELD_TAG_PREFIX = "quota-held:"  # once it holds
 TAKING_TAG_PREFIX = "quota-taking:"  # while it asks for slots: it may hold them from the server's answer on

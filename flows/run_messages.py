@@ -19,7 +19,8 @@ from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
-from gpuflow.flows.run_spec import flow_run_ui_url, prefect_link, spec_from
+from gpuflow.flows.run_spec import spec_from
+from gpuflow.flows.run_tags import flow_run_ui_url, prefect_link
 
 if TYPE_CHECKING:
     from gpuflow.flows.experiment_run import ExperimentRun

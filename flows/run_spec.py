@@ -1,19 +1,17 @@
-"""What a flow run ran, said in its parameters, name and tags: the spec (form or YAML file), run name, Prefect tags.
+"""The spec a flow run runs, from its parameters: the form's (or Python's) spec, or a YAML file on the worker, within
+its deployment's form_policy (prefect.yaml); and the spec its cancel and crash hooks act on.
 
-    used by flows/experiment.py; a run from the UI or a schedule is tagged experiment:<name> and backend:<backend>
+    used by flows/experiment.py (the run's name too) and the run's messages (run_messages.py)
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from pathlib import Path
 
 from gpuflow.cluster.config import serve_overrides
 from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
-from gpuflow.flows.deployments.known_servers import tracking_tag
-from gpuflow.flows.quota_hold import POOL_TAG_PREFIX, need_of
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None,
@@ -103,45 +101,3 @@ def given_in(spec, dotted: str) -> bool:
             return False
         node = getattr(node, key)
     return True
-
-
-def run_name_for(parameters: dict) -> str:
-    """<spec name>-<UTC time>, e.g. digits-mlp-2026-11-21-030000; a spec that does not parse still names its run."""
-    try:
-        name = spec_from(parameters.get("spec"), parameters.get("spec_file")).name
-    except Exception:  # the flow itself reports the bad spec, with the field named
-        name = "experiment"
-    return f"{name}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M%S}"
-
-
-def run_tags(spec: ExperimentSpec) -> list[str]:
-    """experiment:, backend:, tracking: (read by the reaper, so that it closes the runs of every server) and quota:
-    (the GPU quota's queue)."""
-    return [f"experiment:{spec.name}", f"backend:{spec.compute.backend}", tracking_tag(spec.tracking_uri),
-            POOL_TAG_PREFIX + need_of(spec).pool]
-
-
-def tag_flow_run(flow_run_id, existing_tags, spec: ExperimentSpec) -> list[str]:
-    """Adds the run's experiment and backend to its Prefect tags (deployment tags are fixed before the form is read)."""
-    from prefect.client.orchestration import get_client
-
-    tags = sorted(set(existing_tags) | set(run_tags(spec)))
-    with get_client(sync_client=True) as client:
-        client.update_flow_run(flow_run_id, tags=tags)
-    return tags
-
-
-def flow_run_ui_url(flow_run_id) -> str | None:
-    """The flow run's page in the Prefect UI (PREFECT_UI_URL).
-
-    Not runtime.flow_run.ui_url: in Prefect 3.8.8 it gives Cloud's /flow-runs/flow-run/<id>, a 404 on a
-    self-hosted server; url_for knows each UI's path.
-    """
-    from prefect.utilities.urls import url_for
-
-    return url_for("flow-run", obj_id=flow_run_id)
-
-
-def prefect_link(flow_run_id, ui_url: str | None) -> str:
-    """The flow run's page; a run on Prefect's temporary API has none, and its id says which run it was."""
-    return ui_url or f"flow run {flow_run_id} (Prefect's temporary API: no UI)"

@@ -30,7 +30,7 @@ LOCK_S = 60.0  # a recount's few API calls take far less
 BACKENDS = ("local", "skypilot")
 FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
 PAGE = 200
-BACKEND_TAG = "backend:"  # every run's backend (flows/run_spec.py)
+BACKEND_TAG = "backend:"  # every run's backend (flows/run_tags.py)
 RENEW_S = 3600.0  # a dead run's lease, renewed by each pass while its cluster is listed: until the next pass at least
 
 
