@@ -19,6 +19,7 @@ from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import JobFailed, TrainResult, cost_check, deadline_check, lost_on
 from gpuflow.cluster.protocol import triggered_by
+from gpuflow.cluster.rerun.for_flow import prepare_rerun
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
@@ -29,7 +30,7 @@ from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
 from gpuflow.flows.quota_hold import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
-from gpuflow.flows.run_spec import hooks_spec, spec_from
+from gpuflow.flows.run_spec import form_policy_of_this_run, hooks_spec, spec_from
 from gpuflow.flows.run_tags import flow_run_ui_url, tag_flow_run
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
@@ -139,7 +140,9 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of:
             From the UI, `spec` then says only where the run is tracked.
     """
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
-    spec = spec_from(spec, spec_file, rerun_of)  # a bad YAML file fails the run here, naming the field
+    spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
+    if rerun_of:  # the run as it ran: its spec, its code checked out, its data checked; then a run as any other
+        spec = prepare_rerun(rerun_of, spec, form_policy_of_this_run())
     tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec, prediction = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here

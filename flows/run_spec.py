@@ -1,7 +1,8 @@
 """The spec a flow run runs, from its parameters: the form's (or Python's) spec, or a YAML file on the worker, within
 its deployment's form_policy (prefect.yaml); and the spec its cancel and crash hooks act on.
 
-    used by flows/experiment.py (the run's name too) and the run's messages (run_messages.py)
+    used by flows/experiment.py (the run's name too) and the run's messages (run_messages.py); a rerun's spec is
+    prepared from this one afterwards (cluster/rerun/for_flow.py)
 """
 
 from __future__ import annotations
@@ -9,21 +10,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpuflow.cluster.config import serve_overrides
+from gpuflow.cluster.rerun.for_flow import rerun_cache
 from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 
 
-def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None,
-              rerun_of: str | None = None) -> ExperimentSpec:
+def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
     """The spec a run uses: the YAML file when one is given (serve's overrides fill what it leaves out), else the
-    form's (or Python's) spec; with rerun_of, the spec of that run as it ran.
+    form's (or Python's) spec. A rerun's is prepared from it afterwards (cluster/rerun/for_flow.py).
 
     A run of a deployment with a form_policy (prefect.yaml) may change only what the policy allows: anything
     else is refused here, before anything exists."""
     policy = form_policy_of_this_run()
-    if rerun_of:
-        return rerun_spec(rerun_of, spec_from(spec, spec_file), policy)
     if policy and spec_file and not policy.allows("spec_file"):
         return policy.enforce(policy.baseline, spec_file)  # refused without reading a file of the worker
     if spec_file:
@@ -35,30 +34,6 @@ def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None,
     else:
         chosen = parse_spec(spec)
     return policy.enforce(chosen, spec_file) if policy else chosen
-
-
-
-
-def rerun_spec(rerun_of: str, asked: ExperimentSpec, policy: FormPolicy | None) -> ExperimentSpec:
-    """The run `rerun_of` (an MLflow or Prefect flow run id, the UI's rerun field) as it ran, prepared here as `gpuflow
-    rerun` prepares it: its commit and changes checked out, its data checked, looked up in `asked`'s tracking store.
-    A deployment with a form_policy reruns only what its form could have run (its workdir aside: the rerun's is the
-    checkout). A spec `gpuflow rerun` prepared, whose workdir is a rerun's checkout already, runs as given."""
-    from gpuflow.cluster.rerun.plan import Ask, prepare
-
-    cache = rerun_cache()
-    if Path(asked.workdir).expanduser().resolve().is_relative_to(cache.resolve()):
-        return asked
-    prepared = prepare(Ask(rerun_of, [asked.tracking_uri]), Path(asked.workdir).expanduser(), cache)
-    if policy:
-        policy.enforce(parse_spec({**prepared.found.recorded_spec(), "workdir": policy.baseline.workdir}))
-    return prepared.spec
-
-
-def rerun_cache() -> Path:
-    from gpuflow.cluster.config import state_dir
-
-    return state_dir() / "reruns"
 
 
 def hooks_spec(parameters: dict) -> ExperimentSpec:

