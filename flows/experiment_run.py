@@ -11,8 +11,8 @@ from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.run.lifecycle import Lifecycle
 from gpuflow.cluster.run.meter import Meter
-from gpuflow.cluster.run.webhook import for_the_job
 from gpuflow.cluster.run.record import RunRecord, run_url
+from gpuflow.cluster.run.webhook import for_the_job
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.capacity import Capacity
 from gpuflow.flows.run_tags import prefect_link

@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG,
                                       STOPPED_BY_TAG)
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
-from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.run.record import run_url
+from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
 from gpuflow.flows.run_spec import spec_from
 from gpuflow.flows.run_tags import flow_run_ui_url, prefect_link
