@@ -1,5 +1,6 @@
 """The suite's own checks (tests/support/tiers.py), each shown catching a deliberate fault in a pytest session of its own."""
 
+import json
 import re
 
 import psutil
@@ -123,3 +124,23 @@ def test_needs_a_thing():
     monkeypatch.setenv("CI", "1")
     returncode, output = inner(source)
     assert returncode == 1 and "nothing may be skipped" in output, output
+
+
+def test_the_whole_matrix_over_its_cpu_budget_fails_naming_the_costliest_files(tmp_path, monkeypatch):
+    from tests.support import cpu_report
+
+    report = tmp_path / "cpu.jsonl"
+    monkeypatch.setattr(cpu_report, "REPORT", report)
+    rows = [{"test": f"tests/test_{name}.py::test_{i}", "cpu_s": cpu_s, "wall_s": 1.0}
+            for name, cpu_s in (("cheap", 1.0), ("dear", 30.0), ("middling", 5.0)) for i in range(2)]
+    report.write_text("".join(f"{json.dumps(row)}\n" for row in rows))
+
+    within, text = cpu_report.check_budget(rows, budget_s=100)
+    assert within and "72 CPU-seconds in 6 tests" in text and "OVER" not in text
+    within, text = cpu_report.check_budget(rows, budget_s=50)
+    assert not within and "OVER BUDGET by 22" in text
+    costliest = [line.split()[-1] for line in text.splitlines() if line.startswith(" ")]
+    assert costliest == ["tests/test_dear.py", "tests/test_middling.py", "tests/test_cheap.py"]
+    monkeypatch.setattr(cpu_report, "WHOLE_MATRIX_BUDGET_CPU_S", 50)
+    assert cpu_report.main(["--budget"]) == 1
+    assert cpu_report.main([]) == 0  # without --budget it only reports

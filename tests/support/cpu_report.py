@@ -1,5 +1,8 @@
 """Where the suite's CPU goes: `pytest -p tests.support.cpu_report` prints the CPU-seconds of each test file at the end.
 
+    python -m tests.support.cpu_report --budget   # after `pytest --full`: the total, the ten costliest files, and
+                                                  # exit 1 over WHOLE_MATRIX_BUDGET_CPU_S (what .ci/run calls)
+
 On a machine with few cores the suite's wall time is its CPU time, and a test's own process shows little of it:
 the work is done by the Ray clusters, servers, Slurm jobs and subprocesses it starts. Each pytest process therefore
 puts itself in a cgroup of its own (cgroup v1 `cpuacct`, as root), which everything it starts inherits, and a test
@@ -19,6 +22,9 @@ import pytest
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 REPORT = Path(__file__).resolve().parents[2] / "test-artifacts" / "cpu.jsonl"
+# What the whole matrix may spend, in CPU-seconds of tests: on CI's two cores CPU-seconds are its wall time, and move
+# far less with the machine's load than wall time does. Raise it only in an issue that says why.
+WHOLE_MATRIX_BUDGET_CPU_S = 4500
 
 
 class CpuAccount:
@@ -74,16 +80,58 @@ def pytest_runtest_protocol(item, nextitem):
                                  "wall_s": round(time.monotonic() - started, 1)}) + "\n")
 
 
-def pytest_terminal_summary(terminalreporter, config):
-    if not REPORT.exists():
-        return
-    rows = [json.loads(line) for line in REPORT.read_text().splitlines()]
-    by_file, wall = collections.Counter(), collections.Counter()
+def by_file(rows: list[dict]) -> tuple[collections.Counter, collections.Counter]:
+    """CPU-seconds and wall seconds of tests, by test file."""
+    cpu, wall = collections.Counter(), collections.Counter()
     for row in rows:
         path = row["test"].split("::")[0]
-        by_file[path] += row["cpu_s"]
+        cpu[path] += row["cpu_s"]
         wall[path] += row["wall_s"]
+    return cpu, wall
+
+
+def read_report() -> list[dict]:
+    return [json.loads(line) for line in REPORT.read_text().splitlines()] if REPORT.exists() else []
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    rows = read_report()
+    if not rows:
+        return
+    cpu, wall = by_file(rows)
     terminalreporter.section("CPU-seconds by test file")
-    for path, cpu_s in by_file.most_common():
+    for path, cpu_s in cpu.most_common():
         terminalreporter.write_line(f"{cpu_s:8.0f}  {wall[path]:7.0f} s of tests  {path}")
-    terminalreporter.write_line(f"{sum(by_file.values()):8.0f}  CPU-seconds in {len(rows)} tests (per test: {REPORT})")
+    terminalreporter.write_line(f"{sum(cpu.values()):8.0f}  CPU-seconds in {len(rows)} tests (per test: {REPORT})")
+
+
+def check_budget(rows: list[dict], budget_s: float | None = None) -> tuple[bool, str]:
+    """Whether the tests of `rows` stayed within `budget_s` CPU-seconds, and the lines that say so."""
+    budget_s = WHOLE_MATRIX_BUDGET_CPU_S if budget_s is None else budget_s
+    cpu, _ = by_file(rows)
+    total = sum(cpu.values())
+    lines = [f"{total:.0f} CPU-seconds in {len(rows)} tests; the budget is {budget_s:.0f}", "the ten costliest files:"]
+    lines += [f"{cpu_s:8.0f}  {path}" for path, cpu_s in cpu.most_common(10)]
+    if total > budget_s:
+        lines.append(f"OVER BUDGET by {total - budget_s:.0f} CPU-seconds: make the costliest tests cheaper "
+                     "(tests/README.md: how the whole matrix stays inside its time)")
+    return total <= budget_s, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="The whole matrix's CPU-seconds against its budget.")
+    parser.add_argument("--budget", action="store_true", help=f"exit 1 above {WHOLE_MATRIX_BUDGET_CPU_S} CPU-seconds")
+    args = parser.parse_args(argv)
+    rows = read_report()
+    if not rows:
+        print(f"cpu_report: no measurements in {REPORT} (no cpuacct cgroup, or no test ran)")
+        return 1 if args.budget else 0
+    within, text = check_budget(rows)
+    print(text)
+    return 0 if within or not args.budget else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
