@@ -7,6 +7,9 @@
                               the local backend without a Prefect server leaves one behind for the next run;
                               "manual": runs use one that `gpuflow up` started, and leave none; "off": runs ignore it
     GPUFLOW_STACK_IDLE_MINUTES  how long the stack a run leaves behind waits for the next run (default 10)
+    GPUFLOW_LOCAL_RAY         the local backend's Ray: unset or "lean", without what a run does not use (Ray's and
+                              Ray Train's metrics export, the autoscaler's monitor, workers prestarted for each
+                              driver); "full": Ray's defaults, e.g. to scrape Ray's metrics with Prometheus
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
@@ -83,6 +86,19 @@ def stack_idle_minutes() -> float:
     if minutes <= 0:
         raise SettingError(f"{STACK_IDLE_ENV}={value!r}: set it to a number of minutes above 0, e.g. 10")
     return minutes
+
+
+LOCAL_RAY_ENV = "GPUFLOW_LOCAL_RAY"
+LOCAL_RAY_MODES = ("lean", "full")
+
+
+def local_ray_mode(environ: dict[str, str] | None = None) -> str:
+    """lean (the default) or full: see GPUFLOW_LOCAL_RAY above; `environ` is the environment a Ray process gets."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(LOCAL_RAY_ENV, "").strip().lower() or "lean"
+    if mode not in LOCAL_RAY_MODES:
+        raise SettingError(f"{LOCAL_RAY_ENV}={environ[LOCAL_RAY_ENV]!r}: set it to lean or full, or unset it")
+    return mode
 
 
 def shared_path() -> str | None:

@@ -1,7 +1,9 @@
 """The local backend starts real Ray processes on 127.0.0.1 and leaves none behind."""
 
-import pytest
 import json
+
+import psutil
+import pytest
 import subprocess
 import sys
 
@@ -29,6 +31,10 @@ def test_up_down_leaves_no_ray_process(gpuflow_home):
     try:
         assert handle.address.startswith("127.0.0.1:")
         assert len(alive(pids)) >= 3  # supervisor, gcs_server, raylet at least
+        # lean by default (GPUFLOW_LOCAL_RAY): no autoscaler monitor on a cluster whose nodes are fixed
+        commands = [" ".join(psutil.Process(pid).cmdline()) for pid in alive(pids)]
+        assert any("raylet" in command for command in commands), commands
+        assert not any("autoscaler/_private/monitor.py" in command for command in commands), commands
         assert [c.status for c in backend.status() if c.name == NAME] == ["UP"]
         assert backend.launch(spec, NAME).address == handle.address  # same name: same cluster
     finally:
@@ -96,3 +102,20 @@ def test_an_early_job_is_taken_over_only_if_it_read_the_same_at_start(monkeypatc
     assert environment_digest() == before
     monkeypatch.setitem(STARTING_ENVIRONMENT, "PYTHONPATH", "/elsewhere")  # read as Python starts: another job
     assert environment_digest() != before
+
+
+def test_the_local_ray_is_lean_unless_asked_for_in_full(monkeypatch):
+    from gpuflow.cluster.backends.local.early_job import LEAN_RAY
+    from gpuflow.cluster.config import SettingError
+
+    monkeypatch.delenv("GPUFLOW_LOCAL_RAY", raising=False)
+    monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
+    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")  # the user's own value
+    lean = ray_env()
+    assert lean["RAY_enable_metrics_collection"] == "0" and lean["RAY_TRAIN_METRICS_ENABLED"] == "0"
+    assert lean["RAY_prestart_worker_first_driver"] == "1"
+    monkeypatch.setenv("GPUFLOW_LOCAL_RAY", "Full")
+    assert not {name for name in LEAN_RAY if name in ray_env()} - {"RAY_prestart_worker_first_driver"}
+    monkeypatch.setenv("GPUFLOW_LOCAL_RAY", "tiny")
+    with pytest.raises(SettingError, match="GPUFLOW_LOCAL_RAY='tiny': set it to lean or full"):
+        ray_env()

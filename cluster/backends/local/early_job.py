@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuflow.cluster.config import STARTING_ENVIRONMENT
+from gpuflow.cluster.config import STARTING_ENVIRONMENT, local_ray_mode
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.util.files import write_atomically
 
@@ -30,7 +30,21 @@ def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # nodes and drivers on 127.0.0.1 (see library facts)
     env.pop("RAY_ADDRESS", None)  # never attach to a cluster we did not start
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    if local_ray_mode(env) == "lean":
+        for name, value in LEAN_RAY.items():
+            env.setdefault(name, value)  # a value the user set wins
     return env
+
+
+# What a lean local Ray leaves out (GPUFLOW_LOCAL_RAY): each costs CPU-seconds a run, on a machine whose few cores
+# train. Ray reads RAY_<setting> in every process it starts; Ray Train reads its own in the job's driver.
+LEAN_RAY = {
+    "RAY_enable_metrics_collection": "0",  # the daemons' and workers' metrics, exported to the dashboard agent
+    "RAY_TRAIN_METRICS_ENABLED": "0",  # Ray Train's controller and worker metrics callbacks
+    # The first driver to connect gets workers prestarted, one per CPU, before anything asks for them; a run's
+    # actors and tasks start the workers they need.
+    "RAY_prestart_worker_first_driver": "0",
+}
 
 
 # What a process reads of its environment as it starts and imports (Python's path, Ray's settings, the loader's, CUDA's,

@@ -30,6 +30,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
 from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
+from gpuflow.cluster.config import local_ray_mode  # noqa: E402
 from gpuflow.cluster.spec.elastic import node_resources  # noqa: E402
 from gpuflow.cluster.util.files import write_atomically  # noqa: E402
 from gpuflow.cluster.util.processes import alive, session_members, stop_sessions  # noqa: E402
@@ -54,6 +55,8 @@ def main() -> int:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={**node_args, "temp_dir": args.temp_dir, "include_dashboard": False,
+                        # the autoscaler's monitor: a local cluster's nodes are fixed (GPUFLOW_LOCAL_RAY=full keeps it)
+                        "no_monitor": local_ray_mode() == "lean",
                         "resources": {**HEAD_NODE_RESOURCES, **slots},
                         # a lost node is dead to Ray within ~3 s (default ~15 s): an elastic run restarts without it
                         "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}},
