@@ -1,8 +1,10 @@
 """gpuflow's fixed overhead: `gpuflow run` of the shipped digits spec against a bare Ray Train script, alternating.
 
-    python benchmarks/overhead.py [--repeats 3] [--sides bare,gpuflow,second,warm]
+    python benchmarks/overhead.py [--repeats 3] [--sides bare,bare-lean,gpuflow,second,warm]
 
-Four sides, one after the other in each round: `bare` (the script, its own ray.init), `gpuflow` (a cold
+The sides, one after the other in each round: `bare` (the script, its own ray.init, on Ray's defaults: the
+baseline every ratio is against), `bare-lean` (the same with the lean settings gpuflow's local Ray starts with,
+GPUFLOW_LOCAL_RAY), `gpuflow` (a cold
 `gpuflow run`: nothing of gpuflow's up; it starts Prefect's temporary API and a Ray cluster of its own, and leaves
 the warm stack behind as it ends), `second` (the next `gpuflow run`, as soon as the stack the cold one left has its
 API and spare up and has settled: seconds after it ended) and `warm` (`gpuflow run` on a stack that has served runs already, as
@@ -28,6 +30,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from gpuflow.cluster.backends.local.early_job import LEAN_RAY
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "experiments" / "digits.yaml"
@@ -167,8 +171,8 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sides", default="bare,gpuflow,second,warm",
-                        help="which of bare, gpuflow (cold), second, warm, in this order")
+    parser.add_argument("--sides", default="bare,bare-lean,gpuflow,second,warm",
+                        help="which of bare, bare-lean, gpuflow (cold), second, warm, in this order")
     args = parser.parse_args()
     # Stopped early (a `timeout`, a kill), it still stops the warm stack it started: SIGTERM runs the finally below.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -181,7 +185,8 @@ def main() -> None:
     data = [f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
     gpuflow_run = [python, "-m", "gpuflow.flows.cli", "run", str(SPEC), *[arg for item in data for arg in ("--set", item)]]
     stack = [python, "-m", "gpuflow.flows.cli", "up", str(SPEC), "--idle-minutes", "60"]
-    commands = {"bare": [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC), *data],
+    bare = [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC), *data]
+    commands = {"bare": bare, "bare-lean": bare,
                 "gpuflow": gpuflow_run, "second": gpuflow_run, "warm": gpuflow_run}
     down = [python, "-m", "gpuflow.flows.cli", "down"]
     # warm-up: writes the data, creates the MLflow store and Prefect's database
@@ -192,14 +197,15 @@ def main() -> None:
     try:
         for i in range(args.repeats):
             for name in sides:
-                if name in ("bare", "gpuflow"):
+                if name in ("bare", "bare-lean", "gpuflow"):
                     subprocess.run(down, env=env, check=True, stdout=subprocess.DEVNULL)
                 elif name == "second":
                     wait_for_left_stack(home)
                 else:  # warm: the stack that is up, its next spare ready (or one of `gpuflow up`)
                     subprocess.run(stack, env=env, check=True, stdout=subprocess.DEVNULL)
                     settled(home)
-                results[name].append(measure(commands[name], env, home, driver_is_ray=name == "bare"))
+                side_env = {**env, **LEAN_RAY} if name == "bare-lean" else env
+                results[name].append(measure(commands[name], side_env, home, driver_is_ray=name.startswith("bare")))
                 print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()
                                                             if k != "cpu"), flush=True)
         if "gpuflow" in sides:  # what the stack the last run left costs while it waits for the next
@@ -216,6 +222,7 @@ def main() -> None:
     print_cpu_breakdown(results)
     for name in sides:
         figures[f"{'cold' if name == 'gpuflow' else name} s"] = f"{medians[name]['wall']:.1f}"
+        figures[f"{'cold' if name == 'gpuflow' else name} CPU-s"] = f"{medians[name]['cpu_seconds']:.1f}"
     if "bare" in sides:
         for name in [side for side in sides if side != "bare"]:
             overhead = medians[name]["wall"] - medians["bare"]["wall"]
