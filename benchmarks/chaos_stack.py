@@ -19,8 +19,16 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.support.servers import (BIN, REPO, base_env, prefect_server_at, serving, stable_port, stop_group,
-                                   wait_for_http)
+from tests.support.servers import (
+    BIN,
+    REPO,
+    base_env,
+    prefect_server_at,
+    serving,
+    stable_port,
+    stop_group,
+    wait_for_http,
+)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 NOTIFY_BLOCK = "chaos-hook"

@@ -22,8 +22,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from experiments.chargpt import (  # noqa: E402
+    GPT,
+    GPTConfig,
+    autocast,
+    batches,
+    encode,
+    make_optimizer,
+    make_text,
+    train_epoch,
+    windows,
+)
 from gpuflow.cluster.telemetry import StepTimer, accelerator_name, peak_tflops  # noqa: E402
-from experiments.chargpt import GPT, GPTConfig, autocast, batches, encode, make_optimizer, make_text, train_epoch, windows  # noqa: E402
 
 # experiments/chargpt-gpu.yaml's model and batch (a test keeps the two equal)
 GPU_SHAPE = {"block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "batch_size": 16}

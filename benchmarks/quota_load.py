@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO))
 
 def one_pass(stack, home: Path, runs: int, limit: int, quota: int | None) -> dict:
     from tests.support.servers import BIN, base_env
-    from tests.test_team_stack import TINY_EPOCHS, as_user, mlflow_runs, serving, submit
     from tests.support.team_stack import MLFLOW_ADMIN, wait_until_final
+    from tests.test_team_stack import TINY_EPOCHS, as_user, mlflow_runs, serving, submit
 
     env = base_env(**stack.client_env(), GPUFLOW_HOME=str(home))
     if quota:

@@ -43,9 +43,10 @@ class Times(logging.Handler):
 def one_run(epochs: int) -> dict:
     home = tempfile.mkdtemp(prefix="gpuflow-bench-")
     os.environ["GPUFLOW_HOME"] = home
+    from mlflow import MlflowClient
+
     from gpuflow.cluster.spec import load_spec
     from gpuflow.flows.experiment import run_experiment
-    from mlflow import MlflowClient
 
     spec = load_spec(REPO / "experiments" / "digits.yaml", [
         f"workdir={REPO}", f"train.epochs={epochs}", "tracking.register_model=false",

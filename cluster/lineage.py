@@ -26,8 +26,13 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.types import ColSpec, Schema
 from mlflow.types.schema import AnyType, Array, DataType, Object, Property
-from mlflow.utils.mlflow_tags import (MLFLOW_DATASET_CONTEXT, MLFLOW_GIT_BRANCH, MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY,
-                                     MLFLOW_GIT_REPO_URL)
+from mlflow.utils.mlflow_tags import (
+    MLFLOW_DATASET_CONTEXT,
+    MLFLOW_GIT_BRANCH,
+    MLFLOW_GIT_COMMIT,
+    MLFLOW_GIT_DIRTY,
+    MLFLOW_GIT_REPO_URL,
+)
 
 from gpuflow.cluster.protocol import DIFF_TOO_LARGE_TAG, SOURCE_WORKDIR_TAG, JobEnv
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to

@@ -18,11 +18,11 @@ import pyarrow.dataset as ds
 import ray.train
 import torch
 
+from gpuflow.cluster.protocol import JobEnv, resumed_line
+from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 from gpuflow.cluster.util.errors import caused_by
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV
-from gpuflow.cluster.protocol import JobEnv, resumed_line
-from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample
 
 CHECKPOINT_FILE = "checkpoint.pt"
 # when this worker's previous epoch ended (the first: when the loop started), for perf/epoch_s

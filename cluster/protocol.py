@@ -12,8 +12,9 @@ import json
 import os
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 # -- what the flow hands the job --------------------------------------------------------------------------------------
 ENV_NAMES = {  # JobEnv field -> environment variable

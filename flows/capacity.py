@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity
 from gpuflow.cluster.cost.pricing import hourly_cost, option_price

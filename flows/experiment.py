@@ -15,11 +15,11 @@ from prefect.states import Cancelled, Failed
 from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, cluster_names_for, flow_run_id_of, get_backend
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
+from gpuflow.cluster.protocol import triggered_by
+from gpuflow.cluster.rerun.for_flow import prepare_rerun
 from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import JobFailed, TrainResult, cost_check, deadline_check, lost_on
-from gpuflow.cluster.protocol import triggered_by
-from gpuflow.cluster.rerun.for_flow import prepare_rerun
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check

@@ -205,8 +205,12 @@ class QuotaHold:
 
     def _queue(self, client) -> tuple:
         """This run, and the runs of the pool submitted before it that wait, or are on their way to the queue."""
-        from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                    FlowRunFilterTags)
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+            FlowRunFilterTags,
+        )
 
         mine = client.read_flow_run(self.flow_run_id)
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG,
-                                      STOPPED_BY_TAG)
+from gpuflow.cluster.protocol import FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.run.webhook import Event, send, send_once

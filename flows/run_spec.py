@@ -11,8 +11,8 @@ from pathlib import Path
 
 from gpuflow.cluster.config import serve_overrides
 from gpuflow.cluster.rerun.for_flow import rerun_cache
-from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
+from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 
 

@@ -15,9 +15,20 @@ from gpuflow.cluster.backends import ClusterHandle, Job, get_backend
 from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, epoch_metrics, parse_line
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
-from gpuflow.cluster.run.monitor import (ANSI, FAILURE_TAIL_LINES, JOB_DETAIL, NOISE, JobFailed, JobReported,
-                                         TrainResult, elastic_loss_check, loss_check, progress, stopped_by_the_job,
-                                         visible)
+from gpuflow.cluster.run.monitor import (
+    ANSI,
+    FAILURE_TAIL_LINES,
+    JOB_DETAIL,
+    NOISE,
+    JobFailed,
+    JobReported,
+    TrainResult,
+    elastic_loss_check,
+    loss_check,
+    progress,
+    stopped_by_the_job,
+    visible,
+)
 from gpuflow.cluster.spec import ExperimentSpec
 
 

@@ -3,12 +3,12 @@
 from prefect import get_run_logger, runtime, task
 
 from gpuflow.cluster.backends.skypilot.infra import check_infra
-from gpuflow.cluster.data import ensure_data
-from gpuflow.cluster.util.local_store import ready_local_store
-from gpuflow.cluster.spec import ExperimentSpec, validate_spec
 from gpuflow.cluster.cost.budget import check_budget
 from gpuflow.cluster.cost.history import prediction_for
 from gpuflow.cluster.cost.predict import Prediction
+from gpuflow.cluster.data import ensure_data
+from gpuflow.cluster.spec import ExperimentSpec, validate_spec
+from gpuflow.cluster.util.local_store import ready_local_store
 
 
 @task(name="validate")

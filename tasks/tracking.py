@@ -13,11 +13,24 @@ from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.cost.history import identity_tags
 from gpuflow.cluster.lineage import DIFF_ARTIFACT, SPEC_ARTIFACT, source_tags, uncommitted_changes
-from gpuflow.cluster.protocol import (BACKEND_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PREFECT_USER_TAG, REGISTERED_MODEL_TAG,
-                                      TRIGGERED_BY_TAG)
+from gpuflow.cluster.protocol import (
+    BACKEND_TAG,
+    CLUSTER_TAG,
+    FLOW_RUN_TAG,
+    PREFECT_USER_TAG,
+    REGISTERED_MODEL_TAG,
+    TRIGGERED_BY_TAG,
+)
 from gpuflow.cluster.rerun.links import link_rerun, rerun_tags
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_bytes_to, log_text_to
-from gpuflow.cluster.run.record import client_for, experiment_id, experiment_of, open_command, remember_experiment, run_url
+from gpuflow.cluster.run.record import (
+    client_for,
+    experiment_id,
+    experiment_of,
+    open_command,
+    remember_experiment,
+    run_url,
+)
 from gpuflow.cluster.spec import ExperimentSpec
 
 REFUSED = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # MLflow's 401 and 403: asking again gets the same answer

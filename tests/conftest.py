@@ -73,8 +73,12 @@ def prefect_server(tmp_path_factory):
     """A real Prefect API (temporary server and database) for every flow run of the session. Its concurrency leases
     are kept on disk as gpuflow's own servers keep them, in a Prefect home of the session's: never in a folder that
     another server's lease expiry would read (the user's ~/.prefect)."""
-    from prefect.settings import (PREFECT_HOME, PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE, get_current_settings,
-                                  temporary_settings)
+    from prefect.settings import (
+        PREFECT_HOME,
+        PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE,
+        get_current_settings,
+        temporary_settings,
+    )
     from prefect.testing.utilities import prefect_test_harness
 
     from gpuflow.flows.local_stack.temporary_api import FILESYSTEM_LEASES, LEASE_STORAGE
@@ -175,7 +179,6 @@ def slurm_infra():
     so that the real-cluster tests can never silently stop running there. GPUFLOW_SLURM_KEEP=1 leaves it up.
     """
     from tests.infra.slurm import harness
-
     from tests.support.tiers import require
 
     ok, why = harness.available()

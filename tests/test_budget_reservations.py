@@ -6,10 +6,15 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from gpuflow.cluster.cost.budget import active_reservations, committed_since_usd, reserve
-from gpuflow.cluster.cost.budget import BudgetExceeded
+from gpuflow.cluster.cost.budget import (
+    BudgetExceeded,
+    active_reservations,
+    check_budget,
+    committed_since_usd,
+    reserve,
+    settle_budget,
+)
 from gpuflow.cluster.cost.spend import start_of_today_utc
-from gpuflow.cluster.cost.budget import check_budget, settle_budget
 
 BUDGET = "GPUFLOW_DAILY_BUDGET_USD"
 

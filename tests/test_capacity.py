@@ -13,10 +13,10 @@ from gpuflow.cluster.cost.spend import run_costs
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
 from tests.support.repo import A_LOOP, REPO
-from tests.support.sky_double import FakeSky
-from tests.test_skypilot import spec_on_the_double
-from tests.test_cost import CATALOG, point_skypilot_at
 from tests.support.runs import flow_logs, mlflow_run_of
+from tests.support.sky_double import FakeSky
+from tests.test_cost import CATALOG, point_skypilot_at
+from tests.test_skypilot import spec_on_the_double
 
 TWO_OPTIONS = [{"infra": "aws", "accelerators": "H100:1", "hourly_rate_usd": 9.0},
                {"infra": "lambda", "accelerators": "A100:1", "hourly_rate_usd": 3.0}]

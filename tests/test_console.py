@@ -135,7 +135,6 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
 
     from prefect.settings import PREFECT_API_URL
 
-    from tests.support.repo import REPO
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
     done = subprocess.run([sys.executable, "-c", REGISTER_TWICE, str(tmp_path)], cwd=tmp_path, env=env,

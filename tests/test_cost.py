@@ -9,14 +9,14 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from gpuflow.cluster.cost.pricing import CatalogMissing, Estimate, PriceUnknown, hourly_cost
-from gpuflow.cluster.spec import parse_spec
-from gpuflow.cluster.cost.spend import parse_since, run_costs, start_of_today_utc
-from gpuflow.cluster.run.lifecycle import Lifecycle
-from gpuflow.cluster.run.meter import Meter
-from gpuflow.cluster.run.limits import Watchdog, cost_check
 from gpuflow.cluster.cost.budget import BudgetExceeded, check_budget, check_run_budget
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check, idle_verdict
+from gpuflow.cluster.cost.pricing import CatalogMissing, Estimate, PriceUnknown, hourly_cost
+from gpuflow.cluster.cost.spend import parse_since, run_costs, start_of_today_utc
+from gpuflow.cluster.run.lifecycle import Lifecycle
+from gpuflow.cluster.run.limits import Watchdog, cost_check
+from gpuflow.cluster.run.meter import Meter
+from gpuflow.cluster.spec import parse_spec
 from tests.support.repo import A_LOOP, DIGITS_DATA, REPO
 
 CATALOG = REPO / "tests" / "data" / "skypilot-catalog"

@@ -4,8 +4,8 @@ Real processes killed with SIGKILL, a real Prefect API, one reaper pass: Crashed
 import json
 import os
 import signal
-import sys
 import subprocess
+import sys
 import time
 import uuid
 

@@ -12,8 +12,8 @@ import torch
 
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.spec import ExperimentSpec, load_spec
-from tests.support.repo import REPO
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 from tests.support.runs import flow_logs, mlflow_run_of, progress_bars
 from tests.test_telemetry import PERF_KEYS, prefect_artifact_of
 

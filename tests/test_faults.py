@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.support.repo import REPO
-
-from tests.support.processes import processes_of, wait_until
 from tests.loops import PACED_LOOP
+from tests.support.processes import processes_of, wait_until
+from tests.support.repo import REPO
 from tests.support.servers import files_holding, the_one_message, webhook_receiver
 from tests.test_lifecycle import GpuflowRun, flow_run_state
 from tests.test_skypilot import sky_flow  # noqa: F401  (the flow on the SkyPilot SDK double)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from gpuflow.cluster.spec.form_policy import FormPolicy, differences
 from gpuflow.cluster.spec import SpecError, load_spec, parse_spec
+from gpuflow.cluster.spec.form_policy import FormPolicy, differences
 from gpuflow.flows.deployments.deploy import declared
-from tests.support.repo import A_LOOP, DIGITS_DATA, REPO, with_loop
+from tests.support.repo import A_LOOP, DIGITS_DATA, REPO
 
 ALLOW = ["train.epochs", "train.lr", "train.params.*", "compute.num_nodes"]
 

@@ -2,18 +2,18 @@
 same every epoch; a dataset read lazily still streams, split as Ray Data does. Real Ray Train, real local cluster.
 (What the in-memory split saves, Ray Data's coordinator actors, is measured by benchmarks/overhead.py.)"""
 
-import pytest
 import json
 import subprocess
 import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from gpuflow.cluster.backends.local import LocalBackend, ray_env
 from gpuflow.cluster.spec import parse_spec
-from tests.support.repo import REPO
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 
 ROWS = 100
 

@@ -1,6 +1,5 @@
 """A `gpuflow run` that is cancelled from Prefect or sent SIGTERM leaves no cluster and no RUNNING MLflow run."""
 
-import pytest
 import asyncio
 import os
 import re
@@ -10,14 +9,14 @@ import sys
 import threading
 import time
 
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
-from tests.support.repo import REPO
-
-from tests.support.processes import processes_of
 from tests.loops import paced_overrides
+from tests.support.processes import processes_of
+from tests.support.repo import REPO
 from tests.support.runs import mlflow_run_of
 
 pytestmark = pytest.mark.full

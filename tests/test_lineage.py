@@ -9,8 +9,14 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow import MlflowClient
 
-from gpuflow.cluster.lineage import (PACKAGES_ARTIFACT, log_job_lineage, packages_text, parquet_dataset,
-                                     source_tags, without_credentials)
+from gpuflow.cluster.lineage import (
+    PACKAGES_ARTIFACT,
+    log_job_lineage,
+    packages_text,
+    parquet_dataset,
+    source_tags,
+    without_credentials,
+)
 from gpuflow.cluster.protocol import JobEnv
 
 

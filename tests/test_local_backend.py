@@ -1,17 +1,17 @@
 """The local backend starts real Ray processes on 127.0.0.1 and leaves none behind."""
 
 import json
+import subprocess
+import sys
 
 import psutil
 import pytest
-import subprocess
-import sys
 
 from gpuflow.cluster.backends import cluster_name_for, flow_run_id_of
 from gpuflow.cluster.backends.local import LocalBackend, ray_env
 from gpuflow.cluster.spec import parse_spec
-from tests.support.repo import A_LOOP
 from tests.support.processes import alive
+from tests.support.repo import A_LOOP
 
 NAME = cluster_name_for("0d5f6a0e-1b1c-4c2e-9a55-2f2d1c3b4a59")
 

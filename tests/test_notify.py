@@ -9,8 +9,14 @@ import urllib.error
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.protocol import (FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, NOTIFY_FAILED_TAG,
-                                      NOTIFY_SENDING_TAG, STOPPED_BY_TAG)
+from gpuflow.cluster.protocol import (
+    FLOW_RUN_TAG,
+    NOTIFIED_TAG,
+    NOTIFY_BLOCK_TAG,
+    NOTIFY_FAILED_TAG,
+    NOTIFY_SENDING_TAG,
+    STOPPED_BY_TAG,
+)
 from gpuflow.cluster.run import webhook
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.webhook import Event, send, send_once, short_reason

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.support.repo import REPO
-
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 
 pytestmark = pytest.mark.full
 

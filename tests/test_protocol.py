@@ -1,7 +1,6 @@
 """The flow⇄job contract (cluster/protocol.py), both ways: what one side writes, the other reads back."""
 
-from gpuflow.cluster.protocol import (SETUP_DONE, JobEnv, epoch_line, parse_line, result_line, stop_line,
-                                      trial_line)
+from gpuflow.cluster.protocol import SETUP_DONE, JobEnv, epoch_line, parse_line, result_line, stop_line, trial_line
 
 
 def test_the_job_env_reads_back_what_the_flow_wrote():

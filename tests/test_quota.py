@@ -22,14 +22,11 @@ from prefect import flow
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.flows.quota_hold import LIMIT_PREFIX, WAITING
-from tests.support.repo import REPO
-from tests.support.processes import processes_of
 from tests.loops import PLAIN_LOOP
-from tests.support.servers import (BIN, base_env, gpuflow_serve, prefect_server, prefect_server_process,
-                                   stable_port)
-from tests.support.processes import wait_until
+from tests.support.processes import processes_of, wait_until
+from tests.support.repo import REPO
+from tests.support.servers import BIN, base_env, gpuflow_serve, prefect_server, prefect_server_process, stable_port
 from tests.support.tiers import carrying
-
 
 
 def test_a_run_needs_its_clusters_gpus_of_its_pool():
@@ -243,8 +240,8 @@ def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone
 
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.flows.quota_hold import QuotaHold, set_quota
-    from gpuflow.flows.reconcile.quota_recount import recount
     from gpuflow.flows.reaper import reap_clusters
+    from gpuflow.flows.reconcile.quota_recount import recount
 
     pool, api_url = f"recount-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
     set_quota(pool, 3)
@@ -322,8 +319,8 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Completed, Running
 
-    from gpuflow.flows.quota_hold import set_quota
     from gpuflow.flows.deployments.known_servers import forgetful_server
+    from gpuflow.flows.quota_hold import set_quota
     from gpuflow.flows.reconcile.quota_recount import recount
 
     home, port, pool = tmp_path / "prefect", stable_port(), "restarted"
@@ -484,7 +481,7 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
     from prefect.states import Running
 
     from gpuflow.flows.experiment import run_experiment
-    from gpuflow.flows.quota_hold import QuotaHold, QueueTimeout, set_quota
+    from gpuflow.flows.quota_hold import QueueTimeout, QuotaHold, set_quota
 
     pool = f"small-{uuid.uuid4().hex[:8]}"
     set_quota(pool, 1)
@@ -513,13 +510,13 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
 
 
 def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(prefect_server, gpuflow_home, monkeypatch):
+    from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
 
     from gpuflow.cluster.protocol import TRIGGERED_BY_TAG, triggered_by
     from gpuflow.flows.deployments.deploy import runner_deployments
     from gpuflow.flows.deployments.trigger import trigger
     from gpuflow.tasks.tracking import open_mlflow_run
-    from mlflow import MlflowClient
 
     monkeypatch.chdir(REPO)
     runner_deployments(only=["run-experiment"])[0].apply()

@@ -1,9 +1,9 @@
 """The reaper against real local Ray clusters and a real Prefect API: orphans downed, live and foreign clusters kept."""
 
-import pytest
 import time
 import uuid
 
+import pytest
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client

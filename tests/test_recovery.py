@@ -18,8 +18,8 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import NODES_FILE, LocalBackend
-from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 from gpuflow.cluster.util.processes import stop_sessions
+from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 from tests.loops import STEPPED_LOOP
 from tests.support.processes import processes_of
 from tests.support.runs import flow_logs, mlflow_run_of
@@ -89,9 +89,8 @@ def epochs_logged(spec, run) -> list[int]:
 
 def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_server, digits_spec, gpuflow_home):
     """One run loses a worker node, then, once resumed, its whole cluster: each loss is relaunched and resumed."""
-    from gpuflow.flows.experiment import run_experiment
-
     from gpuflow.cluster.spec.notifying import NotifySpec
+    from gpuflow.flows.experiment import run_experiment
     from gpuflow.flows.run_messages import add_webhook
     from tests.support.servers import the_messages, webhook_receiver
 

@@ -15,10 +15,23 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from gpuflow.cluster.lineage import (DIFF_ARTIFACT, PACKAGES_ARTIFACT, dataset_inputs, packages_text,
-                                     source_tags, uncommitted_changes)
-from gpuflow.cluster.protocol import (DIFF_TOO_LARGE_TAG, FLOW_RUN_TAG, NOTE_TAG, RERUN_BY_TAG, RERUN_OF_TAG,
-                                      SOURCE_WORKDIR_TAG, TRIAL_ID_TAG)
+from gpuflow.cluster.lineage import (
+    DIFF_ARTIFACT,
+    PACKAGES_ARTIFACT,
+    dataset_inputs,
+    packages_text,
+    source_tags,
+    uncommitted_changes,
+)
+from gpuflow.cluster.protocol import (
+    DIFF_TOO_LARGE_TAG,
+    FLOW_RUN_TAG,
+    NOTE_TAG,
+    RERUN_BY_TAG,
+    RERUN_OF_TAG,
+    SOURCE_WORKDIR_TAG,
+    TRIAL_ID_TAG,
+)
 from gpuflow.cluster.rerun import RerunRefused
 from gpuflow.cluster.rerun.checks import package_differences
 from gpuflow.cluster.rerun.find import find_run
@@ -258,9 +271,9 @@ def test_the_dry_run_says_what_would_run_and_launches_nothing(repo, store, data,
 
 # -- a rerun from the Prefect UI: the flow's rerun_of field ------------------------------------------------------------
 def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deployment_s_form(repo, store, data):
+    from gpuflow.cluster.rerun.for_flow import prepare_rerun, rerun_cache
     from gpuflow.cluster.spec import SpecError, parse_spec
     from gpuflow.cluster.spec.form_policy import FormPolicy
-    from gpuflow.cluster.rerun.for_flow import prepare_rerun, rerun_cache
     from gpuflow.flows.run_spec import hooks_spec
 
     run = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny"), data=data)

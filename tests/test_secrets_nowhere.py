@@ -1,19 +1,18 @@
 """A secret reaches the training loop and nothing else: not MLflow, not Prefect, not a log file."""
 
-import pytest
 import asyncio
 import hashlib
 import json
 import uuid
 
-from mlflow import MlflowClient
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from gpuflow.cluster.cost.budget import active_reservations
 from gpuflow.flows.experiment import run_experiment
-from tests.support.repo import A_LOOP
 from tests.support.processes import processes_of
+from tests.support.repo import A_LOOP
 from tests.support.runs import flow_logs, mlflow_run_of
 
 

@@ -15,8 +15,8 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.spec import load_spec
 from gpuflow.flows.cli import command_line
-from tests.support.repo import REPO
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 
 SHIPPED_SPECS = sorted((REPO / "experiments").glob("*.yaml"))
 PLACEHOLDER_SPECS = {"my.yaml"}  # a name the README uses for "your spec"

@@ -11,15 +11,21 @@ import yaml
 
 from gpuflow.cluster.backends import Job, NoCapacity, cluster_name_for
 from gpuflow.cluster.backends.skypilot import (
-    DEFAULT_SETUP, RUN, WHEEL_MOUNT, SkyPilotBackend, build_task, resources_for, task_yaml,
+    DEFAULT_SETUP,
+    RUN,
+    WHEEL_MOUNT,
+    SkyPilotBackend,
+    build_task,
+    resources_for,
+    task_yaml,
 )
 from gpuflow.cluster.backends.skypilot.options import no_capacity
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.flows.experiment import run_experiment
-from tests.support.repo import A_LOOP, REPO
 from tests.support.processes import wait_until
-from tests.support.sky_double import FakeSky
+from tests.support.repo import A_LOOP, REPO
 from tests.support.runs import flow_logs, mlflow_run_of
+from tests.support.sky_double import FakeSky
 
 NAME = cluster_name_for("6f1e0c52-61d4-4a4b-8a0e-5a3b9d2c7e11")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuflow.cluster.job.notices import MetadataService, CLOUDS, NotThisCloud, azure_notice, detect
+from gpuflow.cluster.job.notices import CLOUDS, MetadataService, NotThisCloud, azure_notice, detect
 from tests.support.metadata_double import metadata_double
 from tests.support.servers import free_port
 

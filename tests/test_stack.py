@@ -15,10 +15,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from tests.support.processes import alive, processes_of, wait_until
 from tests.support.repo import REPO
-
-from tests.support.processes import alive, processes_of
-from tests.support.processes import wait_until
 from tests.test_lifecycle import GpuflowRun
 
 pytestmark = pytest.mark.full

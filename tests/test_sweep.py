@@ -1,19 +1,19 @@
 """A sweep end to end: one flow run, one local Ray cluster, Ray Tune trials that are Ray Train runs, one MLflow
 parent run with a child run per trial; and a cancelled sweep that leaves nothing running."""
 
-import pytest
 import time
 from pathlib import Path
 
 import mlflow
+import pytest
 import yaml
 from mlflow import MlflowClient
 
 from gpuflow.cluster.spec import parse_spec
-from tests.support.repo import REPO
-from tests.support.processes import processes_of
-from tests.support.runs import mlflow_run_of
 from tests.loops import TUNABLE_LOOP
+from tests.support.processes import processes_of
+from tests.support.repo import REPO
+from tests.support.runs import mlflow_run_of
 from tests.test_lifecycle import GpuflowRun, cancel, flow_run_state
 
 

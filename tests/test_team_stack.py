@@ -19,15 +19,14 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from tests.support.repo import REPO
-from tests.support.processes import processes_of
 from tests.infra.postgres import harness
+from tests.loops import PACED_LOOP, PLAIN_LOOP
+from tests.support.processes import processes_of, wait_until
+from tests.support.repo import REPO
 from tests.support.servers import BIN, READY_TIMEOUT_S, base_env, started
 from tests.support.team_stack import MLFLOW_ADMIN, TeamStack, team_stack, wait_until_final
-from tests.loops import PACED_LOOP, PLAIN_LOOP
-from tests.test_faults import checkpoints_under
-from tests.support.processes import wait_until
 from tests.support.tiers import require
+from tests.test_faults import checkpoints_under
 
 pytestmark = pytest.mark.team
 

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from gpuflow.flows.local_stack import temporary_api
-from tests.support.repo import REPO
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 from tests.support.servers import not_http_server
 
 A_FLOW = """

@@ -1,17 +1,17 @@
 """Every ray.train.report of a plain Ray Train loop reaches the MLflow run (cluster/job/tracking.py), with the right
 steps, the checkpoints' locations, the last checkpoint when no model was logged, and no step twice on a resume."""
 
-import pytest
 import json
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from gpuflow.cluster.spec import parse_spec
 from gpuflow.cluster.job.tracking import numbers_of, step_of
-from tests.support.repo import REPO
+from gpuflow.cluster.spec import parse_spec
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 
 NAME = "gpuflow-7ac0ffee0000000000000000000000a1"
 

@@ -3,10 +3,10 @@
     .venv/bin/python -m pytest --full tests/test_tracking_server.py
 """
 
-import pytest
 import urllib.request
 
 import mlflow
+import pytest
 import yaml
 from mlflow import MlflowClient
 

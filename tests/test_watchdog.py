@@ -7,8 +7,8 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from tests.support.processes import processes_of
 from tests.loops import PACED_LOOP
+from tests.support.processes import processes_of
 
 pytestmark = pytest.mark.full
 
@@ -64,8 +64,8 @@ def stopped_flows(prefect_server, tmp_path_factory):
     from gpuflow.cluster.spec.notifying import NotifySpec
     from gpuflow.flows.experiment import run_experiment
     from gpuflow.flows.run_messages import add_webhook
-    from tests.support.repo import REPO
     from tests.loops import HANGING_LOOP
+    from tests.support.repo import REPO
     from tests.support.servers import webhook_receiver
 
     home = tmp_path_factory.mktemp("watchdog") / "gpuflow-home"

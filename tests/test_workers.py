@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.repo import REPO
-
 from tests.support.processes import processes_of
+from tests.support.repo import REPO
 from tests.support.runs import mlflow_runs_of
 from tests.support.servers import BIN, base_env, prefect_server, started
 from tests.support.tiers import require

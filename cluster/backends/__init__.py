@@ -5,9 +5,20 @@
 
 from __future__ import annotations
 
-from gpuflow.cluster.backends.base import (CLUSTER_PREFIX, HEAD_NODE_RESOURCES, TRIAL_DRIVER_RESOURCE, Backend, NoCapacity,
-                                           ClusterHandle, ClusterStatus, Job, cluster_name_for, cluster_names_for,
-                                           flow_run_id_of, train_run_name)
+from gpuflow.cluster.backends.base import (
+    CLUSTER_PREFIX,
+    HEAD_NODE_RESOURCES,
+    TRIAL_DRIVER_RESOURCE,
+    Backend,
+    ClusterHandle,
+    ClusterStatus,
+    Job,
+    NoCapacity,
+    cluster_name_for,
+    cluster_names_for,
+    flow_run_id_of,
+    train_run_name,
+)
 
 __all__ = ["CLUSTER_PREFIX", "HEAD_NODE_RESOURCES", "TRIAL_DRIVER_RESOURCE", "Backend", "NoCapacity", "ClusterHandle",
            "ClusterStatus", "Job", "cluster_name_for", "cluster_names_for", "flow_run_id_of", "get_backend",

@@ -11,8 +11,9 @@ setup and training; `exec` then returns that job's id instead of submitting anot
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from gpuflow.cluster.spec import ExperimentSpec
 

@@ -20,10 +20,10 @@ from mlflow import MlflowClient
 from gpuflow.cluster.config import DAILY_BUDGET_ENV, daily_budget
 from gpuflow.cluster.cost.predict import Prediction
 from gpuflow.cluster.cost.pricing import Estimate, hourly_cost
-from gpuflow.cluster.protocol import RESERVATION_EXPIRES_TAG, RESERVED_FOR_TAG
-from gpuflow.cluster.util.local_store import ready_local_store
-from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.cost.spend import run_costs, start_of_today_utc
+from gpuflow.cluster.protocol import RESERVATION_EXPIRES_TAG, RESERVED_FOR_TAG
+from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.util.local_store import ready_local_store
 
 RESERVATIONS_EXPERIMENT = "gpuflow-budget-reservations"
 RESERVED_METRIC = "reserved_usd"

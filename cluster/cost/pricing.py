@@ -15,7 +15,6 @@ from gpuflow.cluster.spec import ExperimentSpec, billed_sweep_minutes
 from gpuflow.cluster.spec.options import Option, compute_options
 
 
-
 class CatalogMissing(RuntimeError):
     """SkyPilot has no price catalog on this machine; without one it would try to download it."""
 

@@ -20,15 +20,14 @@ from pathlib import Path
 
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
+from gpuflow.cluster.job.spot_watch import expect_notices, is_preemption, start_local_watches, stop_watches
+from gpuflow.cluster.job.trainer import run_training
+from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv, result_line
+from gpuflow.cluster.spec import ExperimentSpec, job_spec
+from gpuflow.cluster.usercode import on_sys_path
 from gpuflow.cluster.util.preload import finish_background_imports, import_in_background
 from gpuflow.cluster.util.processes import alive
 from gpuflow.cluster.util.waiting import wait_until
-from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv, result_line
-from gpuflow.cluster.spec import ExperimentSpec, job_spec
-from gpuflow.cluster.job.spot_watch import expect_notices, is_preemption, start_local_watches, stop_watches
-from gpuflow.cluster.job.trainer import run_training
-from gpuflow.cluster.usercode import on_sys_path
-
 
 ENVIRONMENT_AT_START = dict(os.environ)  # as its starter gave it: what this process sets itself is not the starter's
 

@@ -13,12 +13,12 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gpuflow.cluster.job.hung import HungWatch
+from gpuflow.cluster.protocol import OWNER_DIED, STATUS_FOR_STOP, STOP_DETAIL_TAG, STOPPED_BY_TAG, JobEnv, stop_line
 from gpuflow.cluster.run.lease import LeaseWatch
 from gpuflow.cluster.run.limits import Watchdog, cost_check, deadline_check
-from gpuflow.cluster.protocol import OWNER_DIED, STATUS_FOR_STOP, STOP_DETAIL_TAG, STOPPED_BY_TAG, JobEnv, stop_line
 from gpuflow.cluster.spec import ExperimentSpec
 
 SELF_STOP_EXIT_CODE = 3

@@ -29,9 +29,9 @@ import json
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Callable
 
 AWS_TOKEN_TTL_S = 21600
 GCP_LEAD_S = 30.0  # GCP's notice says no time: the node goes about this long after it is given

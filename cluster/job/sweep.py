@@ -23,12 +23,21 @@ from ray.util import placement_group_table
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
-from gpuflow.cluster.protocol import (BACKEND_TAG, BEST_RUN_TAG, CLUSTER_TAG, FLOW_RUN_TAG, PLACEMENT_GROUP_TAG,
-                                      STOPPED_BY_TAG, TRIAL_ID_TAG, JobEnv, trial_line)
-from gpuflow.cluster.run.mlflow_run import close_children, close_run
-from gpuflow.cluster.util.ray_internals import WorkerGroupCallback, placement_group_of  # no public hook yet
-from gpuflow.cluster.spec import ExperimentSpec, job_spec, max_epochs, trial_train
 from gpuflow.cluster.job.trainer import build_trainer
+from gpuflow.cluster.protocol import (
+    BACKEND_TAG,
+    BEST_RUN_TAG,
+    CLUSTER_TAG,
+    FLOW_RUN_TAG,
+    PLACEMENT_GROUP_TAG,
+    STOPPED_BY_TAG,
+    TRIAL_ID_TAG,
+    JobEnv,
+    trial_line,
+)
+from gpuflow.cluster.run.mlflow_run import close_children, close_run
+from gpuflow.cluster.spec import ExperimentSpec, job_spec, max_epochs, trial_train
+from gpuflow.cluster.util.ray_internals import WorkerGroupCallback, placement_group_of  # no public hook yet
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
 STOPPED_EARLY_TAG = "stopped_early"

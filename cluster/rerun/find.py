@@ -4,9 +4,10 @@ values (a sweep's trial), the run that holds its source and data (a trial's pare
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import yaml
 from mlflow import MlflowClient

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpuflow.cluster.spec.form_policy import FormPolicy
 from gpuflow.cluster.spec import ExperimentSpec, parse_spec
+from gpuflow.cluster.spec.form_policy import FormPolicy
 
 
 def prepare_rerun(rerun_of: str, asked: ExperimentSpec, policy: FormPolicy | None) -> ExperimentSpec:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from gpuflow.cluster.rerun import RerunRefused
-from gpuflow.cluster.rerun.checks import (DataCheck, data_checks, package_differences, recorded_inputs,
-                                          recorded_packages)
+from gpuflow.cluster.rerun.checks import DataCheck, data_checks, package_differences, recorded_inputs, recorded_packages
 from gpuflow.cluster.rerun.find import FoundRun, find_run
 from gpuflow.cluster.rerun.source import Source, checkout, recorded_source, repository_here
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, apply_override, parse_spec

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gpuflow.cluster.cost.pricing import Estimate
 from gpuflow.cluster.protocol import STATUS_FOR_STOP

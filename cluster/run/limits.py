@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 Check = Callable[[], "tuple[str, str] | None"]
 

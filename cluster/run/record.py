@@ -6,20 +6,31 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunInfo, RunTag
 
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
-from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
 from gpuflow.cluster.cost.predict import Prediction
-from gpuflow.cluster.protocol import (ATTEMPT_TAG_PREFIX, CHECKPOINTS_TAG, CLOSED_BY_TAG, INSTANCE_TYPE_TAG,
-                                      LAUNCHED_TAG_PREFIX, NOTIFY_BLOCK_TAG, OPTION_TAG, PHASE_METRIC_PREFIX,
-                                      PREDICTED_COST_METRIC, PREDICTED_WALL_METRIC, PRICE_SOURCE_TAG, STOPPED_BY_TAG)
+from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
+from gpuflow.cluster.protocol import (
+    ATTEMPT_TAG_PREFIX,
+    CHECKPOINTS_TAG,
+    CLOSED_BY_TAG,
+    INSTANCE_TYPE_TAG,
+    LAUNCHED_TAG_PREFIX,
+    NOTIFY_BLOCK_TAG,
+    OPTION_TAG,
+    PHASE_METRIC_PREFIX,
+    PREDICTED_COST_METRIC,
+    PREDICTED_WALL_METRIC,
+    PRICE_SOURCE_TAG,
+    STOPPED_BY_TAG,
+)
 from gpuflow.cluster.run.lease import LeaseKeeper, lease_tags
 from gpuflow.cluster.run.lifecycle import Outcome
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run

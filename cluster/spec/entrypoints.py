@@ -21,12 +21,12 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from gpuflow.cluster.spec.fields import cut
-from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.usercode import resolve
+from gpuflow.cluster.util.files import write_atomically
 
 # How gpuflow calls each entrypoint: (positional arguments, what they are).
 ENTRYPOINT_ARGUMENTS = {

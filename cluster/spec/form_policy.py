@@ -18,8 +18,8 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from gpuflow.cluster.spec.fields import shorten
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, parse_spec
+from gpuflow.cluster.spec.fields import shorten
 from gpuflow.cluster.usercode import on_sys_path
 
 # Derived from other fields, which are compared themselves.

@@ -12,9 +12,20 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, StrictBool, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gpuflow.cluster.config import default_tracking_uri, state_dir
-from gpuflow.cluster.spec import elastic, fields as checks
-from gpuflow.cluster.spec.fields import (Amount, Count, Entrypoint, EnvName, StorageUri, Strict, Text, no_problem,
-                                         absolute_uri, is_remote_uri)
+from gpuflow.cluster.spec import elastic
+from gpuflow.cluster.spec import fields as checks
+from gpuflow.cluster.spec.fields import (
+    Amount,
+    Count,
+    Entrypoint,
+    EnvName,
+    StorageUri,
+    Strict,
+    Text,
+    absolute_uri,
+    is_remote_uri,
+    no_problem,
+)
 from gpuflow.cluster.spec.limits import LimitsSpec, ProfileSpec
 from gpuflow.cluster.spec.notifying import NotifySpec
 from gpuflow.cluster.spec.options import ACCELERATOR, ComputeOption, options_problems
@@ -268,7 +279,7 @@ class ExperimentSpec(Strict):
     def checkpoint_uri(self) -> str:
         return absolute_uri(self.storage.checkpoints or str(state_dir() / "checkpoints"))
 
-    def anchored(self) -> "ExperimentSpec":
+    def anchored(self) -> ExperimentSpec:
         """This spec with every location absolute: the workdir against the current folder, relative data paths
         against the workdir (on a cloud node, the synced workdir). Each process of a run then reads the same
         files, wherever it runs: Ray Tune runs each trial in a folder of its own."""

@@ -13,6 +13,7 @@ from gpuflow.cluster.spec.loading import SpecError
 from gpuflow.cluster.spec.model import ExperimentSpec
 from gpuflow.cluster.spec.tracking_access import tracking_access_problems
 
+
 def check_spec(spec: ExperimentSpec) -> list[str]:
     """What the model alone cannot check: the loop imports and takes the right arguments, the data is readable,
     the checkpoint storage is writable, the tracking server answers."""

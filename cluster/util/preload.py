@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import importlib
 import threading
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
-
 
 _started: set[tuple[str, ...]] = set()
 _threads: list[threading.Thread] = []

@@ -141,7 +141,8 @@ def refresh_autoscaling_view(timeout_s: float = 10) -> None:
     """Makes Ray's AutoscalingCoordinator re-read the cluster's live nodes now instead of at its next tick."""
     import ray
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator)
+        get_or_create_autoscaling_coordinator,
+    )
 
     coordinator = get_or_create_autoscaling_coordinator()
     ray.get(coordinator.get_reserved_resources.remote("gpuflow-refresh", recompute=True), timeout=timeout_s)

@@ -10,8 +10,8 @@ import argparse
 import sys
 import time
 
-from gpuflow.cluster.cost.pricing import CatalogMissing, PriceUnknown
 from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.cost.pricing import CatalogMissing, PriceUnknown
 from gpuflow.cluster.spec import load_spec
 
 
@@ -27,7 +27,11 @@ def add_parser(commands, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.estimate:
         return estimate(args)
-    from gpuflow.cluster.cost.spend import format_table, parse_since, run_costs  # MLflow's import: only for this command
+    from gpuflow.cluster.cost.spend import (  # MLflow's import: only for this command
+        format_table,
+        parse_since,
+        run_costs,
+    )
 
     try:
         since_s = parse_since(args.since)

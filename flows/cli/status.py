@@ -18,12 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpuflow.cluster.backends import flow_run_id_of
-from gpuflow.cluster.cost.spend import HOURLY_METRIC
 from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.cost.spend import HOURLY_METRIC
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, NOTIFIED_TAG, NOTIFY_FAILED_TAG, RENEWED_TAG
 from gpuflow.cluster.run.lease import stale
-from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.cluster.run.liveness import age_s
+from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota_hold import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import dead_without_lease
@@ -82,8 +82,13 @@ def status(now: float | None = None) -> list[RunStatus]:
 
 def read_status(now: float | None = None) -> list[RunStatus]:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState,
-                                                FlowRunFilterStateType)
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
 
     now = now or time.time()
     with get_client(sync_client=True) as client:
@@ -115,8 +120,8 @@ def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    from gpuflow.flows.run_messages import UNSAID_WITHIN_S
     from gpuflow.flows.reconcile.records import tracking_uris_or_local
+    from gpuflow.flows.run_messages import UNSAID_WITHIN_S
 
     by_id, added = {row.flow_run_id: row for row in rows}, []
     where = (f"tags.`{NOTIFY_FAILED_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL "
@@ -199,9 +204,8 @@ def renewed(now: float, at: float) -> str:
 
 def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:
     """Each cluster of ours goes on its run's row; one whose run is not going gets a row of its own."""
-    from gpuflow.flows.reconcile.records import statuses
-
     from gpuflow.cluster.backends import get_backend
+    from gpuflow.flows.reconcile.records import statuses
 
     by_id = {row.flow_run_id.replace("-", ""): row for row in rows}
     orphans = []

@@ -16,8 +16,8 @@ import time
 
 from prefect import serve as prefect_serve
 
-from gpuflow.flows.deployments.deploy import runner_deployments
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
+from gpuflow.flows.deployments.deploy import runner_deployments
 
 SETTLE_S = 3.0  # for this serve's own last poll to reach the server's record
 REAPER = "reap-clusters"

@@ -30,10 +30,10 @@ import uuid
 from pathlib import Path
 
 from gpuflow.cluster.backends.local import CHILDREN, SPARE_PREFIX, LocalBackend
+from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_dir
+from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.util.processes import session_alive, stop_sessions
 from gpuflow.cluster.util.waiting import wait_until
-from gpuflow.cluster.util.files import write_atomically
-from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_dir
 from gpuflow.flows.local_stack.outlive import alive
 
 POLL_S = 1.0

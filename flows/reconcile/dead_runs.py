@@ -14,8 +14,13 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     flow run id → why. cluster_run_ids: the flow runs a backend lists a cluster of."""
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState,
-                                                FlowRunFilterStateType)
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
 
     from gpuflow.cluster.run.liveness import LiveRun, age_s, mlflow_run_exists, silent_death
     from gpuflow.flows import quota_hold

@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from gpuflow.cluster.backends import Backend
 from gpuflow.flows.reconcile.dead_runs import dead_without_lease
-from gpuflow.flows.reconcile.records import (DEAD, ORPHANED, RunRecords, Verdict, close_stale_mlflow_runs,
-                                             lease_reader, mark_crashed, reap)
+from gpuflow.flows.reconcile.records import (
+    DEAD,
+    ORPHANED,
+    RunRecords,
+    Verdict,
+    close_stale_mlflow_runs,
+    lease_reader,
+    mark_crashed,
+    reap,
+)
 
 log = logging.getLogger(__name__)
 

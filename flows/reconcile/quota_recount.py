@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.flows.quota_hold import (HELD_TAG_PREFIX, LEASE_TAG_PREFIX, LEASED_TAG, LIMIT_PREFIX, SLOTS_TAG_PREFIX,
-                                      TAKING_TAG_PREFIX, need_of, quotas)
+from gpuflow.flows.quota_hold import (
+    HELD_TAG_PREFIX,
+    LEASE_TAG_PREFIX,
+    LEASED_TAG,
+    LIMIT_PREFIX,
+    SLOTS_TAG_PREFIX,
+    TAKING_TAG_PREFIX,
+    need_of,
+    quotas,
+)
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +87,12 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
     """Gives back the lease of each run that is over and whose cluster no backend lists any more, by its id, as the
     run would have; while its cluster is listed, renews it: a dead run's slots come back once its GPUs stop billing,
     never before. Returns the runs given back."""
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                FlowRunFilterTags)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
 
     over = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LEASED_TAG]),
                                  state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))), limit=PAGE)
@@ -148,8 +160,12 @@ def count_pool(client, limit, clusters: dict) -> Recount:
 
 
 def live_runs(client, pool: str) -> list:
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType,
-                                                FlowRunFilterTags)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
 
     found, offset = [], 0
     while True:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
 from gpuflow.cluster.config import default_tracking_uri

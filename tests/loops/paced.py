@@ -5,8 +5,8 @@ tests beside it instead of training flat out for minutes, and still makes real c
 
 import time
 
-from gpuflow.cluster import loop
 from experiments import digits
+from gpuflow.cluster import loop
 
 
 def train_loop(config: dict) -> None:

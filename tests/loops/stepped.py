@@ -9,8 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from gpuflow.cluster import loop
 from experiments import digits
+from gpuflow.cluster import loop
 
 
 def train_loop(config: dict) -> None:

@@ -12,8 +12,8 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from gpuflow.cluster.job.ingest import SplitInMemory
-from tests.support.repo import REPO
 from tests.loops.plain import record_shards
+from tests.support.repo import REPO
 
 address, out, streamed, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ADDRESS": address}})

@@ -5,8 +5,8 @@
 
 import contextlib
 import re
-import uuid
 import time
+import uuid
 
 import pytest
 

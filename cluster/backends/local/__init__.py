@@ -18,14 +18,15 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
 from gpuflow.cluster.backends.base import CLUSTER_PREFIX, ClusterHandle, ClusterStatus, Job, LineReader
 from gpuflow.cluster.backends.local import early_job
 from gpuflow.cluster.backends.local.early_job import OWNER_FILE, ray_env
+from gpuflow.cluster.config import state_dir
+from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.util.processes import alive, session_alive, session_members, stop_sessions
-from gpuflow.cluster.protocol import JobEnv
-from gpuflow.cluster.config import state_dir
-from gpuflow.cluster.spec import ExperimentSpec
 
 log = logging.getLogger(__name__)
 

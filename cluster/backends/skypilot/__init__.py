@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import time
+
 from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job, LineReader
 from gpuflow.cluster.backends.skypilot.options import launched_facts, no_capacity, resources_for
 from gpuflow.cluster.protocol import JobEnv, split_secrets
@@ -38,8 +39,8 @@ DEFAULT_SETUP = (
 
 def default_setup() -> tuple[str, dict[str, str]]:
     """The setup that installs this machine's gpuflow on a node, and the file mount that carries its wheel."""
-    from gpuflow.cluster.config import state_dir
     from gpuflow.cluster.backends.skypilot.wheel import build_wheel
+    from gpuflow.cluster.config import state_dir
 
     wheel = build_wheel(state_dir() / "wheel")
     return DEFAULT_SETUP.format(wheel=wheel.name), {WHEEL_MOUNT: str(wheel.parent)}
