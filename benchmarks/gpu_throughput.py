@@ -88,7 +88,7 @@ def measure(precision: str, shape: dict, steps: int, warmup: int, repeats: int, 
     for _ in range(repeats):
         best["bare"] = min(best["bare"], timed(lambda: bare_epoch(runnable, optimizer, loader, device, amp), device))
         timer = StepTimer(device, amp, flops_per_sample=flops_per_sample, tokens_per_sample=config.block_size)
-        elapsed = timed(lambda: train_epoch(runnable, optimizer, loader, device, amp, timer), device)
+        elapsed = timed(lambda timer=timer: train_epoch(runnable, optimizer, loader, device, amp, timer), device)
         if elapsed < best["gpuflow"]:
             best["gpuflow"], telemetry = elapsed, timer.end_epoch()
     samples = steps * shape["batch_size"]

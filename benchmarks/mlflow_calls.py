@@ -210,7 +210,7 @@ def basic_auth_server(scratch: Path):
                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_AUTH_CONFIG_PATH": str(config),
            "MLFLOW_AUTH_ADMIN_PASSWORD": password, "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
-    for attempt in range(3):  # a port probed free can be taken before the server binds it
+    for _attempt in range(3):  # a port probed free can be taken before the server binds it
         port = free_port()
         log = scratch / "mlflow-server.log"
         with open(log, "ab") as out:

@@ -290,8 +290,8 @@ def print_rounds(bare: list[dict], side: list[dict]) -> float:
     CPU-seconds come to in wall time at the cores the bare run kept busy: on a machine with few cores, every
     CPU-second a gpuflow process spends is a share of wall time, even when it runs beside training."""
     walls = [b["wall"] for b in bare]
-    behind = [s["wall"] - b["wall"] for b, s in zip(bare, side)]
-    extra_cpu = statistics.median(s["cpu_seconds"] - b["cpu_seconds"] for b, s in zip(bare, side))
+    behind = [s["wall"] - b["wall"] for b, s in zip(bare, side, strict=True)]
+    extra_cpu = statistics.median(s["cpu_seconds"] - b["cpu_seconds"] for b, s in zip(bare, side, strict=True))
     busy = statistics.median(b["cpu_seconds"] / b["wall"] for b in bare)
     print(f"  round by round: {' / '.join(f'{d:+.1f}' for d in behind)} s against bare "
           f"({' / '.join(f'{w:.1f}' for w in walls)} s); median {statistics.median(behind):+.2f} s")

@@ -206,7 +206,7 @@ def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left
         dead_run, live_run = (client.create_flow_run(run_experiment_standin, tags=["backend:local"], state=Running()).id
                               for _ in range(2))
     names = [cluster_name_for(str(dead_run)), "gpuflow-warm-0123456789ab", cluster_name_for(str(live_run))]
-    for name, session, owner in zip(names, sessions, [launcher, launcher, alive_launcher]):
+    for name, session, owner in zip(names, sessions, [launcher, launcher, alive_launcher], strict=True):
         (backend.root / name).mkdir(parents=True)
         (backend.root / name / "cluster.json").write_text(json.dumps({
             "session": session.pid, "temp_dir": str(tmp_path / name), "launched_at": time.time(), "jobs": {},

@@ -221,7 +221,7 @@ def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_h
 
 
 @pytest.mark.parametrize("failures", [4])
-def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky_flow, failures):
+def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky_flow, failures):  # noqa: F811
     """A cloud API that will not delete the cluster: the flow says so, the MLflow run is closed anyway, and the
     reaper's next pass downs the cluster (SkyPilot SDK double: no cloud here)."""
     fake, state, mlflow_run, logs = sky_flow("ok", down_failures=failures)

@@ -78,7 +78,7 @@ class GpuflowRun:
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"gpuflow run still running after {timeout_s}s:\n{''.join(self.lines[-40:])}")
+            raise AssertionError(f"gpuflow run still running after {timeout_s}s:\n{''.join(self.lines[-40:])}") from None
         finally:
             if self.process.poll() is None:
                 self.process.kill()

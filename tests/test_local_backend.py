@@ -50,8 +50,8 @@ def test_two_nodes_are_two_ray_nodes(gpuflow_home):
     handle = backend.launch(parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "workers_per_node": 1}}), NAME)
     pids = backend.pids(NAME)
     # A driver in its own process, as the job is: Ray reads its address settings at import.
-    driver = ("import json, ray; ray.init(address='%s', logging_level='ERROR'); "
-              "print(json.dumps([n for n in ray.nodes() if n['Alive']]))" % handle.address)
+    driver = (f"import json, ray; ray.init(address='{handle.address}', logging_level='ERROR'); "
+              "print(json.dumps([n for n in ray.nodes() if n['Alive']]))")
     try:
         out = subprocess.run([sys.executable, "-c", driver], env=ray_env(), capture_output=True, text=True, timeout=120)
         nodes = json.loads(out.stdout.strip().splitlines()[-1])

@@ -237,7 +237,7 @@ def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_s
         with get_client(sync_client=True) as prefect:
             runs = [prefect.create_flow_run(run_experiment, parameters={"spec": spec.model_dump(mode="json")})
                     for _ in range(2)]
-            for flow_run, state in zip(runs, [Cancelling(), Running()]):
+            for flow_run, state in zip(runs, [Cancelling(), Running()], strict=True):
                 prefect.set_flow_run_state(flow_run.id, state, force=True)
             for flow_run in runs:
                 notify_end(run_experiment, prefect.read_flow_run(flow_run.id), Crashed(message="killed"))

@@ -370,7 +370,7 @@ def test_the_comparison_shows_the_loop_s_metrics_time_per_epoch_and_cost(store, 
 
     client = MlflowClient(store)
     runs = [recorded_run(store, repo, tiny_spec(data)) for _ in range(2)]
-    for run, (loss, train_s, cost) in zip(runs, [(0.5, 20.0, 1.0), (0.5, 10.0, 0.5)]):
+    for run, (loss, train_s, cost) in zip(runs, [(0.5, 20.0, 1.0), (0.5, 10.0, 0.5)], strict=True):
         for key, value in {"loss": loss, "gpuflow.train_seconds": train_s, "cost_usd": cost,
                            "cluster_hours": 0.1, "idle_seconds_before_teardown": 0.01}.items():
             client.log_metric(run.info.run_id, key, value)

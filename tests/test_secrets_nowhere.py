@@ -90,7 +90,7 @@ def test_mlflow_credentials_travel_to_the_cluster_as_secrets(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "canary-mlflow-password")
     task = build_task(gpu_spec(), run_name="digits-gpu-2026")
-    secrets = {name: getattr(value, "get_secret_value", lambda: value)() for name, value in task.secrets.items()}
+    secrets = {name: getattr(value, "get_secret_value", lambda value=value: value)() for name, value in task.secrets.items()}
     assert secrets == {"HF_TOKEN": "hf_value", "MLFLOW_TRACKING_USERNAME": "alice",
                        "MLFLOW_TRACKING_PASSWORD": "canary-mlflow-password"}
     assert not any("MLFLOW_TRACKING_PASSWORD" in key for key in task.envs)

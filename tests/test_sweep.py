@@ -120,17 +120,17 @@ def test_a_sweeps_job_has_ray_tune_whole_before_it_imports_ray_train_itself():
     import subprocess
     import sys
 
-    script = """
+    script = f"""
 import sys
 from gpuflow.cluster.job.__main__ import preload
 from gpuflow.cluster.spec import parse_spec
 from gpuflow.cluster.util.preload import finish_background_imports
-preload(parse_spec(%r))
+preload(parse_spec({tunable_sweep()!r}))
 finish_background_imports()
 print("ray.tune" in sys.modules, flush=True)
 from gpuflow.cluster.job.elastic import count_nodes
 from gpuflow.cluster.job.sweep import run_sweep
-""" % (tunable_sweep(),)
+"""
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["True"]

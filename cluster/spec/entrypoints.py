@@ -150,7 +150,8 @@ def python_function_problem(function: Callable, what: str) -> str | None:
         target = inspect.unwrap(target.func)
     if inspect.isfunction(target) or inspect.ismethod(target):
         return None
-    if not inspect.isclass(target) and inspect.isfunction(getattr(type(target), "__call__", None)):
+    method = getattr(type(target), "__call__", None)  # noqa: B004 (the method itself, not whether there is one)
+    if not inspect.isclass(target) and inspect.isfunction(method):
         return None
     kind = "a builtin" if inspect.isbuiltin(target) else "a class" if inspect.isclass(target) else \
         f"a {type(target).__name__} object"

@@ -101,7 +101,7 @@ def read_status(now: float | None = None) -> list[RunStatus]:
                                if tag.startswith(WAIT_TAG_PREFIX)}}
     rows = [RunStatus(run.name, str(run.id), run.state.name if run.state else "?", tag_value(run, "backend:"),
                       gpus=gpus_of(run.parameters)) for run in runs]
-    for row, run in zip(rows, runs):
+    for row in rows:
         for pool, queue in queues.items():
             if row.flow_run_id in queue and row.state == WAITING:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
@@ -166,7 +166,7 @@ def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:
     from mlflow.entities import ViewType
 
     by_uri: dict[str, list[RunStatus]] = {}
-    for row, run in zip(rows, runs):
+    for row, run in zip(rows, runs, strict=True):
         uri = tag_value(run, TRACKING_TAG_PREFIX)
         if uri and (uri.startswith(("http://", "https://")) or Path(uri.removeprefix("sqlite:///")).is_file()):
             by_uri.setdefault(uri, []).append(row)
@@ -236,7 +236,7 @@ def table(rows: list[RunStatus]) -> str:
                ("message", lambda r: r.message or "-")]
     cells = [[name for name, _ in columns]] + [[value(row) for _, value in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells)
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in cells)
 
 
 def money(value: float | None) -> str:

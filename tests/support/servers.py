@@ -379,7 +379,7 @@ def the_messages(messages: list[dict], events: list[str], run_id: str, flow_run_
         time.sleep(0.2)
     time.sleep(1)  # one more message, if one were coming, would come with the others
     assert [message["subject"].split()[-1] for message in messages] == events, messages
-    return [message_fields(message, event, run_id, flow_run_id) for message, event in zip(messages, events)]
+    return [message_fields(message, event, run_id, flow_run_id) for message, event in zip(messages, events, strict=True)]
 
 
 def message_fields(message: dict, event: str, run_id: str, flow_run_id: str) -> dict:

@@ -165,7 +165,7 @@ def slurm_jobs(user: str | None = None) -> list[dict[str, str]]:
     """Jobs in squeue (all users by default): [{'id','user','name','state'}]."""
     cmd = ["squeue", "-h", "-o", "%i|%u|%j|%T"] + (["-u", user] if user else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    return [dict(zip(("id", "user", "name", "state"), ln.split("|")))
+    return [dict(zip(("id", "user", "name", "state"), ln.split("|"), strict=True))
             for ln in out.splitlines() if ln.strip()]
 
 
