@@ -1,27 +1,23 @@
-"""The spec's field checks and field types: bounded YAML, credential-looking names, URIs a cluster can reach, and
-the probes of the checkpoint storage and the tracking server that probes.py runs.
+"""The spec's field checks and field types: bounded YAML, credential-looking names, URIs a cluster can reach. Pure:
+the checks that need this machine (a write to the checkpoint storage, the tracking server's answer) are probes.py's.
 
     gpuflow validate my.yaml          # runs every check here before anything starts
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from gpuflow.cluster.config import shared_path
-from gpuflow.cluster.util.http import NOT_HTTP, probe
 
 MAX_SPEC_FILE_BYTES = 256 * 1024  # a spec is a page of YAML; anything bigger is a mistake or an attack
 MAX_SPEC_NODES = 5_000  # values in the spec, aliases counted as often as they are used
 MAX_SPEC_DEPTH = 16
 MAX_VALUE_CHARS = 120  # a bad value is quoted up to this length in a message
-TRACKING_PROBE_TIMEOUT_S = 5.0
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Words that make an environment variable a credential: its value must not be logged anywhere.
@@ -186,71 +182,6 @@ def control_character_problem(text: str) -> str | None:
     if any(ord(ch) < 32 and ch not in "\t\n\r" for ch in text):
         return f"{shorten(text)} holds control characters (NUL, ...); remove them"
     return None
-
-
-# -- probes ---------------------------------------------------------------------------------------
-
-def folder_write_problem(folder: Path, probe_name: str) -> str | None:
-    """Writes and removes a probe file in the folder or, where it is missing, in a probe folder made and removed where
-    the job will make it: root passes a permission check where only a write fails (a kernel file system, an immutable
-    folder), and the probe leaves no folder (on a shared disk, the job's user must make it, not the flow's)."""
-    existing = next(path for path in (folder, *folder.parents) if path.exists())
-    if not existing.is_dir():
-        return f"cannot write under {shorten(str(folder))}: {existing} is a file"
-    stand_in = existing / probe_name if existing != folder else None
-    probe_file = (stand_in or folder) / probe_name
-    try:
-        if stand_in:
-            stand_in.mkdir()
-        probe_file.write_bytes(b"probe")
-        probe_file.unlink()
-    except OSError as exc:
-        return f"cannot write under {shorten(str(folder))}: {exc.strerror or exc} ({exc.filename or probe_file})"
-    finally:
-        if stand_in:
-            with contextlib.suppress(OSError):
-                stand_in.rmdir()
-    return None
-
-
-def storage_write_problem(uri: str) -> str | None:
-    """Writes and removes a probe file under the checkpoint location (local or a bucket, through pyarrow)."""
-    import pyarrow.fs as pafs
-
-    probe_name = f".gpuflow-write-probe-{uuid.uuid4().hex}"
-    try:
-        if scheme_of(uri) is None:
-            return folder_write_problem(Path(uri).expanduser().absolute(), probe_name)
-        filesystem, path = pafs.FileSystem.from_uri(uri)
-    except ValueError as exc:  # pyarrow's ArrowInvalid is a ValueError
-        if "Unrecognized filesystem type" in str(exc) or "not supported" in str(exc):
-            return None  # a bucket only the cluster's tools know (e.g. r2://): SkyPilot mounts it there
-        return f"cannot write under {shorten(uri)}: {shorten(str(exc), 300)}"
-    except OSError as exc:
-        return f"cannot write under {shorten(uri)}: {shorten(exc.strerror or str(exc), 300)}"
-    try:
-        filesystem.create_dir(path, recursive=True)
-        probe_path = f"{path.rstrip('/')}/{probe_name}"
-        with filesystem.open_output_stream(probe_path) as out:
-            out.write(b"probe")
-        filesystem.delete_file(probe_path)
-    except Exception as exc:  # pyarrow raises OSError or ArrowException subclasses per filesystem
-        return f"cannot write under {shorten(uri)}: {shorten(str(exc), 300)}"
-    return None
-
-
-def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> str | None:
-    """An http(s) tracking URI must answer; any HTTP answer counts (a 401 means it is up, behind auth)."""
-    if scheme_of(uri) not in ("http", "https"):
-        return None
-    status, why = probe(uri.rstrip("/") + "/health", timeout_s)
-    if status is not None:
-        return None
-    if why == NOT_HTTP:
-        return (f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, "
-                f"or the scheme")
-    return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)} within "
-            f"{timeout_s:g}s); start it, or fix the host and port")
 
 
 REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "hdfs://", "r2://")

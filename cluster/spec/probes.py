@@ -1,17 +1,24 @@
 """The checks a spec's model cannot make alone, because they need this machine: the loop imports and takes its
-config, the data reads as Parquet, the checkpoint storage takes a write, the tracking server answers."""
+config, the data reads as Parquet, the checkpoint storage takes a write, the tracking server answers and lets the
+tracking user write."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import uuid
 from pathlib import Path
 
-from gpuflow.cluster.spec import fields as checks
 from gpuflow.cluster.spec.entrypoints import entrypoint_check
-from gpuflow.cluster.spec.fields import absolute_uri
+from gpuflow.cluster.spec.fields import absolute_uri, scheme_of, shorten
 from gpuflow.cluster.spec.loading import SpecError
 from gpuflow.cluster.spec.model import ExperimentSpec
-from gpuflow.cluster.spec.tracking_access import tracking_access_problems
+from gpuflow.cluster.util.http import NOT_HTTP, probe
+
+TRACKING_PROBE_TIMEOUT_S = 5.0
+CURRENT_USER = "/api/2.0/mlflow/users/current"
+USER_PERMISSION = "/api/3.0/mlflow/users/permissions/get"
+WRITE = ("EDIT", "MANAGE")  # what creating runs and model versions takes
 
 
 def check_spec(spec: ExperimentSpec) -> list[str]:
@@ -32,10 +39,10 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     for field, secret in enumerate(spec.secrets):
         if secret not in os.environ:
             problems.append(f"secrets[{field}]: {secret!r} is not set in this environment; export it before running")
-    unwritable = checks.storage_write_problem(spec.checkpoint_uri)
+    unwritable = storage_write_problem(spec.checkpoint_uri)
     if unwritable:
         problems.append(f"storage.checkpoints: {unwritable}; give a folder or bucket this machine can write")
-    down = checks.tracking_server_problem(spec.tracking_uri)
+    down = tracking_server_problem(spec.tracking_uri)
     if down:
         problems.append(f"tracking.uri: {down}")
     else:
@@ -74,3 +81,125 @@ def data_problem(uri: str) -> str | None:
     except Exception:
         return "cannot be read as Parquet"
     return None
+
+
+# -- the checkpoint storage takes a write, the tracking server answers ---------------------------------------
+
+def folder_write_problem(folder: Path, probe_name: str) -> str | None:
+    """Writes and removes a probe file in the folder or, where it is missing, in a probe folder made and removed where
+    the job will make it: root passes a permission check where only a write fails (a kernel file system, an immutable
+    folder), and the probe leaves no folder (on a shared disk, the job's user must make it, not the flow's)."""
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    if not existing.is_dir():
+        return f"cannot write under {shorten(str(folder))}: {existing} is a file"
+    stand_in = existing / probe_name if existing != folder else None
+    probe_file = (stand_in or folder) / probe_name
+    try:
+        if stand_in:
+            stand_in.mkdir()
+        probe_file.write_bytes(b"probe")
+        probe_file.unlink()
+    except OSError as exc:
+        return f"cannot write under {shorten(str(folder))}: {exc.strerror or exc} ({exc.filename or probe_file})"
+    finally:
+        if stand_in:
+            with contextlib.suppress(OSError):
+                stand_in.rmdir()
+    return None
+
+
+def storage_write_problem(uri: str) -> str | None:
+    """Writes and removes a probe file under the checkpoint location (local or a bucket, through pyarrow)."""
+    import pyarrow.fs as pafs
+
+    probe_name = f".gpuflow-write-probe-{uuid.uuid4().hex}"
+    try:
+        if scheme_of(uri) is None:
+            return folder_write_problem(Path(uri).expanduser().absolute(), probe_name)
+        filesystem, path = pafs.FileSystem.from_uri(uri)
+    except ValueError as exc:  # pyarrow's ArrowInvalid is a ValueError
+        if "Unrecognized filesystem type" in str(exc) or "not supported" in str(exc):
+            return None  # a bucket only the cluster's tools know (e.g. r2://): SkyPilot mounts it there
+        return f"cannot write under {shorten(uri)}: {shorten(str(exc), 300)}"
+    except OSError as exc:
+        return f"cannot write under {shorten(uri)}: {shorten(exc.strerror or str(exc), 300)}"
+    try:
+        filesystem.create_dir(path, recursive=True)
+        probe_path = f"{path.rstrip('/')}/{probe_name}"
+        with filesystem.open_output_stream(probe_path) as out:
+            out.write(b"probe")
+        filesystem.delete_file(probe_path)
+    except Exception as exc:  # pyarrow raises OSError or ArrowException subclasses per filesystem
+        return f"cannot write under {shorten(uri)}: {shorten(str(exc), 300)}"
+    return None
+
+
+def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> str | None:
+    """An http(s) tracking URI must answer; any HTTP answer counts (a 401 means it is up, behind auth)."""
+    if scheme_of(uri) not in ("http", "https"):
+        return None
+    status, why = probe(uri.rstrip("/") + "/health", timeout_s)
+    if status is not None:
+        return None
+    if why == NOT_HTTP:
+        return (f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, "
+                f"or the scheme")
+    return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)} within "
+            f"{timeout_s:g}s); start it, or fix the host and port")
+
+
+# -- the tracking user may write ------------------------------------------------------------------------------
+# Asked of an MLflow server with users (its basic-auth app) before anything starts: who the user is, and EDIT on the
+# experiment the run logs to and on the model it registers. MLflow's own client sends the credentials
+# (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, or a token), so what is checked is what the run will send. A
+# server without users (no basic-auth app) has nothing to check.
+
+def tracking_access_problems(uri: str, experiment: str, model: str) -> list[str]:
+    """Each problem names the variable to fix, or the permission missing and how to get it."""
+    if scheme_of(uri) not in ("http", "https"):
+        return []
+    answer = mlflow_get(uri, CURRENT_USER)
+    if answer.status_code == 401:
+        return [unauthenticated(uri)]
+    if answer.status_code != 200:
+        return []  # 404: no users on this server
+    me = answer.json()["user"]
+    if me["is_admin"]:
+        return []
+    resources = [("tracking.experiment", "experiment", experiment, "/api/2.0/mlflow/experiments/get-by-name",
+                  {"experiment_name": experiment}),
+                 ("name", "registered_model", model, "/api/2.0/mlflow/registered-models/get", {"name": model})]
+    problems = []
+    for field, kind, name, endpoint, params in resources:
+        found = mlflow_get(uri, endpoint, params)
+        if found.status_code == 404:
+            continue  # the run creates it, and its creator manages it
+        if found.status_code == 200:
+            resource_id = found.json()["experiment"]["experiment_id"] if kind == "experiment" else name
+            permission = mlflow_get(uri, USER_PERMISSION, {"username": me["username"], "resource_type": kind,
+                                                           "resource_id": resource_id}).json().get("permission", "none")
+        else:
+            permission = f"no access ({found.status_code})"
+        if permission not in WRITE:
+            problems.append(
+                f"{field}: MLflow user {me['username']!r} has {permission} on {kind.replace('_', ' ')} {shorten(name)} "
+                f"at {uri}; a run needs EDIT: its owner or an admin grants it with `gpuflow share SPEC --user "
+                f"{me['username']}`, or change {field}")
+    return problems
+
+
+def mlflow_get(uri: str, endpoint: str, params: dict | None = None):
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    return http_request(get_default_host_creds(uri), endpoint, "GET", params=params, max_retries=0, timeout=10)
+
+
+def unauthenticated(uri: str) -> str:
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if not user:
+        return (f"tracking.uri: the MLflow server at {uri} asks who you are (401); export MLFLOW_TRACKING_USERNAME "
+                "and MLFLOW_TRACKING_PASSWORD (a user its admin created)")
+    return (f"tracking.uri: the MLflow server at {uri} refused user {shorten(user)} (401): no such user, or "
+            "MLFLOW_TRACKING_PASSWORD is not its password; fix MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
+            "or ask the admin to create the user")
