@@ -3,9 +3,9 @@ any cluster exists; each refusal names the field, the value and the fix.
 
     gpuflow validate experiments/digits.yaml
 
-model.py (the pydantic models), loading.py (YAML, `--set`, error wording), fields.py (pure field checks),
-probes.py (the checks that need this machine), entrypoints.py (the loop's import check), sweep.py (a sweep's
-arithmetic), form_policy.py (what a run from the UI may change).
+model.py (the pydantic models; compute.py the compute section), loading.py (YAML, `--set`, error wording),
+fields.py (pure field checks), probes.py (the checks that need this machine), entrypoints.py (the loop's import
+check), sweep.py (a sweep's arithmetic), form_policy.py (what a run from the UI may change).
 """
 
 from gpuflow.cluster.spec.fields import absolute_uri, is_remote_uri

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpuflow.cluster.spec.model import ComputeSpec
+    from gpuflow.cluster.spec.compute import ComputeSpec
 
 WORKER_SLOT_RESOURCE = "gpuflow_worker_slot"
 
