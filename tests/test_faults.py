@@ -280,7 +280,7 @@ def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, mon
     import requests
     from mlflow.exceptions import MlflowException
 
-    from gpuflow.cluster.loop import when_mlflow_answers
+    from gpuflow.cluster.loop_logging import when_mlflow_answers
     from tests.support.servers import mlflow_server, stable_port
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
