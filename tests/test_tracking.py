@@ -8,7 +8,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from gpuflow.cluster.job.tracking import numbers_of, step_of
+from gpuflow.cluster.job.reports import numbers_of, step_of
 from gpuflow.cluster.spec import parse_spec
 from tests.support.processes import processes_of
 from tests.support.repo import REPO
