@@ -29,7 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
-from gpuflow.cluster.backends.local import CHILDREN, SPARE_PREFIX, LocalBackend
+from gpuflow.cluster.backends.local import CHILDREN, LocalBackend
+from gpuflow.cluster.backends.local.warm import SPARE_PREFIX
 from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_dir
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.util.processes import session_alive, stop_sessions

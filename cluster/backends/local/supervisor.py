@@ -29,7 +29,8 @@ no_ray_address_file()
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from gpuflow.cluster.backends.base import HEAD_NODE_RESOURCES  # noqa: E402
-from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE, OWNER_FILE  # noqa: E402
+from gpuflow.cluster.backends.local import LOST_FILE, NODES_FILE  # noqa: E402
+from gpuflow.cluster.backends.local.early_job import OWNER_FILE  # noqa: E402
 from gpuflow.cluster.config import local_ray_mode  # noqa: E402
 from gpuflow.cluster.spec.elastic import node_resources  # noqa: E402
 from gpuflow.cluster.util.files import write_atomically  # noqa: E402
