@@ -1,4 +1,4 @@
-"""What `gpuflow run` shows: provisioning, each epoch, teardown and the summary. Ray's and MLflow's own lines
+"""What `gpuflow run` shows: provisioning, each epoch, teardown and the summary (`print_summary`). Ray's and MLflow's own lines
 from the job stay in the Prefect run's logs and in a log file; `gpuflow run -v` shows them here too.
 
 On a terminal, one live line says where the run is (phase, epoch i/N, ETA, metrics, dollars so far), rewritten in
@@ -231,3 +231,31 @@ def quiet_console(log_folder: Path, metric: str | None = None) -> Path:
         to_file.setFormatter(consoles[0].formatter)
     root.addHandler(to_file)
     return path
+
+
+def print_summary(spec, summary: dict, seconds: float, log_file: Path | None) -> None:
+    """The summary of a run that completed: its MLflow run and how to open it, the metrics, a sweep's best trial,
+    the phases, the checkpoint, the log file, what recoveries cost."""
+    from gpuflow.cluster.run.record import open_command, run_url
+    from gpuflow.tasks.compute import metrics_line
+
+    phases = summary["phases"]
+    print(f"\ngpuflow: {spec.name} finished in {seconds:.1f}s")
+    print(f"  MLflow run   {summary['run_id']} (experiment {summary['experiment']!r}, {summary['tracking_uri']})")
+    if open_command(spec):
+        print(f"  open it      {open_command(spec)}")
+    print(f"               then {run_url(spec, summary['run_id'])}")
+    print("  metrics      " + metrics_line(summary["metrics"]))
+    sweep = summary.get("sweep")
+    if sweep:
+        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "
+              f"failed; best: " + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
+              + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
+    print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
+    print(f"  checkpoint   {summary['checkpoint']}")
+    if log_file:
+        print(f"  full log     {log_file} (or gpuflow run -v)")
+    cost = summary.get("cost") or {}
+    if "lost_compute_seconds" in cost:
+        print(f"  recovered    {cost.get('recoveries', 0):g} relaunch(es): {cost['lost_compute_seconds']:.0f} worker-s "
+              f"lost (redone, recovering), {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")

@@ -18,7 +18,8 @@ from pathlib import Path
 from gpuflow.cluster.config import stack_idle_minutes, stack_mode
 from gpuflow.cluster.spec import check_entrypoints, load_spec, validate_spec
 from gpuflow.cluster.util.preload import import_in_background
-from gpuflow.flows.cli.console import end_live_line
+from gpuflow.flows.cli.console import end_live_line, print_summary
+from gpuflow.flows.cli.stack import leave_a_stack
 from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, temporary_api_launched
 
 
@@ -172,9 +173,6 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
         print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
               file=sys.stderr)
         return 130
-    from gpuflow.cluster.run.record import open_command, run_url
-    from gpuflow.tasks.compute import metrics_line
-
     if not state.is_completed() and not prefect_api_answers():
         exit_without_prefect(spec, f"{state.name}: {state.message or ''}", log_file)
     stack_left = api is not None and leave_a_stack(spec)  # this run started Prefect's API itself: the next need not
@@ -185,46 +183,10 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
         if stack_left:
             print(stack_left, file=sys.stderr)
         return 1
-    summary = state.result()
-    phases = summary["phases"]
-    print(f"\ngpuflow: {spec.name} finished in {time.time() - started:.1f}s")
-    print(f"  MLflow run   {summary['run_id']} (experiment {summary['experiment']!r}, {summary['tracking_uri']})")
-    if open_command(spec):
-        print(f"  open it      {open_command(spec)}")
-    print(f"               then {run_url(spec, summary['run_id'])}")
-    print("  metrics      " + metrics_line(summary["metrics"]))
-    sweep = summary.get("sweep")
-    if sweep:
-        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "
-              f"failed; best: " + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
-              + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
-    print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
-    print(f"  checkpoint   {summary['checkpoint']}")
-    if log_file:
-        print(f"  full log     {log_file} (or gpuflow run -v)")
-    cost = summary.get("cost") or {}
-    if "lost_compute_seconds" in cost:
-        print(f"  recovered    {cost.get('recoveries', 0):g} relaunch(es): {cost['lost_compute_seconds']:.0f} worker-s "
-              f"lost (redone, recovering), {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
+    print_summary(spec, state.result(), time.time() - started, log_file)
     if stack_left:
         print(stack_left)
     return 0
-
-
-def leave_a_stack(spec) -> str | None:
-    """Starts the warm stack as a local run ends (GPUFLOW_STACK auto): the next run finds Prefect's API and a spare
-    cluster of this run's shape up. Returns the line that says so; None when it leaves none. Never fails the run."""
-    if spec.compute.backend != "local" or stack_mode() != "auto":
-        return None
-    from gpuflow.cluster.backends.local import shape_of
-    from gpuflow.flows.local_stack import stack
-
-    minutes = stack_idle_minutes()
-    try:
-        stack.start(minutes, shape_of(spec))
-    except OSError as exc:
-        return f"  warm stack   not left for the next run: {exc}"
-    return f"  warm stack   up for your next run until {minutes:g} min idle (Prefect's API, a spare cluster): gpuflow down"
 
 
 def tracking_uris(given: str | None):

@@ -1,4 +1,5 @@
-"""`gpuflow up` and `gpuflow down`: the warm local stack, and tearing down one cluster by name.
+"""`gpuflow up` and `gpuflow down`: the warm local stack, and tearing down one cluster by name; and the stack a
+local `gpuflow run` leaves up for the next (GPUFLOW_STACK auto).
 
     gpuflow up [experiments/digits.yaml] [--idle-minutes 30]
     gpuflow down [gpuflow-<flow run id>] [--backend local|skypilot]
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from gpuflow.cluster.config import stack_idle_minutes, stack_mode
 from gpuflow.cluster.spec import SpecError, load_spec, validate_spec
 
 
@@ -67,3 +69,19 @@ def down_stack() -> int:
 
     print("gpuflow: warm stack " + ("stopped" if stack.down() else "was not up (nothing to stop)"))
     return 0
+
+
+def leave_a_stack(spec) -> str | None:
+    """Starts the warm stack as a local run ends (GPUFLOW_STACK auto): the next run finds Prefect's API and a spare
+    cluster of this run's shape up. Returns the line that says so; None when it leaves none. Never fails the run."""
+    if spec.compute.backend != "local" or stack_mode() != "auto":
+        return None
+    from gpuflow.cluster.backends.local import shape_of
+    from gpuflow.flows.local_stack import stack
+
+    minutes = stack_idle_minutes()
+    try:
+        stack.start(minutes, shape_of(spec))
+    except OSError as exc:
+        return f"  warm stack   not left for the next run: {exc}"
+    return f"  warm stack   up for your next run until {minutes:g} min idle (Prefect's API, a spare cluster): gpuflow down"
