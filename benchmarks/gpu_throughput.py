@@ -4,10 +4,10 @@
     python benchmarks/gpu_throughput.py --compile        # the same under torch.compile
     python benchmarks/gpu_throughput.py --tiny           # a CPU-sized model, for CI
 
-"gpuflow" is experiments.chargpt.train_epoch with gpuflow.cluster.telemetry's StepTimer (what each Ray Train worker runs,
-at world size 1); "bare" is the textbook loop written out below. Both run in plain torch: no Ray, Prefect or
-MLflow is imported, so it runs on a machine that has only torch. The two alternate, and each figure is the best
-of --repeats, so that a slow moment of a shared machine does not decide the ratio.
+"gpuflow" is experiments.chargpt.train_epoch with gpuflow.cluster.telemetry's StepTimer (what each Ray Train worker
+runs, at world size 1); "bare" is the textbook loop written out below. Both run in plain torch: no Ray, Prefect or
+MLflow is imported, so it runs on a machine that has only torch. The two alternate, and each figure is the best of
+--repeats, so that a slow moment of a shared machine does not decide the ratio.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def main(argv=None) -> int:
     print(f"device {accelerator_name(device)}, torch {torch.__version__}, model {shape}, {steps} steps × {repeats}, "
           f"compile={args.compile}", flush=True)
     rows = [measure(p, shape, steps, warmup, repeats, device, args.compile) for p in precisions]
-    print(f"{'precision':>9} {'bare samples/s':>15} {'gpuflow samples/s':>18} {'gpuflow/bare':>13} {'MFU bare':>9} {'MFU gpuflow':>12}")
+    print(f"{'precision':>9} {'bare samples/s':>15} {'gpuflow samples/s':>18} {'gpuflow/bare':>13} {'MFU bare':>9} "
+          f"{'MFU gpuflow':>12}")
     for row in rows:
         mfu = [f"{row[k]:.1f}%" if row[k] is not None else "n/a" for k in ("bare_mfu_pct", "gpuflow_mfu_pct")]
         print(f"{row['precision']:>9} {row['bare_samples_per_s']:>15.1f} {row['gpuflow_samples_per_s']:>18.1f} "

@@ -171,7 +171,8 @@ def summary(body: bytes | None) -> str:
 
 
 class TreeCpu(threading.Thread):
-    """CPU-seconds of a process and its descendants, sampled until `stop()`: a worker that exits keeps its last sample."""
+    """CPU-seconds of a process and its descendants, sampled until `stop()`: a worker that exits keeps its last
+    sample."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True, name="bench-cpu")

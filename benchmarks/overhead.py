@@ -2,16 +2,16 @@
 
     python benchmarks/overhead.py [--repeats 3] [--sides bare,bare-lean,gpuflow,second,warm]
 
-The sides, one after the other in each round: `bare` (the script, its own ray.init, on Ray's defaults: the
-baseline every ratio is against), `bare-lean` (the same with the lean settings gpuflow's local Ray starts with,
-GPUFLOW_LOCAL_RAY), `gpuflow` (a cold
-`gpuflow run`: nothing of gpuflow's up; it starts Prefect's temporary API and a Ray cluster of its own, and leaves
-the warm stack behind as it ends), `second` (the next `gpuflow run`, as soon as the stack the cold one left has its
-API and spare up and has settled: seconds after it ended) and `warm` (`gpuflow run` on a stack that has served runs already, as
-`gpuflow up` keeps it). The stack is down for `bare` and the cold run. Prints medians of wall time, cluster up, first training step,
-last step → last Ray process of the run gone, each gpuflow side's overhead (− bare) and ratio, the same round by
-round, and where each side's CPU time went during its run (every process of the run, by role): on a machine with
-few cores, CPU-seconds are what the wall time is made of. All train the same loop on the same data, read through Ray Data.
+The sides, one after the other in each round: `bare` (the script, its own ray.init, on Ray's defaults: the baseline
+every ratio is against), `bare-lean` (the same with the lean settings gpuflow's local Ray starts with,
+GPUFLOW_LOCAL_RAY), `gpuflow` (a cold `gpuflow run`: nothing of gpuflow's up; it starts Prefect's temporary API and a
+Ray cluster of its own, and leaves the warm stack behind as it ends), `second` (the next `gpuflow run`, as soon as the
+stack the cold one left has its API and spare up and has settled: seconds after it ended) and `warm` (`gpuflow run` on a
+stack that has served runs already, as `gpuflow up` keeps it). The stack is down for `bare` and the cold run. Prints
+medians of wall time, cluster up, first training step, last step → last Ray process of the run gone, each gpuflow side's
+overhead (− bare) and ratio, the same round by round, and where each side's CPU time went during its run (every process
+of the run, by role): on a machine with few cores, CPU-seconds are what the wall time is made of. All train the same
+loop on the same data, read through Ray Data.
 """
 
 import argparse

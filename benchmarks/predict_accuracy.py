@@ -1,4 +1,4 @@
-"""How close `gpuflow plan`'s prediction comes: the digits spec run again and again, each run predicted from the earlier.
+"""How close `gpuflow plan`'s prediction comes: the digits spec run again and again, each predicted from the earlier.
 
     python benchmarks/predict_accuracy.py [--runs 4] [--epochs 3]
 

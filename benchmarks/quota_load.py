@@ -2,12 +2,12 @@
 
     python benchmarks/quota_load.py [--runs 20] [--quota 3] [--baseline-runs 5]
 
-Starts the team stack of the tests (PostgreSQL, Prefect and MLflow servers behind their passwords: root and
-Debian's postgresql package), sets `gpuflow quota set local QUOTA`, serves run-experiment with room for every run
-at once (`gpuflow serve --limit RUNS`), submits RUNS tiny runs (two epochs of a loop that reads no data, one worker
-each) and samples the quota's holders every half second until all are over. The baseline, in the same run: such
-runs one at a time (`--limit 1`, no quota; BASELINE_RUNS of them), the throughput of a single runner. Prints and records runs per
-minute for both, the most holders seen at once, and how many runs Completed with a FINISHED MLflow run.
+Starts the team stack of the tests (PostgreSQL, Prefect and MLflow servers behind their passwords: root and Debian's
+postgresql package), sets `gpuflow quota set local QUOTA`, serves run-experiment with room for every run at once
+(`gpuflow serve --limit RUNS`), submits RUNS tiny runs (two epochs of a loop that reads no data, one worker each) and
+samples the quota's holders every half second until all are over. The baseline, in the same run: such runs one at a time
+(`--limit 1`, no quota; BASELINE_RUNS of them), the throughput of a single runner. Prints and records runs per minute
+for both, the most holders seen at once, and how many runs Completed with a FINISHED MLflow run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An N-trial sweep on one cluster against N separate `gpuflow run`s of the same trials: wall time of each, and the ratio.
+"""An N-trial sweep on one cluster against N `gpuflow run`s of the same trials: the wall time of each, and the ratio.
 
     python benchmarks/sweep_vs_runs.py [--trials 4] [--epochs 3] [--concurrency 2]
 

@@ -31,7 +31,8 @@ from pathlib import Path
 from gpuflow.cluster.protocol import ENV_NAMES, SERVE_OVERRIDES_ENV
 
 # The environment this process was started with, before the libraries it loads set their own (Ray, torch and MLflow
-# set variables as they load): what a process started for a run later is to inherit (cluster/backends/local/early_job.py).
+# set variables as they load): what a process started for a run later is to inherit
+# (cluster/backends/local/early_job.py).
 STARTING_ENVIRONMENT = dict(os.environ)
 
 HOME_ENV = "GPUFLOW_HOME"

@@ -27,11 +27,11 @@ def run_facts(run_id: str) -> tuple[str, dict[str, str]]:
 
 
 def prepare_model_logging(run_id: str) -> None:
-    """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds on
-    a small machine): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite: SQLAlchemy and
-    MLflow's table models imported, the schema checked), reading what the logged model records of the run. Not the pt2
-    save itself: torch.export patches torch process-wide while it traces, and a trace beside the training loop broke its
-    next step."""
+    """Does once, while training goes on, what `log_model` would otherwise make the end of the run wait for (seconds
+    on a small machine): import MLflow's PyTorch flavour and torch.export, and open the tracking store (SQLite:
+    SQLAlchemy and MLflow's table models imported, the schema checked), reading what the logged model records of the
+    run. Not the pt2 save itself: torch.export patches torch process-wide while it traces, and a trace beside the
+    training loop broke its next step."""
     import_in_background("mlflow.pytorch", "torch.export._trace", then=lambda: run_facts(run_id))
 
 

@@ -1,4 +1,4 @@
-"""A small character-level GPT on generated text: the GPU path (bf16 autocast, fused AdamW, pinned memory, non-blocking copies).
+"""A small character-level GPT on generated text, the GPU path: bf16 autocast, fused AdamW, pinned memory, async copies.
 
     gpuflow run experiments/chargpt-gpu.yaml     # one H100 through SkyPilot
     gpuflow run experiments/chargpt-cpu.yaml     # a tiny one on this machine's CPU
@@ -192,7 +192,8 @@ def model_config(config: dict) -> GPTConfig:
 
 
 def train_loop(config: dict) -> None:
-    """The Ray Train per-worker loop: train_epoch inside DDP, with telemetry, checkpoints and MLflow through gpuflow.cluster.loop."""
+    """The Ray Train per-worker loop: train_epoch inside DDP, with telemetry, checkpoints and MLflow through
+    gpuflow.cluster.loop."""
     import ray.train
     import ray.train.torch
 

@@ -1,4 +1,4 @@
-"""Prefect's private and internal APIs that gpuflow uses, all here: read against Prefect 3.8 (pyproject pins >=3.8,<3.9).
+"""Prefect's private and internal APIs that gpuflow uses, all here: read against Prefect 3.8 (pyproject: >=3.8,<3.9).
 
 None of them is in Prefect's documented API; each is here because that Prefect has no public way to do it. On a
 Prefect upgrade, check these first.

@@ -100,7 +100,7 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
         tail.append(line)
         if any(noise in line for noise in NOISE):
             logger.debug(line)
-        else:  # the console shows gpuflow's own lines, less the result's JSON; the Prefect run and the log file keep all
+        else:  # the console shows gpuflow's own lines, less the result's JSON; the Prefect run and log file keep all
             logger.info(line, extra=extra)
         # The job's result line is its last act: the tail ends there, not once the job's process and Ray have
         # stopped (seconds of an idle, billing cluster). The whole line, not what a terminal shows of it: a worker's

@@ -109,8 +109,8 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         if exc.error_code in REFUSED:
             raise refusal(exc, spec) from exc
         raise
-    # TODO(skypilot): log the resolved SkyPilot task YAML beside spec.yaml (client.log_text(run_id, ..., "sky-task.yaml"))
-    # once the SkyPilot backend can render it; the local backend has none.
+    # TODO(skypilot): log the resolved SkyPilot task YAML beside spec.yaml (client.log_text(run_id, ...,
+    # "sky-task.yaml")) once the SkyPilot backend can render it; the local backend has none.
     get_run_logger().info(f"MLflow run {run_id} in experiment {spec.experiment_name!r} ({spec.tracking_uri})")
     return run.info
 

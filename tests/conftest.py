@@ -1,7 +1,8 @@
 """Shared fixtures: an isolated gpuflow state folder per test, one real Prefect test server per session,
 a real MLflow tracking server and the local Slurm cluster (tests/infra/slurm) for the `slurm` tests.
 
-The tiers (`pytest`, `pytest --full`) and the end-of-session checks are in tests/support/tiers.py; see tests/README.md."""
+The tiers (`pytest`, `pytest --full`) and the end-of-session checks are in tests/support/tiers.py (tests/README.md).
+"""
 
 import os
 import shutil

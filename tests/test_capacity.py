@@ -236,7 +236,7 @@ A_GRID = {"parameters": {"train.lr": {"grid": [0.1, 0.01]}}, "metric": "val_accu
 def test_every_spec_the_flow_hands_a_node_loads_there(sky_prices, compute, sweep):
     """A node loads the spec it is handed by its own rules (cluster/job/__main__.py), after the launch was paid for.
     Each spec the flow may hand one: the first launch, the relaunch after a spot loss, the spot fallback's on-demand
-    relaunch, and each sweep trial's, taken from the SkyPilot task as SkyPilot delivers it, loaded by the job's loader."""
+    relaunch, each sweep trial's, taken from the SkyPilot task as SkyPilot delivers it, loaded by the job's loader."""
     from pydantic import ValidationError
 
     from gpuflow.cluster.backends.skypilot import build_task

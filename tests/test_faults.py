@@ -179,7 +179,7 @@ def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec,
 
 def freeze_outside_a_write(process, store: Path, tries: int = 20) -> None:
     """SIGSTOP at a moment the process holds no write lock on the local MLflow store (SQLite): frozen mid-write, it
-    would lock the job out of the store too, as no frozen laptop whose cluster and tracking server are elsewhere does."""
+    would lock the job out of the store, as no frozen laptop whose cluster and tracking server are elsewhere does."""
     import sqlite3
 
     for _ in range(tries):

@@ -403,7 +403,9 @@ def test_the_room_checks_find_an_arrow_back_up_and_a_tower():
     rooms = {
         "gpuflow.flows.cli.run": "from gpuflow.flows import experiment\nfrom gpuflow.cluster import spec",
         "gpuflow.flows.experiment": "def f():\n    from gpuflow.flows.cli import run  # lazy: still an arrow\n",
-        "gpuflow.flows.run_messages": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuflow.flows import experiment",
+        "gpuflow.flows.run_messages": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuflow.flows import experiment"
+        ),
         "gpuflow.flows.cli": "", "gpuflow.cluster.spec": "",
     }
     graph = room_graph(rooms)

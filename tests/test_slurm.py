@@ -3,11 +3,12 @@
 
     .venv/bin/python -m pytest --full -m slurm -s        # -s prints each run's phase timings
 
-A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains on
-its second compute option (the first, spot nodes, this cluster cannot satisfy: SkyPilot's own failover), a setup that
-fails, a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation
-(relaunch, resume), and a spot notice before it (the notice's checkpoint, the replacement provisioned on it). A failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
-(tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
+A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains on its
+second compute option (the first, spot nodes, this cluster cannot satisfy: SkyPilot's own failover), a setup that fails,
+a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown) and a lost allocation (relaunch,
+resume), and a spot notice before it (the notice's checkpoint, the replacement provisioned on it). A failing job and a
+SIGTERM of `gpuflow run` are client-side: they run for real on the local backend (tests/test_experiment_e2e.py,
+tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
 """
 
 from __future__ import annotations
@@ -512,7 +513,8 @@ def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resu
     assert len(redone) <= 3, f"seconds redone, not the notice's lead: {len(redone)} steps"
     assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
     print(f"\n[spot notice on slurm] replacement asked for {killed - provisioning:.0f}s before the loss; resumed at "
-          f"step {resumed[1]}, {len(redone)} step(s) redone, recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "
+          f"step {resumed[1]}, {len(redone)} step(s) redone, "
+          f"recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "
           f"test wall {time.monotonic() - started:.0f}s")
     report("spot notice", run, mlflow_run.data.metrics)
 

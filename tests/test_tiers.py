@@ -1,4 +1,4 @@
-"""The suite's own checks (tests/support/tiers.py), each shown catching a deliberate fault in a pytest session of its own."""
+"""The suite's own checks (tests/support/tiers.py), each shown catching a deliberate fault in its own pytest session."""
 
 import json
 import re

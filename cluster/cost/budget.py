@@ -129,7 +129,7 @@ def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | 
 
 def reserve_within_budget(spec: ExperimentSpec, estimate: Estimate, budget_usd: float, owner: str,
                           attempts: int = ATTEMPTS, prediction: Prediction | None = None) -> Reservation | None:
-    """Reserves the run's most (price × max runtime), then refuses it (BudgetExceeded) if today's total breaks the budget.
+    """Reserves the run's most (price × max runtime); refuses it (BudgetExceeded) if today's total breaks the budget.
 
     Returns the reservation to release at the run's end (None for a free run: nothing to reserve)."""
     worst = estimate.max_runtime_cost_usd(spec)

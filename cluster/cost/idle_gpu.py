@@ -27,7 +27,7 @@ def gpu_utilization(client: MlflowClient, run_id: str) -> list[tuple[float, floa
 
 def idle_verdict(series: list[tuple[float, float]], threshold_percent: float, window_s: float,
                  now: float) -> str | None:
-    """Why the GPUs count as idle, or None: every sample of the last window under the threshold, and a full window seen."""
+    """Why the GPUs count as idle, or None: a whole window watched, and each sample of the last under the threshold."""
     if not series or series[0][0] > now - window_s:
         return None  # not watched for a whole window yet
     recent = [value for timestamp, value in series if timestamp >= now - window_s]

@@ -99,8 +99,8 @@ def wait_for_file(path: str, what: str, timeout_s: float = JOIN_TIMEOUT_S) -> No
 
 def wait_for_handoff(args: argparse.Namespace) -> Path:
     """An early job (the local backend starts it before the run exists): imports what training needs meanwhile, then
-    takes its spec, address, run name and environment from the hand-off file. Exits if the process that started it
-    dies first: nobody would ever hand it a run. Returns where to write its exit code (its run may not be its parent)."""
+    takes its spec, address, run name and environment from the hand-off file. Exits if the process that started it dies
+    first: nobody would ever hand it a run. Returns where to write its exit code (its run may not be its parent)."""
     from gpuflow.cluster.backends.local.early_job import exit_code_file, handoff_environment, owner_of
 
     import_in_background(*TRAINING_IMPORTS, "mlflow.store.tracking.sqlalchemy_store")

@@ -3,8 +3,9 @@
 The flow enforces `limits.max_runtime_minutes` and `limits.max_cost_usd` while it lives; this guard enforces
 them again inside the job, and stops the job when the flow stops renewing its lease (cluster/run/lease.py) for
 `limits.orphan_grace_minutes`, or at once when the local cluster's owner process dies (SIGUSR1 from the
-local backend's supervisor), or when the loop stops reporting (cluster/job/hung.py: its workers' stacks are saved). Stopping: say why on the log, end the MLflow run with the reason (the
-checkpoints of every report are already in storage), release the cluster, exit.
+local backend's supervisor), or when the loop stops reporting (cluster/job/hung.py: its workers' stacks are saved).
+Stopping: say why on the log, end the MLflow run with the reason (the checkpoints of every report are already in
+storage), release the cluster, exit.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 The guard reads the run once per poll for its lease; the same read tells when the loop last reported (the newest
 timestamp of the metrics it logs), on whichever node the loop runs. The watch starts at the loop's first report: a
 start-up (setup, data, compiling) takes what it takes, and limits.max_runtime_minutes bounds a loop that never
-reports. The limit is limits.hung_minutes when set; else it is derived from the run's own pace once two reports are seen: DERIVED_FACTOR times the longest gap seen
-between reports, and never under DERIVED_FLOOR_S (start-up, a first compile or a validation pass are slower)."""
+reports. The limit is limits.hung_minutes when set; else it is derived from the run's own pace once two reports are
+seen: DERIVED_FACTOR times the longest gap seen between reports, and never under DERIVED_FLOOR_S (start-up, a first
+compile or a validation pass are slower)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Ray Data's default (`streaming_split`) starts a coordinator actor per dataset that streams blocks to the
 workers: right for data larger than memory, but for a few megabytes read at once (trainer.datasets_of) its start
-costs more than the whole read (seconds of CPU per dataset, on a small machine). A loop sees no difference: `ray.train.get_dataset_shard(name)` is its share either way, the same
-share every epoch.
+costs more than the whole read (seconds of CPU per dataset, on a small machine). A loop sees no difference:
+`ray.train.get_dataset_shard(name)` is its share either way, the same share every epoch.
 """
 
 import ray.train

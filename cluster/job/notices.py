@@ -1,17 +1,17 @@
 """The clouds' spot interruption notices, as a node's own metadata service gives them: one table, a parser per cloud.
 
-    cloud (lead)   what the node asks                        headers            no notice       a notice
-    AWS (2 min)    GET http://169.254.169.254                X-aws-ec2-meta-    404             200 {"action": "terminate",
-                   /latest/meta-data/spot/instance-action    data-token: the                    "time": "2026-11-27T04:
-                   (IMDSv2: PUT /latest/api/token first,     PUT's answer                       12:00Z"}: `time` is the
-                   with X-aws-ec2-metadata-token-ttl-seconds)                                   deadline ("stop" too)
-    GCP (30 s)     GET http://metadata.google.internal       Metadata-Flavor:   200 FALSE       200 TRUE, no time: the
-                   /computeMetadata/v1/instance/preempted    Google (answers                    deadline is when seen
-                                                             carry it too)                      + 30 s
-    Azure (30 s+)  GET http://169.254.169.254/metadata       Metadata: true     200             an event "EventType":
-                   /scheduledevents?api-version=2020-07-01                      {"Events": []}  "Preempt" naming this VM
-                                                                                                in Resources; NotBefore
-                                                                                                (RFC 1123): the deadline
+    cloud (lead)   what the node asks                        headers          no notice      a notice
+    AWS (2 min)    GET http://169.254.169.254                X-aws-ec2-meta-  404            200 {"action": "terminate",
+                   /latest/meta-data/spot/instance-action    data-token: the                 "time": "2026-11-27T04:
+                   (IMDSv2: PUT /latest/api/token first,     PUT's answer                    12:00Z"}: `time` is the
+                   with X-aws-ec2-metadata-token-ttl-seconds)                                deadline ("stop" too)
+    GCP (30 s)     GET http://metadata.google.internal       Metadata-Flavor: 200 FALSE      200 TRUE, no time: the
+                   /computeMetadata/v1/instance/preempted    Google (answers                 deadline is when seen
+                                                             carry it too)                   + 30 s
+    Azure (30 s+)  GET http://169.254.169.254/metadata       Metadata: true   200            an event "EventType":
+                   /scheduledevents?api-version=2020-07-01                    {"Events": []} "Preempt" naming this VM
+                                                                                             in Resources; NotBefore
+                                                                                             (RFC 1123): the deadline
 
 Read from the providers' documentation (EC2 "Spot Instance interruption notices" and "Use IMDSv2"; Compute Engine
 "Detect if a VM was preempted"; Azure "Scheduled Events for Linux VMs"). The first request to Azure's scheduled

@@ -1,9 +1,9 @@
-"""A hyper-parameter sweep on one cluster: Ray Tune runs trials, each trial a Ray Train run with its own MLflow child run.
+"""A hyper-parameter sweep on one cluster: Ray Tune runs trials, each a Ray Train run with its own MLflow child run.
 
     sweep: {parameters: {train.lr: {grid: [0.001, 0.01]}}, metric: val_accuracy, mode: max}   # in the spec
 
-cluster/job/__main__.py calls `run_sweep` when the spec has a sweep. Each trial is a Tune function that builds and fits a
-TorchTrainer (a trainer handed to the Tuner is deprecated); its reports reach Tune (TuneReportCallback, for ASHA)
+cluster/job/__main__.py calls `run_sweep` when the spec has a sweep. Each trial is a Tune function that builds and fits
+a TorchTrainer (a trainer handed to the Tuner is deprecated); its reports reach Tune (TuneReportCallback, for ASHA)
 and its own MLflow run, a child of the flow's (cluster/job/tracking.py). The driver side (`TrialRuns`) ends each child
 run with the trial's outcome and frees what a stopped trial leaves behind. No orchestrator here; Ray Tune is
 imported with this module, which only the job on the cluster (and its trials) loads.

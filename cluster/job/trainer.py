@@ -1,7 +1,7 @@
 """The library half of the job: a Ray Train TorchTrainer built from the spec, with its data, config and tracking.
 
-Used by the job's entry point (cluster/job/__main__.py) and by each trial of a sweep (cluster/job/sweep.py). Ray, Ray Train and
-torch are imported where a trainer is built: importing this module loads none of them.
+Used by the job's entry point (cluster/job/__main__.py) and by each trial of a sweep (cluster/job/sweep.py). Ray, Ray
+Train and torch are imported where a trainer is built: importing this module loads none of them.
 """
 
 from __future__ import annotations

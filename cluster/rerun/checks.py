@@ -31,7 +31,8 @@ class DataCheck:
 
     def describe(self) -> str:
         if self.now is None:
-            return f"{self.field} {self.uri}: missing or unreadable now ({self.problem}); the run read digest {self.recorded}"
+            return (f"{self.field} {self.uri}: missing or unreadable now ({self.problem}); the run read digest "
+                    f"{self.recorded}")
         if self.changed:
             return f"{self.field} {self.uri}: changed since the run: digest {self.recorded} then, {self.now} now"
         return f"{self.field} {self.uri}: unchanged (digest {self.now})"

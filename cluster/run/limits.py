@@ -1,4 +1,4 @@
-"""The run's limits as stop checks, and the watchdog thread that polls them: the same code in the flow and on the cluster.
+"""The run's limits as stop checks, and the watchdog thread that polls them: one code for the flow and the cluster.
 
 A check returns None, or (reason, detail) once its limit is reached: reason is what MLflow's `stopped_by` tag says.
 The flow enforces them while it lives; the job on the cluster enforces them too, so a job whose flow is gone

@@ -19,7 +19,8 @@ from gpuflow.cluster.util.waiting import wait_until
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # colours, and the cursor moves of progress bars
 FAILURE_TAIL_LINES = 60  # of the job's log, in the failure message: the traceback, even where the console hid it
 JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is not gpuflow's own (Ray's, MLflow's)
-PROGRESS = "gpuflow_progress"  # set on a log record that moves the run on: its fields, for the console (flows/cli/console.py)
+# set on a log record that moves the run on: its fields, for the console (flows/cli/console.py)
+PROGRESS = "gpuflow_progress"
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
 NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller",
          CHECKPOINT_PERSISTED)

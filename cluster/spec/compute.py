@@ -31,7 +31,8 @@ class ComputeSpec(Strict):
     use_gpu: StrictBool | None = Field(None, description="Train on GPUs; defaults to true when accelerators are set.")
     use_spot: StrictBool = Field(False, description="Use spot instances (cheaper, may be preempted).")
     infra: Annotated[str, Field(max_length=200)] | None = Field(None, description="SkyPilot infra, e.g. 'aws', 'aws/us-east-1', 'slurm/mycluster'.")
-    quota: Annotated[str, no_problem(checks.quota_name_problem)] | None = Field(None, description="The team's GPU quota the run counts against (gpuflow quota set NAME N); default: cloud-accelerator, e.g. aws-h100, or 'local'.")
+    quota: Annotated[str, no_problem(checks.quota_name_problem)] | None = Field(None, description="The team's GPU quota the run counts against (gpuflow quota set NAME N); default: "
+                                                                                  "cloud-accelerator, e.g. aws-h100, or 'local'.")
     cloud: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud name, e.g. 'aws', 'gcp' (or use infra).")
     region: Annotated[str, Field(max_length=64)] | None = Field(None, description="Cloud region, e.g. 'us-east-1'.")
     disk_size_gb: Count(10, 65_536) | None = Field(None, description="Boot disk per node in GB.")

@@ -1,6 +1,7 @@
 """What a run started from the Prefect UI form (or the API) may change of its deployment's spec; the rest is fixed.
 
-    prefect.yaml, under a deployment:   form_policy: {allow: [train.epochs, train.lr, train.params.*, compute.num_nodes]}
+    # prefect.yaml, under a deployment:
+    form_policy: {allow: [train.epochs, train.lr, train.params.*, compute.num_nodes]}
 
 Whoever can open the Prefect UI can start a run on the worker, with the worker's cloud credentials. A
 deployment with a form_policy lets such a run change only the listed fields (`*` matches one or more

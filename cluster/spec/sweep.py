@@ -111,19 +111,19 @@ def sweep_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
     workers = spec.workers_per_trial * sweep.max_concurrent_trials
     if workers > spec.compute.num_workers:
         problems.append(("sweep.max_concurrent_trials", (
-            f"{sweep.max_concurrent_trials} trials × {spec.workers_per_trial} worker(s) need {workers} workers, "
-            f"the cluster has compute.num_workers={spec.compute.num_workers}; lower max_concurrent_trials or "
-            "workers_per_trial, or add workers")))
+            f"{sweep.max_concurrent_trials} trials × {spec.workers_per_trial} worker(s) need {workers} "
+            f"workers, the cluster has compute.num_workers={spec.compute.num_workers}; lower "
+            "max_concurrent_trials or workers_per_trial, or add workers")))
     if sweep.max_trial_minutes and sweep_minutes(spec) > spec.limits.max_runtime_minutes:
         problems.append(("sweep.max_trial_minutes", (
-            f"{sweep.num_trials} trials, {sweep.max_concurrent_trials} at a time, of up to {sweep.max_trial_minutes:g} "
-            f"min each may take {sweep_minutes(spec):g} min, but limits.max_runtime_minutes="
-            f"{spec.limits.max_runtime_minutes:g} stops the sweep before; raise max_runtime_minutes to "
-            f"{sweep_minutes(spec):g} or lower max_trial_minutes")))
+            f"{sweep.num_trials} trials, {sweep.max_concurrent_trials} at a time, of up to "
+            f"{sweep.max_trial_minutes:g} min each may take {sweep_minutes(spec):g} min, but "
+            f"limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g} stops the sweep before; raise "
+            f"max_runtime_minutes to {sweep_minutes(spec):g} or lower max_trial_minutes")))
     if not problems and sweep.early_stopping and sweep.early_stopping.grace_epochs >= max_epochs(spec):
         problems.append(("sweep.early_stopping.grace_epochs", (
-            f"{sweep.early_stopping.grace_epochs} is not below the trials' {max_epochs(spec)} epochs, so no trial "
-            "could stop early; lower it or remove early_stopping")))
+            f"{sweep.early_stopping.grace_epochs} is not below the trials' {max_epochs(spec)} epochs, so no "
+            "trial could stop early; lower it or remove early_stopping")))
     return problems
 
 
@@ -153,7 +153,7 @@ def sweep_minutes(spec: ExperimentSpec) -> float:
 
 
 def billed_sweep_minutes(spec: ExperimentSpec) -> float:
-    """The most minutes a sweep can bill: its trials' time, never past limits.max_runtime_minutes (which ends the job)."""
+    """The most minutes a sweep can bill: its trials' time, capped by limits.max_runtime_minutes (it ends the job)."""
     return min(sweep_minutes(spec), spec.limits.max_runtime_minutes)
 
 

@@ -44,7 +44,7 @@ def stop_sessions(sessions: list[int], timeout_s: float = 10) -> None:
 
     Nothing in a throwaway local cluster needs a graceful stop: checkpoints and metrics are persisted before teardown,
     and Ray's own shutdown takes seconds. A caller inside one of the sessions (the supervisor) is spared, to go on
-    killing what is forked meanwhile (Ray starts its agents seconds after the raylet): it exits once the rest is gone."""
+    killing what is forked meanwhile (Ray starts its agents seconds after the raylet); it exits last."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         members = [pid for session in sessions for pid in session_members(session) if pid != os.getpid()]

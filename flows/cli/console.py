@@ -1,5 +1,5 @@
-"""What `gpuflow run` shows: provisioning, each epoch, teardown and the summary (`print_summary`). Ray's and MLflow's own lines
-from the job stay in the Prefect run's logs and in a log file; `gpuflow run -v` shows them here too.
+"""What `gpuflow run` shows: provisioning, each epoch, teardown and the summary (`print_summary`). Ray's and MLflow's
+own lines from the job stay in the Prefect run's logs and in a log file; `gpuflow run -v` shows them here too.
 
 On a terminal, one live line says where the run is (phase, epoch i/N, ETA, metrics, dollars so far), rewritten in
 place; other lines print above it. In a log or a pipe, each epoch is one short line instead."""
@@ -23,8 +23,8 @@ TASK_PHASES = {"validate": "validating", "stage-data": "provisioning", "open-mlf
                "register-model": "registering"}
 SHOWN_METRICS = 3  # of an epoch's metrics, besides perf/*: the line stays short
 CLEAR_LINE = "\r\x1b[K"
-REDRAW_S = 1.0
-RAY_PREFIX = re.compile(r"^(?:\([^()]*pid=\d+[^()]*\) )+")  # "(RayTrainWorker pid=8380) ": which Ray process said it  # the live line's clock: ETA and dollars move between epochs too
+REDRAW_S = 1.0  # the live line's clock: ETA and dollars move between epochs too
+RAY_PREFIX = re.compile(r"^(?:\([^()]*pid=\d+[^()]*\) )+")  # "(RayTrainWorker pid=8380) ": which Ray process said it
 
 
 class HideJobDetail(logging.Filter):
@@ -248,8 +248,9 @@ def print_summary(spec, summary: dict, seconds: float, log_file: Path | None) ->
     print("  metrics      " + metrics_line(summary["metrics"]))
     sweep = summary.get("sweep")
     if sweep:
-        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, {sweep['failed_trials']} "
-              f"failed; best: " + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
+        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, "
+              f"{sweep['failed_trials']} failed; best: "
+              + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
               + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
     print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")

@@ -67,8 +67,9 @@ MEMORY_LEASES = "prefect.server.concurrency.lease_storage.memory"
 
 
 def forgetful_server(client) -> str | None:
-    """What to tell the admin when the Prefect server keeps the quota's leases in memory (Prefect's default): a restart
-    forgets them and the slots stay taken until a recount. None when it keeps them on disk or in Redis, or will not say."""
+    """What to tell the admin when the Prefect server keeps the quota's leases in memory (Prefect's default): a
+    restart forgets them and the slots stay taken until a recount. None when it keeps them on disk or in Redis, or
+    will not say."""
     try:
         storage = client.request("GET", "/admin/settings").json()["server"]["concurrency"]["lease_storage"]
     except Exception:  # an older server, or the admin routes closed: nothing to say

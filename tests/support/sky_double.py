@@ -126,7 +126,8 @@ class FakeSky:
             if self.scenario == "capacity":
                 request.lines.append("Failed to acquire resources in all zones")
                 raise sky.exceptions.ResourcesUnavailableError(
-                    f"Failed to provision all possible launchable resources. Relax the task's resource requirements: {task.num_nodes}x {list(task.resources)}")
+                    "Failed to provision all possible launchable resources. Relax the task's resource requirements: "
+                    f"{task.num_nodes}x {list(task.resources)}")
             launched = self._first_with_capacity(task, request)
             with self._lock:
                 self.clusters[cluster_name] = {"name": cluster_name, "status": sky.ClusterStatus.UP,
@@ -156,8 +157,9 @@ class FakeSky:
             request.lines.append(f"Failed to provision {resources}: trying other potential resources.")
         blocks = "".join(  # SkyPilot's own layout (cloud_vm_ray_backend._format_provision_failure_blocks): the
             # header names the place and GPUs, never spot; the SDK puts its summary (coloured) in front
-            f"\u2717 {r.infra.formatted_str()} \u2014 ({''.join(f'gpus={k}:{v}, ' for k, v in (r.accelerators or {}).items())}"
-            f"...)\n  {e}\n\n" for r, e in tried.items())
+            f"\u2717 {r.infra.formatted_str()} \u2014 ("
+            f"{''.join(f'gpus={k}:{v}, ' for k, v in (r.accelerators or {}).items())}...)\n  {e}\n\n"
+            for r, e in tried.items())
         raise sky.exceptions.ResourcesUnavailableError(
             "\x1b[31mFailed to provision all possible launchable resources.\x1b[0m Relax the task's resource "
             f"requirements: {task.num_nodes}x {list(task.resources)[0]}\n"

@@ -45,7 +45,7 @@ class TeamStack:
 
 @contextlib.contextmanager
 def team_stack():
-    """PostgreSQL → Prefect server (PostgreSQL, basic auth) → MLflow basic-auth server (PostgreSQL); torn down in reverse."""
+    """PostgreSQL → Prefect server (PostgreSQL, basic auth) → MLflow basic-auth server (PostgreSQL); down in reverse."""
     # Not pytest's tmp_path: its parents are private to root, and the database server runs as `postgres`.
     home = Path(tempfile.mkdtemp(prefix="gpuflow-team-"))
     home.chmod(0o755)

@@ -96,8 +96,8 @@ class LocalBackend(WarmClusters):
 
     # -- run the job ------------------------------------------------------------------------------
     def exec(self, handle: ClusterHandle, spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> str:
-        """Starts cluster/job/__main__.py against the cluster as a process of its own, as on a remote head node; or hands the
-        run to the job process already waiting there (`prewarm`)."""
+        """Starts cluster/job/__main__.py against the cluster as a process of its own, as on a remote head node; or
+        hands the run to the job process already waiting there (`prewarm`)."""
         folder = self.root / handle.name
         spec_file = folder / f"{run_name}.spec.json"
         spec_file.write_text(spec.anchored().model_dump_json())  # the job's folder is not the flow's

@@ -1,12 +1,13 @@
 """Starts a real multi-node Ray cluster on 127.0.0.1 and holds it until SIGTERM or its owner's death (the supervisor).
 
-    python -m gpuflow.cluster.backends.local.supervisor --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x --address-file a.txt --owner-pid 123
+    python -m gpuflow.cluster.backends.local.supervisor --nodes 2 --cpus-per-node 2 --temp-dir /tmp/gf-ray-x \
+        --address-file a.txt --owner-pid 123
 
 The owner is the process that launched the cluster (the flow). When it dies (kill -9, OOM, a runner that
 SIGKILLs its flow), nothing else would ever stop this cluster: the supervisor tells the jobs on it
 (which end their MLflow run as orphaned), then stops every process of the cluster, itself last.
-A spare cluster of the warm stack (flows/local_stack/stack.py) changes hands: the run that claims it writes its own pid to
-the `owner` file in the temp dir, and from then on that process is the owner.
+A spare cluster of the warm stack (flows/local_stack/stack.py) changes hands: the run that claims it writes its own
+pid to the `owner` file in the temp dir, and from then on that process is the owner.
 """
 
 import argparse

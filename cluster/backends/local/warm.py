@@ -19,7 +19,8 @@ from gpuflow.cluster.util.processes import alive, session_alive, stop_sessions
 # The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process
 # launches): a hand-over inside one process, so a plain variable.
 PREWARMED: list[str] = []
-SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"  # the warm stack's clusters that no run has claimed yet (flows/local_stack/stack.py)
+# the warm stack's clusters that no run has claimed yet (flows/local_stack/stack.py)
+SPARE_PREFIX = f"{CLUSTER_PREFIX}spare-"
 
 
 class WarmClusters:
@@ -28,9 +29,9 @@ class WarmClusters:
 
     def prewarm(self, spec: ExperimentSpec) -> str:
         """A cluster for a flow run that has no id yet; `launch` adopts it when the shape matches. It is the warm
-        stack's spare (flows/local_stack/stack.py) when one of that shape is up, else one started now, so that it starts while
-        Prefect's API starts and the flow run begins. The job's process starts now too: its imports (Ray, torch,
-        MLflow: seconds) overlap the flow's start, and it waits for `exec` to hand it the run."""
+        stack's spare (flows/local_stack/stack.py) when one of that shape is up, else one started now, so that it
+        starts while Prefect's API starts and the flow run begins. The job's process starts now too: its imports (Ray,
+        torch, MLflow: seconds) overlap the flow's start, and it waits for `exec` to hand it the run."""
         name = self.claim_spare(spec)
         if name is None:
             name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"

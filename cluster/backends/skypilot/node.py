@@ -1,4 +1,4 @@
-"""Runs on every node of a SkyPilot cluster: joins one Ray cluster, watches for a spot notice, and on rank 0 runs the job.
+"""Runs on every node of a SkyPilot cluster: joins one Ray cluster, watches for a spot notice, on rank 0 runs the job.
 
     run: python -m gpuflow.cluster.backends.skypilot.node          (the whole `run:` of gpuflow's SkyPilot task)
 

@@ -34,7 +34,7 @@ def bin_dir() -> Path | None:
 
 
 def available(install: bool = True) -> tuple[bool, str]:
-    """(True, "") when a PostgreSQL server can run here; installs Debian's package when root (as for Slurm, Chromium)."""
+    """(True, "") when a PostgreSQL server can run here; installs Debian's package as root (as for Slurm, Chromium)."""
     if bin_dir() is None and install and os.geteuid() == 0 and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         command = ["apt-get", "install", "-y", "--no-install-recommends", "postgresql"]

@@ -177,8 +177,9 @@ def sky_clusters(infra: SlurmInfra | None = None, refresh: bool = False) -> list
 def sky_status(infra: SlurmInfra | None = None, refresh: bool = False) -> list[dict]:
     """`sky status` records of the harness's SkyPilot client: name, status, autostop (minutes), to_down."""
     env = infra.subprocess_env() if infra else dict(os.environ, **_harness_env())
+    mode = "sky.StatusRefreshMode.FORCE" if refresh else "sky.StatusRefreshMode.NONE"
     code = ("import json, sky\n"
-            f"recs = sky.get(sky.status(refresh={'sky.StatusRefreshMode.FORCE' if refresh else 'sky.StatusRefreshMode.NONE'}))\n"
+            f"recs = sky.get(sky.status(refresh={mode}))\n"
             "print('SKY_CLUSTERS=' + json.dumps([{'name': r['name'], 'status': r['status'].value,\n"
             "    'autostop': r['autostop'], 'to_down': r['to_down']} for r in recs]))\n")
     r = subprocess.run([_python(), "-c", code], env=env, capture_output=True, text=True, timeout=300)
