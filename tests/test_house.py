@@ -2,12 +2,14 @@
 Prefect, every GPUFLOW_* variable read in the settings or the contract module only (however spelled), MLflow tags
 named in the contract module only, at most 12 modules a folder, flows/ in rooms (no arrow back up, at most 5
 floors), the flow's functions of at most 4 parameters, no print-function sinks in cluster/, a README under 400
-lines. Each check has a companion test that shows it catching a deliberate offence."""
+lines, ruff's lint and format clean. Each check has a companion test that shows it catching a deliberate offence."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.support.repo import REPO
@@ -495,3 +497,36 @@ def fine(write: Callable[[str], int]):
     pass
 """
     assert print_sinks(source) == ["launch(say)", "launch(log)", "wait(out)"]
+
+
+# -- ruff: lint and format clean ---------------------------------------------------------------------------------------
+LINTED = ("flows", "tasks", "cluster", "tests", "benchmarks", "experiments")  # pyproject.toml's [tool.ruff] include
+RUFF_FINDING = re.compile(r"^\S+:\d+:\d+: ")  # path:line:column: what (--output-format concise)
+
+
+def ruff_findings(root: Path = REPO, folders: tuple[str, ...] = LINTED) -> list[str]:
+    """What `ruff check` and `ruff format --check` say of `folders` under `root` (its pyproject.toml's settings, this
+    venv's ruff: the dev extra pins it), one line per finding; ruff's whole output when it fails without one."""
+    found = []
+    for command in (["check"], ["format", "--check"]):
+        done = subprocess.run([sys.executable, "-m", "ruff", *command, "--output-format", "concise", "--no-cache",
+                               *folders], cwd=root, capture_output=True, text=True, timeout=300)
+        lines = [line for line in done.stdout.splitlines() if RUFF_FINDING.match(line)]
+        found += lines or ([f"ruff {command[0]} exited {done.returncode}: {done.stdout}{done.stderr}"]
+                           if done.returncode else [])
+    return found
+
+
+def test_ruff_finds_nothing_to_lint_or_format():
+    """`ruff check --fix` and `ruff format` (the venv's: pip install -e .[dev]) fix most findings."""
+    findings = ruff_findings()
+    assert findings == [], "\n".join(findings)
+
+
+def test_the_ruff_check_finds_a_lint_and_a_format_finding(tmp_path):
+    (tmp_path / "pyproject.toml").write_text((REPO / "pyproject.toml").read_text())
+    (tmp_path / "flows").mkdir()
+    (tmp_path / "flows" / "bad.py").write_text('"""Bad."""\n\nimport os\n\nx = {\'a\':1}\n')
+    (tmp_path / "flows" / "good.py").write_text('"""Fine."""\n\nx = {"a": 1}\n')
+    assert ruff_findings(tmp_path, ("flows",)) == [
+        "flows/bad.py:3:8: F401 [*] `os` imported but unused", "flows/bad.py:5:6: unformatted: File would be reformatted"]
