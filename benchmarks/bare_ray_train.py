@@ -29,15 +29,20 @@ class PrintEpochs(UserCallback):
     """What a user of bare Ray Train would watch: each report, as a line (the benchmark times the first and last)."""
 
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        print(f"[gpuflow] epoch {metrics[0].get('epoch')}: " + " ".join(f"{k}={v}" for k, v in metrics[0].items()),
-              flush=True)
+        print(
+            f"[gpuflow] epoch {metrics[0].get('epoch')}: " + " ".join(f"{k}={v}" for k, v in metrics[0].items()),
+            flush=True,
+        )
 
 
 spec = load_spec(sys.argv[1], sys.argv[2:])
 temp_dir = tempfile.mkdtemp(prefix="gf-bare-", dir="/tmp")
-ray.init(num_cpus=spec.compute.num_workers + 1,  # one for Ray Data's reads, as the local backend gives
-         include_dashboard=False, _temp_dir=temp_dir,
-         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+ray.init(
+    num_cpus=spec.compute.num_workers + 1,  # one for Ray Data's reads, as the local backend gives
+    include_dashboard=False,
+    _temp_dir=temp_dir,
+    runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+)
 print(f"[bench] cluster up {time.time():.3f}", flush=True)
 trainer = TorchTrainer(
     resolve(spec.train.loop),

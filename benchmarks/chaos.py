@@ -62,15 +62,28 @@ class Soak:
             named = {run_id for run_id in self.check.records if any(run_id in v for v in self.check.violations)}
             by_id = {run.flow_run_id: run for run in self.runs}
             for run_id in sorted(named):
-                lines.append(f"  records of flow run {run_id}"
-                             + (f" (run {by_id[run_id].index}, fault {by_id[run_id].fault['name']})"
-                                if run_id in by_id else " (not one the soak launched)"))
+                lines.append(
+                    f"  records of flow run {run_id}"
+                    + (
+                        f" (run {by_id[run_id].index}, fault {by_id[run_id].fault['name']})"
+                        if run_id in by_id
+                        else " (not one the soak launched)"
+                    )
+                )
                 lines += [f"    {key}: {value}" for key, value in self.check.records[run_id].items()]
         return "\n".join(lines)
 
 
-def soak(runs: int, seed: int, overlap: int = 2, serve: bool = True, converge_bound_s: float = 120,
-         root: Path | None = None, keep: bool = False, say=print) -> Soak:
+def soak(
+    runs: int,
+    seed: int,
+    overlap: int = 2,
+    serve: bool = True,
+    converge_bound_s: float = 120,
+    root: Path | None = None,
+    keep: bool = False,
+    say=print,
+) -> Soak:
     plan = draw(random.Random(seed), runs, serve)
     stack = Stack(root)
     say(f"[chaos] {runs} runs, seed {seed}, in {stack.root}: " + ", ".join(r.fault["name"] for r in plan))
@@ -81,8 +94,11 @@ def soak(runs: int, seed: int, overlap: int = 2, serve: bool = True, converge_bo
         time.sleep(LEASE_LAPSE_S)
         reaped_at = time.monotonic()
         reaper_output = reap(stack)
-        said = [line.split(" - ", 1)[-1].strip() for line in reaper_output.splitlines()
-                if any(word in line for word in ("Crashed", "closed", "down ", "quota ", "exited"))]
+        said = [
+            line.split(" - ", 1)[-1].strip()
+            for line in reaper_output.splitlines()
+            if any(word in line for word in ("Crashed", "closed", "down ", "quota ", "exited"))
+        ]
         say("[chaos] reaper: " + (" | ".join(said) or "nothing to do"))
         while True:
             found = check(stack)
@@ -125,7 +141,12 @@ def reap(stack: Stack) -> str:
     """One reconciler pass: the reaper as its deployment runs it, on the local backend."""
     done_ = subprocess.run(
         [sys.executable, "-c", "from gpuflow.flows.reaper import reap_clusters; reap_clusters(backends=['local'])"],
-        cwd=stack.root, env=stack.client_env(), capture_output=True, text=True, timeout=300)
+        cwd=stack.root,
+        env=stack.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = done_.stdout + done_.stderr
     (stack.root / "reaper.log").write_text(output)
     return output if done_.returncode == 0 else f"reaper exited {done_.returncode}:\n{output[-3000:]}"
@@ -160,7 +181,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--overlap", type=int, default=2, help="runs going at once")
     parser.add_argument("--no-serve", action="store_true", help="every run through `gpuflow run`")
-    parser.add_argument("--converge-s", type=float, default=120, help="how long the invariants may take after the reaper")
+    parser.add_argument(
+        "--converge-s", type=float, default=120, help="how long the invariants may take after the reaper"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, databases) for a look")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, interrupted)  # `kill` stops it as Ctrl-C does: everything started is stopped
@@ -171,12 +194,24 @@ def main() -> int:
     print(result.report())
     figures = result.check.figures
     converged = f"{result.converge_s:.0f}" if result.converge_s is not None else f"> {args.converge_s:.0f}"
-    print(f"[chaos] {'PASS' if result.passed else 'FAIL'}: flow runs final {figures['flow runs final']}, MLflow "
-          f"RUNNING {figures['MLflow RUNNING']}, clusters left {figures['clusters left']}, processes left "
-          f"{figures['processes left']}, slots held {figures['slots held']}, messages per bad end "
-          f"{figures['messages per bad end']}, converged in {converged} s")
-    record("chaos", {"runs": args.runs, "seed": args.seed, "overlap": args.overlap, "faults": result.faults(), **figures,
-                     "converge s": converged, "result": "PASS" if result.passed else "FAIL"})
+    print(
+        f"[chaos] {'PASS' if result.passed else 'FAIL'}: flow runs final {figures['flow runs final']}, MLflow "
+        f"RUNNING {figures['MLflow RUNNING']}, clusters left {figures['clusters left']}, processes left "
+        f"{figures['processes left']}, slots held {figures['slots held']}, messages per bad end "
+        f"{figures['messages per bad end']}, converged in {converged} s"
+    )
+    record(
+        "chaos",
+        {
+            "runs": args.runs,
+            "seed": args.seed,
+            "overlap": args.overlap,
+            "faults": result.faults(),
+            **figures,
+            "converge s": converged,
+            "result": "PASS" if result.passed else "FAIL",
+        },
+    )
     return 0 if result.passed else 1
 
 

@@ -7,8 +7,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-INVARIANTS = ("flow runs final", "no MLflow run RUNNING", "no cluster left", "no quota slot held",
-              "one message per bad end")  # a bad end: Failed or Crashed; Completed and Cancelled get none
+INVARIANTS = (
+    "flow runs final",
+    "no MLflow run RUNNING",
+    "no cluster left",
+    "no quota slot held",
+    "one message per bad end",
+)  # a bad end: Failed or Crashed; Completed and Cancelled get none
 
 
 @dataclass
@@ -30,8 +35,9 @@ def check(stack) -> Check:
     with stack.client() as client:
         flows = {flow.id: flow.name for flow in client.read_flows()}
         flow_runs = [run for run in client.read_flow_runs(limit=200) if flows.get(run.flow_id) != "reap-clusters"]
-        limits = [limit for limit in client.read_global_concurrency_limits(limit=200)
-                  if limit.name.startswith(LIMIT_PREFIX)]
+        limits = [
+            limit for limit in client.read_global_concurrency_limits(limit=200) if limit.name.startswith(LIMIT_PREFIX)
+        ]
     mlflow = MlflowClient(stack.mlflow_url)
     experiments = [e.experiment_id for e in mlflow.search_experiments()]
     mlflow_runs = mlflow.search_runs(experiments, max_results=1000) if experiments else []
@@ -47,9 +53,13 @@ def check(stack) -> Check:
         records[flow_run_id] = {
             "flow run": f"{run.name} {state.name if state else 'no state'}: {((state and state.message) or '')[:160]}",
             "tags": ",".join(tag for tag in run.tags if tag.startswith("quota")),
-            "mlflow": [f"{r.info.run_id} {r.info.status} stopped_by={r.data.tags.get(STOPPED_BY_TAG, '-')} "
-                       f"notified={r.data.tags.get(NOTIFIED_TAG, '-')}" for r in mine],
-            "messages": events}
+            "mlflow": [
+                f"{r.info.run_id} {r.info.status} stopped_by={r.data.tags.get(STOPPED_BY_TAG, '-')} "
+                f"notified={r.data.tags.get(NOTIFIED_TAG, '-')}"
+                for r in mine
+            ],
+            "messages": events,
+        }
         if not (state and state.is_final()):
             violations.append(f"flow runs final: {flow_run_id} is {state.name if state else 'without a state'}")
         elif state.is_cancelled():  # a person's own stop: not messaged, by design (flows/run_messages.py notify_end)
@@ -59,14 +69,16 @@ def check(stack) -> Check:
             bad_ends += 1
             messages_per_bad.append(len(events))
             if len(events) != 1:
-                violations.append(f"one message per bad end: {flow_run_id} ended {state.name} with "
-                                  f"{len(events)} message(s) {events}")
+                violations.append(
+                    f"one message per bad end: {flow_run_id} ended {state.name} with {len(events)} message(s) {events}"
+                )
         elif events:
             violations.append(f"one message per bad end: {flow_run_id} Completed yet messaged {events}")
     running = [r for r in mlflow_runs if r.info.status == "RUNNING"]
     for r in running:
-        violations.append(f"no MLflow run RUNNING: {r.info.run_id} of flow run "
-                          f"{r.data.tags.get('prefect.flow_run_id', '?')}")
+        violations.append(
+            f"no MLflow run RUNNING: {r.info.run_id} of flow run {r.data.tags.get('prefect.flow_run_id', '?')}"
+        )
     clusters = LocalBackend(root=stack.home / "clusters").status()
     for cluster in clusters:
         violations.append(f"no cluster left: {cluster.name} ({cluster.status})")
@@ -78,7 +90,16 @@ def check(stack) -> Check:
         if limit.active_slots:
             violations.append(f"no quota slot held: {limit.name} holds {limit.active_slots} of {limit.limit}")
     final = sum(bool(r.state and r.state.is_final()) for r in flow_runs)
-    return Check({"flow runs final": f"{final}/{len(flow_runs)}", "MLflow RUNNING": len(running),
-                  "clusters left": len(clusters), "processes left": len(processes), "slots held": held,
-                  "messages per bad end": ",".join(map(str, sorted(messages_per_bad))) or "no bad end",
-                  "bad ends": bad_ends}, violations, records)
+    return Check(
+        {
+            "flow runs final": f"{final}/{len(flow_runs)}",
+            "MLflow RUNNING": len(running),
+            "clusters left": len(clusters),
+            "processes left": len(processes),
+            "slots held": held,
+            "messages per bad end": ",".join(map(str, sorted(messages_per_bad))) or "no bad end",
+            "bad ends": bad_ends,
+        },
+        violations,
+        records,
+    )

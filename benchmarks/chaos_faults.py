@@ -39,11 +39,21 @@ STRIKE_WINDOW_S = (2.0, 30.0)  # seconds after a run's start: queueing, provisio
 def soak_overrides(stack) -> list[str]:
     """The spec of every run: the plain Ray Train loop (no data), 8 epochs of a second, one worker (one quota slot),
     a short orphan grace (12 s), tracked on the soak's MLflow server, messages to its webhook."""
-    return [f"workdir={REPO}", "name=chaos-soak", "train.loop=tests.loops.plain:epochs_with_checkpoints",
-            "train.epochs=8", "train.params={offset: 0, pace_s: 1}", "compute.workers_per_node=1",
-            "limits.orphan_grace_minutes=0.2", "limits.max_queue_minutes=4", "limits.max_runtime_minutes=6",
-            "tracking.register_model=false", f"tracking.uri={stack.mlflow_url}", "data=null",
-            "notify.block=chaos-hook"]
+    return [
+        f"workdir={REPO}",
+        "name=chaos-soak",
+        "train.loop=tests.loops.plain:epochs_with_checkpoints",
+        "train.epochs=8",
+        "train.params={offset: 0, pace_s: 1}",
+        "compute.workers_per_node=1",
+        "limits.orphan_grace_minutes=0.2",
+        "limits.max_queue_minutes=4",
+        "limits.max_runtime_minutes=6",
+        "tracking.register_model=false",
+        f"tracking.uri={stack.mlflow_url}",
+        "data=null",
+        "notify.block=chaos-hook",
+    ]
 
 
 @dataclass
@@ -63,24 +73,38 @@ class Run:
 
     def describe(self) -> str:
         at = f"{self.struck_s:.0f}s" if self.struck_s is not None else "-"
-        return (f"run {self.index} ({self.via}, flow run {self.flow_run_id or '?'}): fault {self.fault['name']} drawn "
-                f"at {self.strike_at_s:.0f}s, applied at {at}: {self.applied or 'not applied'}" + (" (hung: killed)" if self.hung else ""))
+        return (
+            f"run {self.index} ({self.via}, flow run {self.flow_run_id or '?'}): fault {self.fault['name']} drawn "
+            f"at {self.strike_at_s:.0f}s, applied at {at}: {self.applied or 'not applied'}"
+            + (" (hung: killed)" if self.hung else "")
+        )
 
 
 def draw(rng: random.Random, runs: int, serve: bool) -> list[Run]:
     """Each run's fault and moment, from the seed alone; every other run through the served deployment."""
-    return [Run(i, "serve" if serve and i % 2 else "cli", rng.choice(FAULTS), rng.uniform(*STRIKE_WINDOW_S))
-            for i in range(runs)]
+    return [
+        Run(i, "serve" if serve and i % 2 else "cli", rng.choice(FAULTS), rng.uniform(*STRIKE_WINDOW_S))
+        for i in range(runs)
+    ]
 
 
 def launch(run: Run, stack) -> None:
     run.started = time.monotonic()
     if run.via == "cli":
         run.process = subprocess.Popen(
-            [str(BIN / "gpuflow"), "run", str(REPO / "experiments" / "digits.yaml"),
-             *[f"--set={item}" for item in soak_overrides(stack)]],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=stack.root, env=stack.client_env(),
-            start_new_session=True)
+            [
+                str(BIN / "gpuflow"),
+                "run",
+                str(REPO / "experiments" / "digits.yaml"),
+                *[f"--set={item}" for item in soak_overrides(stack)],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=stack.root,
+            env=stack.client_env(),
+            start_new_session=True,
+        )
         threading.Thread(target=read_lines, args=(run,), daemon=True).start()
         return
     with stack.client() as client:
@@ -135,8 +159,11 @@ def done(run: Run, stack) -> bool:
         if state and state.is_final():
             return True
         # a served run whose engine is gone (killed) stays Running forever: over once nothing runs it
-        return bool(state and (state.is_running() or state.is_pending())) and not flow_processes(run) \
+        return (
+            bool(state and (state.is_running() or state.is_pending()))
+            and not flow_processes(run)
             and time.monotonic() - run.started > 60
+        )
     return False
 
 
@@ -157,7 +184,8 @@ def strike(run: Run, stack) -> None:
                     with contextlib.suppress(OSError):
                         os.kill(member.pid, fault["signal"])
                 run.applied = f"{fault['signal'].name} to pid {process.pid}" + (
-                    f" and its group ({len(struck)} processes)" if fault["group"] else "")
+                    f" and its group ({len(struck)} processes)" if fault["group"] else ""
+                )
         elif target == "cluster":
             run.applied = kill_raylet(run, stack)
         elif target == "api":

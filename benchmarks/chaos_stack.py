@@ -56,8 +56,9 @@ class Webhook:
         class Receiver(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null") or {}
-                prefect = next((line for line in str(body.get("body", "")).splitlines()
-                                if line.startswith("Prefect:")), "")
+                prefect = next(
+                    (line for line in str(body.get("body", "")).splitlines() if line.startswith("Prefect:")), ""
+                )
                 found = UUID.search(prefect)
                 event = str(body.get("subject", "")).split()[-1:] or ["?"]
                 (messages[found.group(0)].append(event[0]) if found else unmatched.append(body))
@@ -104,16 +105,29 @@ class Stack:
         return env
 
     def start_prefect(self) -> None:
-        env = self.server_env(PREFECT_HOME=str(self.root / "prefect-server"), PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false")
+        env = self.server_env(
+            PREFECT_HOME=str(self.root / "prefect-server"), PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false"
+        )
         (self.root / "prefect-server").mkdir(exist_ok=True)
         context = serving(prefect_server_at(env), self.root / "prefect-server.log", "/api/health", self.prefect_port)
         self.prefect, _ = self.exits.enter_context(context)
 
     def start_mlflow(self) -> None:
         env = self.server_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-        command = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(self.mlflow_port),
-                   "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-                   "--artifacts-destination", str(self.root / "mlflow-artifacts")]
+        command = [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.mlflow_port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.root / "mlflow-artifacts"),
+        ]
         context = serving(lambda port: (command, env), self.root / "mlflow.log", "/health", self.mlflow_port)
         self.mlflow, _ = self.exits.enter_context(context)
 
@@ -128,13 +142,26 @@ class Stack:
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """The environment of every gpuflow command of the soak: its Prefect server, its home, no warm stack."""
-        return base_env(PREFECT_API_URL=self.api_url, PREFECT_UI_URL=self.api_url.removesuffix("/api"),
-                        GPUFLOW_HOME=str(self.home), PREFECT_HOME=str(self.root / "prefect-client"),
-                        GPUFLOW_STACK="off", PYTHONUNBUFFERED="1", PREFECT_RUNNER_POLL_FREQUENCY="1", **extra)
+        return base_env(
+            PREFECT_API_URL=self.api_url,
+            PREFECT_UI_URL=self.api_url.removesuffix("/api"),
+            GPUFLOW_HOME=str(self.home),
+            PREFECT_HOME=str(self.root / "prefect-client"),
+            GPUFLOW_STACK="off",
+            PYTHONUNBUFFERED="1",
+            PREFECT_RUNNER_POLL_FREQUENCY="1",
+            **extra,
+        )
 
     def gpuflow(self, *args: str, timeout_s: float = 180) -> str:
-        done = subprocess.run([str(BIN / "gpuflow"), *args], capture_output=True, text=True, cwd=self.root,
-                              env=self.client_env(), timeout=timeout_s)
+        done = subprocess.run(
+            [str(BIN / "gpuflow"), *args],
+            capture_output=True,
+            text=True,
+            cwd=self.root,
+            env=self.client_env(),
+            timeout=timeout_s,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"gpuflow {' '.join(args)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
         return done.stdout
@@ -151,15 +178,26 @@ class Stack:
         log = open(self.root / "serve.log", "ab")
         self.exits.callback(log.close)
         self.serve = subprocess.Popen(
-            [str(BIN / "gpuflow"), "serve", "--only=run-experiment", f"--limit={limit}",
-             *[f"--set={item}" for item in overrides]],
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=self.client_env(), start_new_session=True)
+            [
+                str(BIN / "gpuflow"),
+                "serve",
+                "--only=run-experiment",
+                f"--limit={limit}",
+                *[f"--set={item}" for item in overrides],
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=self.client_env(),
+            start_new_session=True,
+        )
         self.exits.callback(self.stop_serve)
         deadline = time.monotonic() + 240
         while self.deployment() is None:
             if self.serve.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("gpuflow serve did not register run-experiment:\n"
-                                   + (self.root / "serve.log").read_text()[-3000:])
+                raise RuntimeError(
+                    "gpuflow serve did not register run-experiment:\n" + (self.root / "serve.log").read_text()[-3000:]
+                )
             time.sleep(1)
 
     def stop_serve(self) -> None:

@@ -47,8 +47,12 @@ def write_parquet(folder: Path, size_gb: float) -> int:
     for index, start in enumerate(range(0, rows, ROWS_PER_FILE)):
         count = min(ROWS_PER_FILE, rows - start)
         features = generator.random((count, FEATURES), dtype=np.float32)
-        table = pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), FEATURES),
-                          "label": pa.array(generator.integers(0, 10, count))})
+        table = pa.table(
+            {
+                "features": pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), FEATURES),
+                "label": pa.array(generator.integers(0, 10, count)),
+            }
+        )
         pq.write_table(table, folder / f"part-{index:04d}.parquet", compression=None)
     return rows
 
@@ -110,9 +114,18 @@ def worker_loop(config: dict) -> None:
     seconds = time.perf_counter() - started
     peak_mb = max(peak_mb, private_mb())
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    Path(config["out"], f"{config['mode']}-{rank}.json").write_text(json.dumps(
-        {"rank": rank, "rows": rows, "seconds": seconds, "peak_mb": peak_mb, "growth_mb": peak_mb - start_mb,
-         "peak_rss_mb": peak_rss_mb}))
+    Path(config["out"], f"{config['mode']}-{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "rows": rows,
+                "seconds": seconds,
+                "peak_mb": peak_mb,
+                "growth_mb": peak_mb - start_mb,
+                "peak_rss_mb": peak_rss_mb,
+            }
+        )
+    )
     ray.train.report({"rows": rows})
 
 
@@ -122,7 +135,8 @@ def run(mode: str, path: Path, out: Path, storage: Path) -> list[dict]:
     from ray.train.torch import TorchTrainer
 
     trainer = TorchTrainer(
-        worker_loop, train_loop_config={"mode": mode, "path": str(path), "out": str(out)},
+        worker_loop,
+        train_loop_config={"mode": mode, "path": str(path), "out": str(out)},
         datasets={"train": ray.data.read_parquet(str(path))} if mode == "stream" else None,
         scaling_config=ray.train.ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 1}),
         run_config=ray.train.RunConfig(name=f"{mode}-{time.time_ns()}", storage_path=str(storage)),
@@ -141,8 +155,9 @@ def main() -> None:
         os.environ["GPUFLOW_HOME"] = str(scratch / "home")
         from gpuflow.cluster.spec import parse_spec
 
-        spec = parse_spec({"train": {"loop": "x:y"}, "data": {"train": "x.parquet"},
-                           "compute": {"workers_per_node": WORKERS}})
+        spec = parse_spec(
+            {"train": {"loop": "x:y"}, "data": {"train": "x.parquet"}, "compute": {"workers_per_node": WORKERS}}
+        )
         local.LAUNCH_TIMEOUT_S = 600  # a busy shared machine can take minutes to start Ray
         import ray
 
@@ -151,11 +166,17 @@ def main() -> None:
         try:
             # as gpuflow's job does: Ray Train's and Ray Data's own actors must not guess among the Ray clusters
             # on this machine
-            ray.init(address=handle.address, logging_level="ERROR", log_to_driver=False,
-                     runtime_env={"env_vars": {"RAY_ADDRESS": handle.address}})
+            ray.init(
+                address=handle.address,
+                logging_level="ERROR",
+                log_to_driver=False,
+                runtime_env={"env_vars": {"RAY_ADDRESS": handle.address}},
+            )
             recorded = []  # rows for benchmarks/README.md, written once the cluster is down
-            print(f"{'size':>7} {'reader':>7} {'peak private/worker':>20} {'growth/worker':>14} "
-                  f"{'peak RSS/worker':>16} {'rows/s/worker':>14}")
+            print(
+                f"{'size':>7} {'reader':>7} {'peak private/worker':>20} {'growth/worker':>14} "
+                f"{'peak RSS/worker':>16} {'rows/s/worker':>14}"
+            )
             for size in args.sizes_gb:
                 path = scratch / f"data-{size}"
                 rows = write_parquet(path, size)
@@ -167,12 +188,20 @@ def main() -> None:
                     peak, rss = (max(w[key] for w in workers) for key in ("peak_mb", "peak_rss_mb"))
                     growth = max(w["growth_mb"] for w in workers)
                     speed = min(w["rows"] / w["seconds"] for w in workers)
-                    print(f"{size:>5.2f}GB {mode:>7} {peak:>17.0f} MB {growth:>11.0f} MB {rss:>13.0f} MB "
-                          f"{speed:>14,.0f}", flush=True)
-                    recorded.append({"Parquet GB": f"{size:g}", "reader": mode,
-                                     "peak private MB per worker": f"{peak:,.0f}",
-                                     "growth MB per worker": f"{growth:,.0f}", "peak RSS MB per worker": f"{rss:,.0f}",
-                                     "rows/s per worker": f"{speed:,.0f}"})
+                    print(
+                        f"{size:>5.2f}GB {mode:>7} {peak:>17.0f} MB {growth:>11.0f} MB {rss:>13.0f} MB {speed:>14,.0f}",
+                        flush=True,
+                    )
+                    recorded.append(
+                        {
+                            "Parquet GB": f"{size:g}",
+                            "reader": mode,
+                            "peak private MB per worker": f"{peak:,.0f}",
+                            "growth MB per worker": f"{growth:,.0f}",
+                            "peak RSS MB per worker": f"{rss:,.0f}",
+                            "rows/s per worker": f"{speed:,.0f}",
+                        }
+                    )
                 ratio = max(w["peak_mb"] for w in results["table"]) / max(w["peak_mb"] for w in results["stream"])
                 print(f"{'':>7} table/stream peak private memory: {ratio:.2f}x", flush=True)
                 for part in path.iterdir():

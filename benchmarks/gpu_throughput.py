@@ -62,8 +62,9 @@ def timed(run, device) -> float:
     return time.perf_counter() - started
 
 
-def measure(precision: str, shape: dict, steps: int, warmup: int, repeats: int, device: torch.device,
-            compile_model: bool) -> dict:
+def measure(
+    precision: str, shape: dict, steps: int, warmup: int, repeats: int, device: torch.device, compile_model: bool
+) -> dict:
     """samples/s of both loops (best of repeats), and the MFU of each."""
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
@@ -107,8 +108,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a CPU-sized model and few steps (CI)")
     parser.add_argument("--steps", type=int, help="timed steps per measurement (default 30; 5 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; 2 with --tiny)")
-    parser.add_argument("--repeats", type=int, default=None, help="measurements of each loop (default 3; 2 with --tiny)")
-    parser.add_argument("--precisions", default=None, help="comma-separated: fp32,tf32,bf16 (default: fp32,bf16, plus tf32 on CUDA)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="measurements of each loop (default 3; 2 with --tiny)"
+    )
+    parser.add_argument(
+        "--precisions", default=None, help="comma-separated: fp32,tf32,bf16 (default: fp32,bf16, plus tf32 on CUDA)"
+    )
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the spec's 16; 8 with --tiny)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (both loops)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -123,15 +128,22 @@ def main(argv=None) -> int:
     repeats = args.repeats or (2 if args.tiny else 3)
     precisions = (args.precisions or ("fp32,tf32,bf16" if device.type == "cuda" else "fp32,bf16")).split(",")
 
-    print(f"device {accelerator_name(device)}, torch {torch.__version__}, model {shape}, {steps} steps × {repeats}, "
-          f"compile={args.compile}", flush=True)
+    print(
+        f"device {accelerator_name(device)}, torch {torch.__version__}, model {shape}, {steps} steps × {repeats}, "
+        f"compile={args.compile}",
+        flush=True,
+    )
     rows = [measure(p, shape, steps, warmup, repeats, device, args.compile) for p in precisions]
-    print(f"{'precision':>9} {'bare samples/s':>15} {'gpuflow samples/s':>18} {'gpuflow/bare':>13} {'MFU bare':>9} "
-          f"{'MFU gpuflow':>12}")
+    print(
+        f"{'precision':>9} {'bare samples/s':>15} {'gpuflow samples/s':>18} {'gpuflow/bare':>13} {'MFU bare':>9} "
+        f"{'MFU gpuflow':>12}"
+    )
     for row in rows:
         mfu = [f"{row[k]:.1f}%" if row[k] is not None else "n/a" for k in ("bare_mfu_pct", "gpuflow_mfu_pct")]
-        print(f"{row['precision']:>9} {row['bare_samples_per_s']:>15.1f} {row['gpuflow_samples_per_s']:>18.1f} "
-              f"{row['gpuflow_vs_bare']:>12.1%} {mfu[0]:>9} {mfu[1]:>12}")
+        print(
+            f"{row['precision']:>9} {row['bare_samples_per_s']:>15.1f} {row['gpuflow_samples_per_s']:>18.1f} "
+            f"{row['gpuflow_vs_bare']:>12.1%} {mfu[0]:>9} {mfu[1]:>12}"
+        )
     by_precision = {row["precision"]: row for row in rows}
     if "bf16" in by_precision:
         for base in ("fp32", "tf32"):
@@ -141,25 +153,46 @@ def main(argv=None) -> int:
     if all(row["gpuflow_mfu_pct"] is None for row in rows):
         print(f"MFU: n/a, the peak FLOPs of {accelerator_name(device)!r} are not in cluster/telemetry.py's table")
     for row in rows:
-        print(f"telemetry logged by the loop ({row['precision']}): "
-              + ", ".join(f"{k}={v:.4g}" for k, v in row["telemetry"].items()))
+        print(
+            f"telemetry logged by the loop ({row['precision']}): "
+            + ", ".join(f"{k}={v:.4g}" for k, v in row["telemetry"].items())
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": accelerator_name(device), "compile": args.compile,
-                                               "shape": shape, "steps": steps, "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "device": accelerator_name(device),
+                    "compile": args.compile,
+                    "shape": shape,
+                    "steps": steps,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     if not args.tiny:  # --tiny is the tests' run: it writes nothing in the repository
         from benchmarks.record import record
 
         for row in rows:
             wait = row["telemetry"].get("perf/data_wait_pct")
-            record("gpu_throughput", {
-                "precision": row["precision"], "compile": "yes" if args.compile else "no",
-                "batch": f"{shape['batch_size']} × {shape['block_size']}", "steps": steps, "repeats": repeats,
-                "bare samples/s": f"{row['bare_samples_per_s']:.1f}",
-                "gpuflow samples/s": f"{row['gpuflow_samples_per_s']:.1f}",
-                "gpuflow / bare %": f"{100 * row['gpuflow_vs_bare']:.1f}",
-                "MFU %": f"{row['gpuflow_mfu_pct']:.1f}" if row["gpuflow_mfu_pct"] is not None else None,
-                "data wait %": f"{wait:.1f}" if wait is not None else None,
-                "torch": f"{torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else torch.__version__})
+            record(
+                "gpu_throughput",
+                {
+                    "precision": row["precision"],
+                    "compile": "yes" if args.compile else "no",
+                    "batch": f"{shape['batch_size']} × {shape['block_size']}",
+                    "steps": steps,
+                    "repeats": repeats,
+                    "bare samples/s": f"{row['bare_samples_per_s']:.1f}",
+                    "gpuflow samples/s": f"{row['gpuflow_samples_per_s']:.1f}",
+                    "gpuflow / bare %": f"{100 * row['gpuflow_vs_bare']:.1f}",
+                    "MFU %": f"{row['gpuflow_mfu_pct']:.1f}" if row["gpuflow_mfu_pct"] is not None else None,
+                    "data wait %": f"{wait:.1f}" if wait is not None else None,
+                    "torch": f"{torch.__version__} (CUDA {torch.version.cuda})"
+                    if torch.version.cuda
+                    else torch.__version__,
+                },
+            )
     return 0
 
 

@@ -40,10 +40,23 @@ SPEC = REPO / "experiments" / "digits.yaml"
 BIN = Path(sys.executable).parent
 ADMIN = "admin"
 RUN_TIMEOUT_S = 900
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-              "transfer-encoding", "upgrade", "host", "content-length"}
-IDS = [(re.compile(r"(mlflow-artifacts/artifacts)/.*"), r"\1/…"),  # artifact up/downloads: one path per file
-       (re.compile(r"m-[0-9a-f]{32}"), "{model_id}"), (re.compile(r"\b[0-9a-f]{32}\b"), "{run_id}")]
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+    "content-length",
+}
+IDS = [
+    (re.compile(r"(mlflow-artifacts/artifacts)/.*"), r"\1/…"),  # artifact up/downloads: one path per file
+    (re.compile(r"m-[0-9a-f]{32}"), "{model_id}"),
+    (re.compile(r"\b[0-9a-f]{32}\b"), "{run_id}"),
+]
 API_PREFIX = re.compile(r"^/(ajax-)?api/[23]\.0/(mlflow/)?")
 
 
@@ -114,7 +127,12 @@ class Forward(BaseHTTPRequestHandler):
         try:
             upstream.request(self.command, self.path, body=body, headers=headers)
             response = upstream.getresponse()
-            status, reason, reply_headers, data = response.status, response.reason, response.getheaders(), response.read()
+            status, reason, reply_headers, data = (
+                response.status,
+                response.reason,
+                response.getheaders(),
+                response.read(),
+            )
         except OSError as exc:
             status, reason, reply_headers, data = 502, "Bad Gateway", [], str(exc).encode()
         finally:
@@ -123,9 +141,12 @@ class Forward(BaseHTTPRequestHandler):
             self.server.calls[endpoint(self.command, urlsplit(self.path).path)] += 1
             self.server.statuses[status] += 1
             if self.server.trace:
-                print(f"[proxy] {time.monotonic() - self.server.started:7.2f} {status} "
-                      f"{endpoint(self.command, urlsplit(self.path).path)} {summary(body)} "
-                      f"<- {caller(self.client_address[1])}", flush=True)
+                print(
+                    f"[proxy] {time.monotonic() - self.server.started:7.2f} {status} "
+                    f"{endpoint(self.command, urlsplit(self.path).path)} {summary(body)} "
+                    f"<- {caller(self.client_address[1])}",
+                    flush=True,
+                )
         self.send_response_only(status, reason)
         for key, value in reply_headers:
             if key.lower() not in HOP_BY_HOP:
@@ -206,20 +227,45 @@ def basic_auth_server(scratch: Path):
     """`mlflow server --app-name basic-auth` on SQLite; yields (process, port, admin password)."""
     password = secrets.token_hex(12)
     config = scratch / "basic_auth.ini"
-    config.write_text("[mlflow]\ndefault_permission = READ\n"
-                      f"database_uri = sqlite:///{scratch}/auth.db\nadmin_username = {ADMIN}\n"
-                      "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_AUTH_CONFIG_PATH": str(config),
-           "MLFLOW_AUTH_ADMIN_PASSWORD": password, "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+    config.write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{scratch}/auth.db\nadmin_username = {ADMIN}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    env = {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_AUTH_CONFIG_PATH": str(config),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+    }
     for _attempt in range(3):  # a port probed free can be taken before the server binds it
         port = free_port()
         log = scratch / "mlflow-server.log"
         with open(log, "ab") as out:
             process = subprocess.Popen(
-                [str(BIN / "mlflow"), "server", "--app-name", "basic-auth", "--host", "127.0.0.1", "--port", str(port),
-                 "--workers", "1", "--backend-store-uri", f"sqlite:///{scratch}/mlflow.db",
-                 "--artifacts-destination", str(scratch / "artifacts")],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=scratch, start_new_session=True)
+                [
+                    str(BIN / "mlflow"),
+                    "server",
+                    "--app-name",
+                    "basic-auth",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--workers",
+                    "1",
+                    "--backend-store-uri",
+                    f"sqlite:///{scratch}/mlflow.db",
+                    "--artifacts-destination",
+                    str(scratch / "artifacts"),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=scratch,
+                start_new_session=True,
+            )
         try:
             if wait_for_health(f"http://127.0.0.1:{port}/health", process, log):
                 yield process, port, password
@@ -258,19 +304,30 @@ def stop_group(process: subprocess.Popen, grace_s: float = 30) -> None:
 
 def gpuflow_run(home: Path, tracking_uri: str, password: str) -> float:
     """One `gpuflow run` of the digits spec as the admin user, its state in `home`; returns its wall seconds."""
-    env = {**os.environ, "GPUFLOW_HOME": str(home), "GPUFLOW_STACK": "off", "PREFECT_HOME": str(home / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_TRACKING_USERNAME": ADMIN,
-           "MLFLOW_TRACKING_PASSWORD": password}
+    env = {
+        **os.environ,
+        "GPUFLOW_HOME": str(home),
+        "GPUFLOW_STACK": "off",
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_TRACKING_USERNAME": ADMIN,
+        "MLFLOW_TRACKING_PASSWORD": password,
+    }
     env.pop("PREFECT_API_URL", None)
-    settings = [f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet",
-                f"tracking.uri={tracking_uri}", "secrets=[MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD]"]
+    settings = [
+        f"data.train={home}/data/train.parquet",
+        f"data.validation={home}/data/validation.parquet",
+        f"tracking.uri={tracking_uri}",
+        "secrets=[MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD]",
+    ]
     command = [str(BIN / "gpuflow"), "run", str(SPEC), *[arg for item in settings for arg in ("--set", item)]]
     home.mkdir(parents=True, exist_ok=True)
     log = home / "gpuflow-run.log"
     started = time.monotonic()
     with open(log, "ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+        )
     try:
         code = process.wait(timeout=RUN_TIMEOUT_S)
     finally:
@@ -321,9 +378,17 @@ def main() -> None:
         sys.path.insert(0, str(REPO))
         from benchmarks.record import record
 
-        record("mlflow_calls", {"label": args.label or "—", "runs": runs, "calls per run": total / runs,
-                                "server CPU-s per run": server_cpu / runs, "run wall s": sum(walls) / runs,
-                                "top calls per run": top})
+        record(
+            "mlflow_calls",
+            {
+                "label": args.label or "—",
+                "runs": runs,
+                "calls per run": total / runs,
+                "server CPU-s per run": server_cpu / runs,
+                "run wall s": sum(walls) / runs,
+                "top calls per run": top,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,12 @@ def ray_processes(home: Path, exclude: int, started_before: float) -> list[int]:
             created = psutil.Process(pid).create_time()
         except (OSError, psutil.Error):
             continue
-        if (pid != exclude and state != "Z" and created < started_before
-                and (b"ray" in command or b"gpuflow.cluster.job" in command)):
+        if (
+            pid != exclude
+            and state != "Z"
+            and created < started_before
+            and (b"ray" in command or b"gpuflow.cluster.job" in command)
+        ):
             found.append(pid)
     return found
 
@@ -74,13 +78,22 @@ def role(process: psutil.Process) -> str:
     if command and command[0].startswith("ray::"):
         return command[0].split(".")[0]
     text = " ".join(command)
-    for needle, name in (("gpuflow.flows.cli", "gpuflow run (flow)"), ("bare_ray_train", "bare script (driver)"),
-                         ("gpuflow.flows.local_stack.stack", "warm stack"),
-                         ("prefect", "prefect temporary API"), ("gpuflow.cluster.job", "gpuflow job (driver)"),
-                         ("gpuflow.cluster.spec.entrypoints", "loop import check"),
-                         ("local_ray", "cluster supervisor"), ("outlive", "gpuflow watchers"),
-                         ("gcs_server", "ray daemons"), ("raylet", "ray daemons"), ("dashboard", "ray daemons"),
-                         ("log_monitor", "ray daemons"), ("monitor.py", "ray daemons"), ("runtime_env", "ray daemons")):
+    for needle, name in (
+        ("gpuflow.flows.cli", "gpuflow run (flow)"),
+        ("bare_ray_train", "bare script (driver)"),
+        ("gpuflow.flows.local_stack.stack", "warm stack"),
+        ("prefect", "prefect temporary API"),
+        ("gpuflow.cluster.job", "gpuflow job (driver)"),
+        ("gpuflow.cluster.spec.entrypoints", "loop import check"),
+        ("local_ray", "cluster supervisor"),
+        ("outlive", "gpuflow watchers"),
+        ("gcs_server", "ray daemons"),
+        ("raylet", "ray daemons"),
+        ("dashboard", "ray daemons"),
+        ("log_monitor", "ray daemons"),
+        ("monitor.py", "ray daemons"),
+        ("runtime_env", "ray daemons"),
+    ):
         if needle in text:
             return name
     return text[:60]
@@ -171,23 +184,36 @@ def measure(command: list[str], env: dict, home: Path, driver_is_ray: bool) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sides", default="bare,bare-lean,gpuflow,second,warm",
-                        help="which of bare, bare-lean, gpuflow (cold), second, warm, in this order")
+    parser.add_argument(
+        "--sides",
+        default="bare,bare-lean,gpuflow,second,warm",
+        help="which of bare, bare-lean, gpuflow (cold), second, warm, in this order",
+    )
     args = parser.parse_args()
     # Stopped early (a `timeout`, a kill), it still stops the warm stack it started: SIGTERM runs the finally below.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sides = args.sides.split(",")
     home = Path(tempfile.mkdtemp(prefix="gpuflow-bench-"))
-    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_HOME": str(home / "prefect")}
+    env = {
+        **os.environ,
+        "GPUFLOW_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_HOME": str(home / "prefect"),
+    }
     env.pop("PREFECT_API_URL", None)
     python = sys.executable
     data = [f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
-    gpuflow_run = [python, "-m", "gpuflow.flows.cli", "run", str(SPEC), *[arg for item in data for arg in ("--set", item)]]
+    gpuflow_run = [
+        python,
+        "-m",
+        "gpuflow.flows.cli",
+        "run",
+        str(SPEC),
+        *[arg for item in data for arg in ("--set", item)],
+    ]
     stack = [python, "-m", "gpuflow.flows.cli", "up", str(SPEC), "--idle-minutes", "60"]
     bare = [python, str(REPO / "benchmarks" / "bare_ray_train.py"), str(SPEC), *data]
-    commands = {"bare": bare, "bare-lean": bare,
-                "gpuflow": gpuflow_run, "second": gpuflow_run, "warm": gpuflow_run}
+    commands = {"bare": bare, "bare-lean": bare, "gpuflow": gpuflow_run, "second": gpuflow_run, "warm": gpuflow_run}
     down = [python, "-m", "gpuflow.flows.cli", "down"]
     # warm-up: writes the data, creates the MLflow store and Prefect's database
     measure(gpuflow_run, {**env, "GPUFLOW_STACK": "manual"}, home, False)
@@ -206,15 +232,20 @@ def main() -> None:
                     settled(home)
                 side_env = {**env, **LEAN_RAY} if name == "bare-lean" else env
                 results[name].append(measure(commands[name], side_env, home, driver_is_ray=name.startswith("bare")))
-                print(f"run {i + 1} {name:8s} " + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items()
-                                                            if k != "cpu"), flush=True)
+                print(
+                    f"run {i + 1} {name:8s} "
+                    + "  ".join(f"{k} {v:6.2f}s" for k, v in results[name][-1].items() if k != "cpu"),
+                    flush=True,
+                )
         if "gpuflow" in sides:  # what the stack the last run left costs while it waits for the next
             wait_for_left_stack(home)
             figures.update(idle_cost(home))
     finally:
         subprocess.run(down, env=env, stdout=subprocess.DEVNULL)
-    medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "cpu"}
-               for name, runs in results.items()}
+    medians = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0] if key != "cpu"}
+        for name, runs in results.items()
+    }
     print(f"\nmedians over {args.repeats} runs each (seconds)")
     print(f"{'':24s}" + "".join(f"{name:>10s}" for name in sides))
     for key in medians[sides[0]]:
@@ -226,15 +257,21 @@ def main() -> None:
     if "bare" in sides:
         for name in [side for side in sides if side != "bare"]:
             overhead = medians[name]["wall"] - medians["bare"]["wall"]
-            print(f"\n{name}: fixed overhead {overhead:.2f} s{' (target ≤ 5 s)' if name == 'gpuflow' else ''}, "
-                  f"ratio {medians[name]['wall'] / medians['bare']['wall']:.3f} "
-                  f"(target ≤ {1.15 if name == 'gpuflow' else 1.05}), "
-                  f"last step → last Ray process gone {medians[name]['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)")
+            print(
+                f"\n{name}: fixed overhead {overhead:.2f} s{' (target ≤ 5 s)' if name == 'gpuflow' else ''}, "
+                f"ratio {medians[name]['wall'] / medians['bare']['wall']:.3f} "
+                f"(target ≤ {1.15 if name == 'gpuflow' else 1.05}), "
+                f"last step → last Ray process gone {medians[name]['last_step_to_ray_gone']:.2f} s (target ≤ 5 s)"
+            )
             extra_cpu = print_rounds(results["bare"], results[name])
             label = "cold" if name == "gpuflow" else name
-            figures.update({f"{label} overhead s": f"{overhead:.1f}",
-                            f"{label} ratio": f"{medians[name]['wall'] / medians['bare']['wall']:.3f}",
-                            f"{label} extra CPU-s": f"{extra_cpu:.1f}"})
+            figures.update(
+                {
+                    f"{label} overhead s": f"{overhead:.1f}",
+                    f"{label} ratio": f"{medians[name]['wall'] / medians['bare']['wall']:.3f}",
+                    f"{label} extra CPU-s": f"{extra_cpu:.1f}",
+                }
+            )
     shutil.rmtree(home, ignore_errors=True)
     sys.path.insert(0, str(REPO))
     from benchmarks.record import record
@@ -254,10 +291,15 @@ def idle_cost(home: Path, seconds: float = 30) -> dict[str, str]:
     processes = [psutil.Process(pid) for pid in started_for(home)]
     memory = sum(process.memory_full_info().uss for process in processes)
     used = cpu_over(processes, seconds)
-    print(f"\nthe idle warm stack: {len(processes)} processes, {memory / 2**20:.0f} MiB (USS), "
-          f"{100 * used / seconds:.1f} % of a core over {seconds:.0f} s")
-    return {"stack idle processes": str(len(processes)), "stack idle MiB": f"{memory / 2**20:.0f}",
-            "stack idle CPU %": f"{100 * used / seconds:.1f}"}
+    print(
+        f"\nthe idle warm stack: {len(processes)} processes, {memory / 2**20:.0f} MiB (USS), "
+        f"{100 * used / seconds:.1f} % of a core over {seconds:.0f} s"
+    )
+    return {
+        "stack idle processes": str(len(processes)),
+        "stack idle MiB": f"{memory / 2**20:.0f}",
+        "stack idle CPU %": f"{100 * used / seconds:.1f}",
+    }
 
 
 def settled(home: Path, timeout_s: float = 30) -> None:
@@ -293,10 +335,14 @@ def print_rounds(bare: list[dict], side: list[dict]) -> float:
     behind = [s["wall"] - b["wall"] for b, s in zip(bare, side, strict=True)]
     extra_cpu = statistics.median(s["cpu_seconds"] - b["cpu_seconds"] for b, s in zip(bare, side, strict=True))
     busy = statistics.median(b["cpu_seconds"] / b["wall"] for b in bare)
-    print(f"  round by round: {' / '.join(f'{d:+.1f}' for d in behind)} s against bare "
-          f"({' / '.join(f'{w:.1f}' for w in walls)} s); median {statistics.median(behind):+.2f} s")
-    print(f"  extra CPU: {extra_cpu:+.1f} CPU-seconds a run (median of rounds); at the {busy:.2f} cores bare keeps "
-          f"busy, that is {extra_cpu / busy:+.1f} s of wall time")
+    print(
+        f"  round by round: {' / '.join(f'{d:+.1f}' for d in behind)} s against bare "
+        f"({' / '.join(f'{w:.1f}' for w in walls)} s); median {statistics.median(behind):+.2f} s"
+    )
+    print(
+        f"  extra CPU: {extra_cpu:+.1f} CPU-seconds a run (median of rounds); at the {busy:.2f} cores bare keeps "
+        f"busy, that is {extra_cpu / busy:+.1f} s of wall time"
+    )
     return extra_cpu
 
 
@@ -304,8 +350,10 @@ def print_cpu_breakdown(results: dict) -> None:
     """Median CPU-seconds per role, the sides in one table: the roles only gpuflow has are its overhead."""
     sides = list(results)
     last = sides[-1]
-    roles = sorted({name for runs in results.values() for run in runs for name in run["cpu"]},
-                   key=lambda name: -statistics.median(run["cpu"].get(name, 0) for run in results[last]))
+    roles = sorted(
+        {name for runs in results.values() for run in runs for name in run["cpu"]},
+        key=lambda name: -statistics.median(run["cpu"].get(name, 0) for run in results[last]),
+    )
     print(f"\nCPU-seconds by process (median){'':6s}" + "".join(f"{name:>10s}" for name in sides))
     for name in roles:
         line = [statistics.median(run["cpu"].get(name, 0.0) for run in results[side]) for side in sides]

@@ -46,8 +46,13 @@ def one_pass(stack, home: Path, runs: int, limit: int, quota: int | None) -> dic
         finished = [run.info.status for run in mlflow_runs(stack, ids).values()].count("FINISHED")
     if quota:
         subprocess.run([str(BIN / "gpuflow"), "quota", "remove", "local"], env=env, check=True)
-    return {"wall_s": wall_s, "per_min": runs / wall_s * 60, "most": most,
-            "completed": sum(run.state.is_completed() for run in final), "finished": finished}
+    return {
+        "wall_s": wall_s,
+        "per_min": runs / wall_s * 60,
+        "most": most,
+        "completed": sum(run.state.is_completed() for run in final),
+        "finished": finished,
+    }
 
 
 def main() -> None:
@@ -63,15 +68,25 @@ def main() -> None:
     with team_stack() as stack:
         alone = one_pass(stack, stack.home / "one-at-a-time", args.baseline_runs, limit=1, quota=None)
         queued = one_pass(stack, stack.home / "quota", args.runs, limit=args.runs, quota=args.quota)
-    print(f"{args.baseline_runs} runs one at a time: {alone['per_min']:.2f} runs/min; {args.runs} against a quota of "
-          f"{args.quota}: "
-          f"{queued['per_min']:.2f} runs/min, at most {queued['most']} holding, {queued['completed']} Completed, "
-          f"{queued['finished']} MLflow runs FINISHED")
-    record("quota_load", {"runs": args.runs, "quota": args.quota, "one at a time runs/min": round(alone["per_min"], 2),
-                          "quota runs/min": round(queued["per_min"], 2),
-                          "quota ÷ one at a time": round(queued["per_min"] / alone["per_min"], 2),
-                          "most holding": queued["most"], "Completed": f"{queued['completed']}/{args.runs}",
-                          "MLflow FINISHED": f"{queued['finished']}/{args.runs}"})
+    print(
+        f"{args.baseline_runs} runs one at a time: {alone['per_min']:.2f} runs/min; {args.runs} against a quota of "
+        f"{args.quota}: "
+        f"{queued['per_min']:.2f} runs/min, at most {queued['most']} holding, {queued['completed']} Completed, "
+        f"{queued['finished']} MLflow runs FINISHED"
+    )
+    record(
+        "quota_load",
+        {
+            "runs": args.runs,
+            "quota": args.quota,
+            "one at a time runs/min": round(alone["per_min"], 2),
+            "quota runs/min": round(queued["per_min"], 2),
+            "quota ÷ one at a time": round(queued["per_min"] / alone["per_min"], 2),
+            "most holding": queued["most"],
+            "Completed": f"{queued['completed']}/{args.runs}",
+            "MLflow FINISHED": f"{queued['finished']}/{args.runs}",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,12 @@ def record(benchmark: str, figures: dict[str, str | float], readme: Path = READM
         for i in range(table + 2, last + 1):
             lines[i] = row(cells(lines[i]) + [MISSING] * len(added))
         columns += added
-    values = {"date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-              "commit": commit(readme), "machine": machine(), **{key: cell(value) for key, value in figures.items()}}
+    values = {
+        "date (UTC)": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+        "commit": commit(readme),
+        "machine": machine(),
+        **{key: cell(value) for key, value in figures.items()},
+    }
     written = row([values.get(column, MISSING) for column in columns])
     lines.insert(last + 1, written)
     if last + 2 < len(lines) and lines[last + 2].strip():  # a table ends at a blank line
@@ -89,9 +93,11 @@ def cell(value: str | float | None) -> str:
 
 def commit(readme: Path) -> str:
     """The short commit of the working tree, `+` when tracked files (but the results file) have changes."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=readme.resolve().parent, capture_output=True, text=True,
-                              timeout=30, check=True).stdout
+        return subprocess.run(
+            ["git", *args], cwd=readme.resolve().parent, capture_output=True, text=True, timeout=30, check=True
+        ).stdout
 
     try:
         sha, top = git("rev-parse", "--short", "HEAD").strip(), git("rev-parse", "--show-toplevel").strip()

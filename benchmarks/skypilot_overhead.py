@@ -42,24 +42,44 @@ EPOCH = re.compile(r"\[(?:gpuflow|bench)\] epoch \d+:")
 CLUSTER_LINE = re.compile(r"provisioning skypilot cluster (gpuflow-[0-9a-f]{32})")
 # the line that marks each phase's end, per kind of run (gpuflow's are those of tests/test_slurm.py's Run.phases)
 MARKS = {
-    "bare": {"launch": "[bench] launching", "provisioned": "[bench] provisioned",
-             "setup_done": "[bench] setup finished", "down": "[bench] cluster is down"},
-    "gpuflow": {"launch": "provisioning skypilot cluster", "provisioned": "[gpuflow] provisioned",
-                "setup_done": "[gpuflow] setup finished", "down": " is down ("},
+    "bare": {
+        "launch": "[bench] launching",
+        "provisioned": "[bench] provisioned",
+        "setup_done": "[bench] setup finished",
+        "down": "[bench] cluster is down",
+    },
+    "gpuflow": {
+        "launch": "provisioning skypilot cluster",
+        "provisioned": "[gpuflow] provisioned",
+        "setup_done": "[gpuflow] setup finished",
+        "down": " is down (",
+    },
 }
 PHASES = ("launch", "provisioned", "setup_done", "first_step", "last_step", "down", "wall")
-SPANS = {"provision": ("launch", "provisioned"), "setup": ("provisioned", "setup_done"),
-         "setup→first step": ("setup_done", "first_step"), "training": ("first_step", "last_step"),
-         "last step→down": ("last_step", "down")}
+SPANS = {
+    "provision": ("launch", "provisioned"),
+    "setup": ("provisioned", "setup_done"),
+    "setup→first step": ("setup_done", "first_step"),
+    "training": ("first_step", "last_step"),
+    "last step→down": ("last_step", "down"),
+}
 # Ray Train settings of gpuflow's job (cluster/job/__main__.py tune_ray_train): the bare run trains the same way
-RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
-                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+RAY_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300",
+}
 
 
 def spec_overrides(shared: Path, epochs: int) -> list[str]:
     """What both runs train: the tests' digits job (1 worker, `epochs` epochs, data on the shared disk)."""
-    return ["compute.workers_per_node=1", f"train.epochs={epochs}", f"data.train={shared}/data/train.parquet",
-            f"data.validation={shared}/data/validation.parquet"]
+    return [
+        "compute.workers_per_node=1",
+        f"train.epochs={epochs}",
+        f"data.train={shared}/data/train.parquet",
+        f"data.validation={shared}/data/validation.parquet",
+    ]
 
 
 # -- A: bare SkyPilot ------------------------------------------------------------------------------------------
@@ -67,8 +87,10 @@ def bare_client(cluster: str, shared: Path, epochs: int, infra: str) -> int:
     """A plain SkyPilot 0.14 client: launch the task (setup + run), follow its log, down the cluster."""
     import sky
 
-    run = (f"echo '[bench] setup finished'; python benchmarks/skypilot_overhead.py --bare-node "
-           f"--shared {shared} --epochs {epochs}")
+    run = (
+        f"echo '[bench] setup finished'; python benchmarks/skypilot_overhead.py --bare-node "
+        f"--shared {shared} --epochs {epochs}"
+    )
     task = sky.Task(name="digits-bare", workdir=str(REPO), setup=NODE_SETUP, run=run, envs=NODE_ENVS)
     task.set_resources(sky.Resources(infra=infra, cpus="1+"))  # gpuflow asks for workers × cpus_per_worker = 1+
     print(f"[bench] launching {cluster}", flush=True)
@@ -107,17 +129,23 @@ def bare_node(shared: Path, epochs: int) -> int:
 
     spec = load_spec(REPO / SPEC, spec_overrides(shared, epochs))
     # a fresh temp dir: ray.init must start its own Ray, not find another one on this machine
-    ray.init(address="local", include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="sko-bare-", dir="/tmp"),
-             runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="sko-bare-", dir="/tmp"),
+        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
+    )
     print("[bench] Ray started", flush=True)
     config = loop_config(spec)
     trainer = TorchTrainer(
-        resolve(spec.train.loop), train_loop_config=config,
+        resolve(spec.train.loop),
+        train_loop_config=config,
         datasets={name: ray.data.from_arrow(pq.read_table(config[f"{name}_path"])) for name in ("train", "validation")},
         dataset_config=SplitInMemory(),  # the ingest gpuflow's job uses: the benchmark compares orchestration alone
         scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1, "GPU": 0}),
-        run_config=ray.train.RunConfig(name=f"bare-{uuid.uuid4().hex[:8]}", storage_path=f"{shared}/checkpoints-bare",
-                                       callbacks=[PrintEpochs()]),
+        run_config=ray.train.RunConfig(
+            name=f"bare-{uuid.uuid4().hex[:8]}", storage_path=f"{shared}/checkpoints-bare", callbacks=[PrintEpochs()]
+        ),
     )
     result = trainer.fit()
     print(f"[bench] result val_accuracy {result.metrics['val_accuracy']:.4f}", flush=True)
@@ -133,8 +161,15 @@ def measure(kind: str, command: list[str], env: dict, log: Path, cluster: str | 
     with open(log, "w") as out:
         out.write(f"# {kind}: {' '.join(command)}\n# started at {time.time():.3f}\n")
         started = time.monotonic()
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
         def read():
             for line in process.stdout:
@@ -161,8 +196,9 @@ def measure(kind: str, command: list[str], env: dict, log: Path, cluster: str | 
         sys.exit(output[-4000:] + f"\n{kind} run failed (exit {code}); its log: {log}")
     marks = {name: next((at for at, line in lines if text in line), float("nan")) for name, text in MARKS[kind].items()}
     steps = [at for at, line in lines if EPOCH.search(line)]
-    marks.update(first_step=steps[0] if steps else float("nan"), last_step=steps[-1] if steps else float("nan"),
-                 wall=wall)
+    marks.update(
+        first_step=steps[0] if steps else float("nan"), last_step=steps[-1] if steps else float("nan"), wall=wall
+    )
     return {name: marks[name] for name in PHASES}
 
 
@@ -172,8 +208,12 @@ def down_if_listed(infra, cluster: str) -> None:
 
     if cluster in harness.sky_clusters(infra):
         print(f"cluster {cluster} still listed: downing it", flush=True)
-        subprocess.run([str(Path(sys.executable).parent / "sky"), "down", "-y", cluster], env=infra.subprocess_env(),
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            [str(Path(sys.executable).parent / "sky"), "down", "-y", cluster],
+            env=infra.subprocess_env(),
+            capture_output=True,
+            timeout=300,
+        )
         if cluster in harness.sky_clusters(infra):
             sys.exit(f"cluster {cluster} is still listed after `sky down`")
 
@@ -214,8 +254,12 @@ def keep_side_logs(infra, logs: Path) -> None:
             if folder.owner() != infra.ssh_user:
                 continue
             for session in folder.glob("session_2*/logs"):
-                shutil.copytree(session, logs / "node-ray" / folder.name, dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns("*.sock", "events"))
+                shutil.copytree(
+                    session,
+                    logs / "node-ray" / folder.name,
+                    dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("*.sock", "events"),
+                )
         except (OSError, KeyError):
             continue
 
@@ -243,25 +287,66 @@ def benchmark(args) -> None:
         stack.callback(shutil.rmtree, mlflow_home, True)
         mlflow_url = stack.enter_context(mlflow_server(mlflow_home))
         stack.enter_context(prefect_test_harness(server_startup_timeout=120))
-        env = infra.subprocess_env({  # as tests/test_slurm.py's gpuflow_on_slurm has it
-            "PREFECT_API_URL": PREFECT_API_URL.value(), "GPUFLOW_SHARED_PATH": str(shared),
-            "GPUFLOW_HOME": str(shared / "home"), "PYTHONUNBUFFERED": "1", "NO_PROXY": "127.0.0.1,localhost"})
+        env = infra.subprocess_env(
+            {  # as tests/test_slurm.py's gpuflow_on_slurm has it
+                "PREFECT_API_URL": PREFECT_API_URL.value(),
+                "GPUFLOW_SHARED_PATH": str(shared),
+                "GPUFLOW_HOME": str(shared / "home"),
+                "PYTHONUNBUFFERED": "1",
+                "NO_PROXY": "127.0.0.1,localhost",
+            }
+        )
         # the data, once, before any run: neither run pays for making it
-        subprocess.run([sys.executable, "-c", "import sys; from experiments.digits import write_parquet; "
-                        "write_parquet(*sys.argv[1:])", f"{shared}/data/train.parquet",
-                        f"{shared}/data/validation.parquet"], cwd=REPO, env=env, check=True)
-        gpuflow = [str(Path(sys.executable).parent / "gpuflow"), "run", SPEC,
-                   "--set", "compute.backend=skypilot", "--set", f"compute.infra={infra.infra}",
-                   "--set", f"tracking.uri={mlflow_url}", "--set", f"storage.checkpoints={shared}/checkpoints",
-                   "--set", 'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}', "--set", f"setup={NODE_SETUP}"]
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from experiments.digits import write_parquet; write_parquet(*sys.argv[1:])",
+                f"{shared}/data/train.parquet",
+                f"{shared}/data/validation.parquet",
+            ],
+            cwd=REPO,
+            env=env,
+            check=True,
+        )
+        gpuflow = [
+            str(Path(sys.executable).parent / "gpuflow"),
+            "run",
+            SPEC,
+            "--set",
+            "compute.backend=skypilot",
+            "--set",
+            f"compute.infra={infra.infra}",
+            "--set",
+            f"tracking.uri={mlflow_url}",
+            "--set",
+            f"storage.checkpoints={shared}/checkpoints",
+            "--set",
+            'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}',
+            "--set",
+            f"setup={NODE_SETUP}",
+        ]
         for item in spec_overrides(shared, args.epochs):
             gpuflow += ["--set", item]
 
         def one(kind: str, label: str) -> dict:
             cluster = f"bench-bare-{uuid.uuid4().hex[:8]}" if kind == "bare" else None
-            command = gpuflow if kind == "gpuflow" else [
-                sys.executable, str(Path(__file__).resolve()), "--bare-client", cluster, "--shared", str(shared),
-                "--epochs", str(args.epochs), "--infra", infra.infra]
+            command = (
+                gpuflow
+                if kind == "gpuflow"
+                else [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--bare-client",
+                    cluster,
+                    "--shared",
+                    str(shared),
+                    "--epochs",
+                    str(args.epochs),
+                    "--infra",
+                    infra.infra,
+                ]
+            )
             known = set((shared / "home" / "logs").glob("*.log"))
             marks = measure(kind, command, env, logs / f"{label}-{kind}.log", cluster, infra)
             for new in set((shared / "home" / "logs").glob("*.log")) - known:  # gpuflow's own log, every line
@@ -281,8 +366,9 @@ def benchmark(args) -> None:
 
 def report(results: dict, repeats: int) -> None:
     medians = {kind: {key: statistics.median(r[key] for r in runs) for key in PHASES} for kind, runs in results.items()}
-    spans_of = {kind: {key: statistics.median(spans(r)[key] for r in runs) for key in SPANS}
-                for kind, runs in results.items()}
+    spans_of = {
+        kind: {key: statistics.median(spans(r)[key] for r in runs) for key in SPANS} for kind, runs in results.items()
+    }
     print(f"\nmedians over {repeats} runs each (seconds since the command started)")
     print(f"{'':20s}{'bare':>9s}{'gpuflow':>9s}{'overhead':>10s}{'ratio':>8s}")
     for table in (medians, spans_of):
@@ -296,10 +382,17 @@ def report(results: dict, repeats: int) -> None:
     print(f"ratio gpuflow / bare: {medians['gpuflow']['wall'] / medians['bare']['wall']:.3f} (target ≤ 1.10)")
     from benchmarks.record import record
 
-    record("skypilot_overhead", {
-        "repeats": repeats, "bare s": f"{medians['bare']['wall']:.1f}", "gpuflow s": f"{medians['gpuflow']['wall']:.1f}",
-        "overhead s": f"{wall:.1f}", "ratio": f"{medians['gpuflow']['wall'] / medians['bare']['wall']:.3f}",
-        **{f"{key} +s": f"{spans_of['gpuflow'][key] - spans_of['bare'][key]:+.1f}" for key in SPANS}})
+    record(
+        "skypilot_overhead",
+        {
+            "repeats": repeats,
+            "bare s": f"{medians['bare']['wall']:.1f}",
+            "gpuflow s": f"{medians['gpuflow']['wall']:.1f}",
+            "overhead s": f"{wall:.1f}",
+            "ratio": f"{medians['gpuflow']['wall'] / medians['bare']['wall']:.3f}",
+            **{f"{key} +s": f"{spans_of['gpuflow'][key] - spans_of['bare'][key]:+.1f}" for key in SPANS},
+        },
+    )
 
 
 def main() -> None:

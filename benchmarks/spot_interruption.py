@@ -91,12 +91,23 @@ def one_side(side: Side, args, kill_at_step: int | None) -> dict:
     from tests.support.metadata_double import metadata_double
 
     step_log = home / "steps.log"
-    spec = load_spec(REPO / "experiments" / "digits.yaml", [
-        f"workdir={REPO}", f"train.epochs={args.epochs}", "tracking.register_model=false",
-        f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet",
-        "compute.num_nodes=2", "compute.workers_per_node=1", f"compute.num_workers={WORKERS}",
-        f"train.loop={STEPPED_LOOP}", f"train.params.step_pace_s={args.step_pace:g}", f"train.params.step_log={step_log}",
-        *side.overrides])
+    spec = load_spec(
+        REPO / "experiments" / "digits.yaml",
+        [
+            f"workdir={REPO}",
+            f"train.epochs={args.epochs}",
+            "tracking.register_model=false",
+            f"data.train={home}/data/train.parquet",
+            f"data.validation={home}/data/validation.parquet",
+            "compute.num_nodes=2",
+            "compute.workers_per_node=1",
+            f"compute.num_workers={WORKERS}",
+            f"train.loop={STEPPED_LOOP}",
+            f"train.params.step_pace_s={args.step_pace:g}",
+            f"train.params.step_log={step_log}",
+            *side.overrides,
+        ],
+    )
     proactive = capacity.relaunches_on_notice
     if not side.proactive:
         capacity.relaunches_on_notice = lambda spec, recovery: False
@@ -106,8 +117,9 @@ def one_side(side: Side, args, kill_at_step: int | None) -> dict:
     # (c) get a notice from it
     with metadata_double("aws") as double:
         os.environ["GPUFLOW_METADATA_URL"] = double.url
-        killer = Interruption(home, step_log, kill_at_step or args.notice_step, double if side.notice else None,
-                              lead_s=args.lead)
+        killer = Interruption(
+            home, step_log, kill_at_step or args.notice_step, double if side.notice else None, lead_s=args.lead
+        )
         killer.start()
         try:
             summary = run_experiment(spec)
@@ -129,8 +141,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-pace", type=float, default=2.0, help="seconds a step takes at least")
     parser.add_argument("--lead", type=float, default=30.0, help="seconds from the notice to the loss")
-    parser.add_argument("--notice-step", type=int, default=None,
-                        help="steps done when the notice comes (default: the last epoch's first step)")
+    parser.add_argument(
+        "--notice-step",
+        type=int,
+        default=None,
+        help="steps done when the notice comes (default: the last epoch's first step)",
+    )
     args = parser.parse_args()
     args.notice_step = args.notice_step or (args.epochs - 1) * 23 + 1  # digits on 2 workers: 23 steps an epoch
     results: dict[str, dict] = {}
@@ -143,12 +159,19 @@ def main() -> None:
             results[side.key] = {"killed_step": "—", **dict.fromkeys(FIGURES)}
         if isinstance(results[side.key]["killed_step"], int):
             kill_at_step = kill_at_step or results[side.key]["killed_step"]
-        print(f"[bench] {side.key}: " + "  ".join(
-            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in results[side.key].items()), flush=True)
+        print(
+            f"[bench] {side.key}: "
+            + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in results[side.key].items()),
+            flush=True,
+        )
     from benchmarks.record import record
 
-    row = {"epochs": args.epochs, "step s": args.step_pace, "lead s": args.lead,
-           "killed at step": "/".join(str(results[side.key]["killed_step"]) for side in SIDES)}
+    row = {
+        "epochs": args.epochs,
+        "step s": args.step_pace,
+        "lead s": args.lead,
+        "killed at step": "/".join(str(results[side.key]["killed_step"]) for side in SIDES),
+    }
     for figure in FIGURES:
         for side in sorted(SIDES, key=lambda side: side.key):
             value = results[side.key][figure]

@@ -24,19 +24,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 def learning_rates(trials: int) -> list[float]:
     """`trials` learning rates spread on a log scale around the digits spec's 0.002."""
-    return [round(0.0005 * 2 ** i, 6) for i in range(trials)]
+    return [round(0.0005 * 2**i, 6) for i in range(trials)]
 
 
 def gpuflow_run(spec: str, overrides: list[str], home: Path) -> float:
     """Seconds of one `gpuflow run`, from start to exit; fails loudly if the run does not succeed."""
-    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = {
+        **os.environ,
+        "GPUFLOW_HOME": str(home),
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     env.pop("PREFECT_API_URL", None)
     (home / "prefect").mkdir(parents=True, exist_ok=True)
     args = [arg for item in overrides for arg in ("--set", item)]
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / spec), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / spec), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"gpuflow run {spec} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -51,12 +60,24 @@ def main() -> int:
     args = parser.parse_args()
     rates = learning_rates(args.trials)
     root = Path(tempfile.mkdtemp(prefix="gf-sweep-bench-"))
-    common = [f"train.epochs={args.epochs}", f"data.train={root}/data/train.parquet",
-              f"data.validation={root}/data/validation.parquet", "tracking.register_model=false"]
+    common = [
+        f"train.epochs={args.epochs}",
+        f"data.train={root}/data/train.parquet",
+        f"data.validation={root}/data/validation.parquet",
+        "tracking.register_model=false",
+    ]
     try:
-        sweep_s = gpuflow_run("digits-sweep.yaml", [
-            *common, f"sweep.parameters={json.dumps({'train.lr': {'grid': rates}})}", "sweep.early_stopping=null",
-            f"sweep.max_concurrent_trials={args.concurrency}", "sweep.max_trial_minutes=null"], root / "sweep")
+        sweep_s = gpuflow_run(
+            "digits-sweep.yaml",
+            [
+                *common,
+                f"sweep.parameters={json.dumps({'train.lr': {'grid': rates}})}",
+                "sweep.early_stopping=null",
+                f"sweep.max_concurrent_trials={args.concurrency}",
+                "sweep.max_trial_minutes=null",
+            ],
+            root / "sweep",
+        )
         print(f"sweep of {args.trials} trials, {args.concurrency} at a time: {sweep_s:.1f}s", flush=True)
         runs_s = []
         for index, lr in enumerate(rates):
@@ -69,9 +90,17 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     from benchmarks.record import record
 
-    record("sweep_vs_runs", {"trials": args.trials, "epochs": args.epochs, "concurrency": args.concurrency,
-                             "sweep s": f"{sweep_s:.1f}", "separate runs s": f"{sum(runs_s):.1f}",
-                             "sweep ÷ runs": f"{sweep_s / sum(runs_s):.2f}"})
+    record(
+        "sweep_vs_runs",
+        {
+            "trials": args.trials,
+            "epochs": args.epochs,
+            "concurrency": args.concurrency,
+            "sweep s": f"{sweep_s:.1f}",
+            "separate runs s": f"{sum(runs_s):.1f}",
+            "sweep ÷ runs": f"{sweep_s / sum(runs_s):.2f}",
+        },
+    )
     return 0
 
 

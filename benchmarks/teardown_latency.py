@@ -48,9 +48,16 @@ def one_run(epochs: int) -> dict:
     from gpuflow.cluster.spec import load_spec
     from gpuflow.flows.experiment import run_experiment
 
-    spec = load_spec(REPO / "experiments" / "digits.yaml", [
-        f"workdir={REPO}", f"train.epochs={epochs}", "tracking.register_model=false",
-        f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"])
+    spec = load_spec(
+        REPO / "experiments" / "digits.yaml",
+        [
+            f"workdir={REPO}",
+            f"train.epochs={epochs}",
+            "tracking.register_model=false",
+            f"data.train={home}/data/train.parquet",
+            f"data.validation={home}/data/validation.parquet",
+        ],
+    )
     times = Times()
     logging.getLogger("prefect").addHandler(times)
     try:
@@ -64,9 +71,13 @@ def one_run(epochs: int) -> dict:
     down = times.last(lambda m: m.startswith("cluster ") and ("is down" in m or "already gone" in m))
     metrics = MlflowClient(tracking_uri=spec.tracking_uri).get_run(summary["run_id"]).data.metrics
     shutil.rmtree(home, ignore_errors=True)
-    return {"last_step_to_teardown_s": requested - last_step, "last_line_to_teardown_s": requested - last_line,
-            "teardown_s": down - requested, "idle_seconds_before_teardown": metrics["idle_seconds_before_teardown"],
-            "cost_usd": metrics["cost_usd"]}
+    return {
+        "last_step_to_teardown_s": requested - last_step,
+        "last_line_to_teardown_s": requested - last_line,
+        "teardown_s": down - requested,
+        "idle_seconds_before_teardown": metrics["idle_seconds_before_teardown"],
+        "cost_usd": metrics["cost_usd"],
+    }
 
 
 def main() -> None:
@@ -81,15 +92,26 @@ def main() -> None:
     for key in runs[0]:
         values = [run[key] for run in runs]
         print(f"[bench] median {key}: {statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f})")
-    print(f"[bench] goal: last step → teardown request ≤ 5 s: "
-          f"{'met' if statistics.median(r['last_step_to_teardown_s'] for r in runs) <= 5 else 'NOT met'}")
+    print(
+        f"[bench] goal: last step → teardown request ≤ 5 s: "
+        f"{'met' if statistics.median(r['last_step_to_teardown_s'] for r in runs) <= 5 else 'NOT met'}"
+    )
     from benchmarks.record import record
 
-    columns = {"last_step_to_teardown_s": "last step → teardown request s",
-               "last_line_to_teardown_s": "last line → teardown request s", "teardown_s": "teardown s",
-               "idle_seconds_before_teardown": "idle_seconds_before_teardown"}  # medians; cost_usd is 0 here
-    record("teardown_latency", {"repeats": args.repeats, "epochs": args.epochs, **{
-        column: f"{statistics.median(run[key] for run in runs):.2f}" for key, column in columns.items()}})
+    columns = {
+        "last_step_to_teardown_s": "last step → teardown request s",
+        "last_line_to_teardown_s": "last line → teardown request s",
+        "teardown_s": "teardown s",
+        "idle_seconds_before_teardown": "idle_seconds_before_teardown",
+    }  # medians; cost_usd is 0 here
+    record(
+        "teardown_latency",
+        {
+            "repeats": args.repeats,
+            "epochs": args.epochs,
+            **{column: f"{statistics.median(run[key] for run in runs):.2f}" for key, column in columns.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

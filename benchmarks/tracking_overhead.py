@@ -37,7 +37,7 @@ def digits_epoch_seconds(repeats: int = 5) -> float:
     for _ in range(repeats):
         started = time.perf_counter()
         for start in range(0, len(labels), 32):
-            loss = torch.nn.functional.cross_entropy(model(pixels[start:start + 32]), labels[start:start + 32])
+            loss = torch.nn.functional.cross_entropy(model(pixels[start : start + 32]), labels[start : start + 32])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -81,26 +81,40 @@ def main() -> None:
         run_id = client.create_run(experiment).info.run_id
         sync_s = []
         for epoch in range(args.reports):
-            values = [Metric(f"metric_{i}", epoch * 0.001 + i, int(time.time() * 1000), epoch) for i in range(args.metrics)]
+            values = [
+                Metric(f"metric_{i}", epoch * 0.001 + i, int(time.time() * 1000), epoch) for i in range(args.metrics)
+            ]
             started = time.perf_counter()
             client.log_batch(run_id, metrics=values, synchronous=True)
             sync_s.append(time.perf_counter() - started)
 
     per_report = statistics.mean(add_s)
     print(f"baseline: one digits epoch (time between reports) {step_s * 1000:.1f} ms, median of 5")
-    print(f"tracking callback: {per_report * 1e6:.0f} us per report of {args.metrics} values "
-          f"= {100 * per_report / step_s:.4f} % of step time (target <= 1 %); "
-          f"queue drained {drain_s:.2f} s after the last report; {logged} values in MLflow")
-    print(f"synchronous log_batch per report: {statistics.mean(sync_s) * 1000:.1f} ms "
-          f"= {100 * statistics.mean(sync_s) / step_s:.1f} % of step time ({uri.split(':')[0]})")
+    print(
+        f"tracking callback: {per_report * 1e6:.0f} us per report of {args.metrics} values "
+        f"= {100 * per_report / step_s:.4f} % of step time (target <= 1 %); "
+        f"queue drained {drain_s:.2f} s after the last report; {logged} values in MLflow"
+    )
+    print(
+        f"synchronous log_batch per report: {statistics.mean(sync_s) * 1000:.1f} ms "
+        f"= {100 * statistics.mean(sync_s) / step_s:.1f} % of step time ({uri.split(':')[0]})"
+    )
     from benchmarks.record import record
 
-    record("tracking_overhead", {
-        "reports": args.reports, "values per report": args.metrics, "step ms": f"{step_s * 1000:.1f}",
-        "callback µs per report": f"{per_report * 1e6:.0f}", "callback % of step": f"{100 * per_report / step_s:.4f}",
-        "log_batch ms per report": f"{statistics.mean(sync_s) * 1000:.1f}",
-        "log_batch % of step": f"{100 * statistics.mean(sync_s) / step_s:.1f}", "store": uri.split(":")[0],
-        "queue drained s": f"{drain_s:.2f}"})
+    record(
+        "tracking_overhead",
+        {
+            "reports": args.reports,
+            "values per report": args.metrics,
+            "step ms": f"{step_s * 1000:.1f}",
+            "callback µs per report": f"{per_report * 1e6:.0f}",
+            "callback % of step": f"{100 * per_report / step_s:.4f}",
+            "log_batch ms per report": f"{statistics.mean(sync_s) * 1000:.1f}",
+            "log_batch % of step": f"{100 * statistics.mean(sync_s) / step_s:.1f}",
+            "store": uri.split(":")[0],
+            "queue drained s": f"{drain_s:.2f}",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def stack_mode() -> str:
     """auto (the default), manual or off: see GPUFLOW_STACK above."""
     mode = os.environ.get(STACK_ENV, "").strip().lower() or "auto"
     if mode not in STACK_MODES:
-        raise SettingError(f"{STACK_ENV}={os.environ[STACK_ENV]!r}: set it to one of {', '.join(STACK_MODES)}, or unset it")
+        raise SettingError(
+            f"{STACK_ENV}={os.environ[STACK_ENV]!r}: set it to one of {', '.join(STACK_MODES)}, or unset it"
+        )
     return mode
 
 

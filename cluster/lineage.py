@@ -64,8 +64,13 @@ def parquet_dataset(uri: str, name: str | None = None):
         rows += footer.num_rows
         digest.update(fragment.path.removeprefix(root).encode())
         digest.update(json.dumps(footer.to_dict(), sort_keys=True, default=str).encode())
-    return ParquetDataset(uri, name or dataset_name(uri), digest.hexdigest()[:10], mlflow_schema(dataset.schema),
-                          {"num_rows": rows, "num_files": len(dataset.files)})
+    return ParquetDataset(
+        uri,
+        name or dataset_name(uri),
+        digest.hexdigest()[:10],
+        mlflow_schema(dataset.schema),
+        {"num_rows": rows, "num_files": len(dataset.files)},
+    )
 
 
 def dataset_name(uri: str) -> str:
@@ -75,8 +80,7 @@ def dataset_name(uri: str) -> str:
 
 def mlflow_schema(schema):
     """A pyarrow schema as MLflow's column schema, which its UI shows."""
-    return Schema([ColSpec(mlflow_type(field.type), field.name, required=not field.nullable)
-                   for field in schema])
+    return Schema([ColSpec(mlflow_type(field.type), field.name, required=not field.nullable) for field in schema])
 
 
 def mlflow_type(arrow_type):
@@ -87,13 +91,16 @@ def mlflow_type(arrow_type):
     if pa.types.is_struct(arrow_type):
         return Object([Property(field.name, mlflow_type(field.type)) for field in arrow_type])
     # int64, uint32 and uint64 overflow MLflow's integer (int32): long
-    for is_type, dtype in ((pa.types.is_boolean, DataType.boolean),
-                           (lambda t: pa.types.is_integer(t) and t.bit_width >= 32 and t != pa.int32(), DataType.long),
-                           (pa.types.is_integer, DataType.integer),
-                           (pa.types.is_float64, DataType.double), (pa.types.is_floating, DataType.float),
-                           (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), DataType.string),
-                           (lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t), DataType.binary),
-                           (pa.types.is_temporal, DataType.datetime)):
+    for is_type, dtype in (
+        (pa.types.is_boolean, DataType.boolean),
+        (lambda t: pa.types.is_integer(t) and t.bit_width >= 32 and t != pa.int32(), DataType.long),
+        (pa.types.is_integer, DataType.integer),
+        (pa.types.is_float64, DataType.double),
+        (pa.types.is_floating, DataType.float),
+        (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), DataType.string),
+        (lambda t: pa.types.is_binary(t) or pa.types.is_large_binary(t), DataType.binary),
+        (pa.types.is_temporal, DataType.datetime),
+    ):
         if is_type(arrow_type):
             return dtype
     return AnyType()  # decimals, maps, ...: no closer MLflow type
@@ -119,17 +126,21 @@ class ParquetDataset(MetaDataset):
 
 def dataset_inputs(uris: dict[str, str | None]) -> list:
     """The run's inputs: each Parquet location of `uris` (data.train, data.validation) with its context."""
-    return [DatasetInput(parquet_dataset(uri)._to_mlflow_entity(),
-                         tags=[InputTag(MLFLOW_DATASET_CONTEXT, CONTEXTS.get(split, split))])
-            for split, uri in uris.items() if uri]
+    return [
+        DatasetInput(
+            parquet_dataset(uri)._to_mlflow_entity(),
+            tags=[InputTag(MLFLOW_DATASET_CONTEXT, CONTEXTS.get(split, split))],
+        )
+        for split, uri in uris.items()
+        if uri
+    ]
 
 
 # -- the code ------------------------------------------------------------------------------------------------------
 def git(workdir: Path, *args: str) -> str | None:
     """A git command's output in `workdir`; None when it fails (no git, not a repository, no such remote, slow)."""
     try:
-        done = subprocess.run(["git", "-C", str(workdir), *args], capture_output=True, text=True,
-                              timeout=GIT_TIMEOUT_S)
+        done = subprocess.run(["git", "-C", str(workdir), *args], capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -192,8 +203,20 @@ def uncommitted_diff(workdir: Path, limit: int = MAX_DIFF_BYTES) -> bytes | None
             return b""
         if not git_ok(workdir, env, "add", "-A"):
             return b""
-        command = ["git", "-C", str(workdir), "-c", "diff.noprefix=false", "diff", "--cached", "--binary",
-                   "--no-color", "--no-ext-diff", "--no-textconv", "HEAD"]
+        command = [
+            "git",
+            "-C",
+            str(workdir),
+            "-c",
+            "diff.noprefix=false",
+            "diff",
+            "--cached",
+            "--binary",
+            "--no-color",
+            "--no-ext-diff",
+            "--no-textconv",
+            "HEAD",
+        ]
         with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as diff:
             found = diff.stdout.read(limit + 1)
             if len(found) > limit:
@@ -205,8 +228,12 @@ def uncommitted_diff(workdir: Path, limit: int = MAX_DIFF_BYTES) -> bytes | None
 
 def git_ok(workdir: Path, env: dict, *args: str) -> bool:
     try:
-        return subprocess.run(["git", "-C", str(workdir), *args], env=env, capture_output=True,
-                              timeout=DIFF_TIMEOUT_S).returncode == 0
+        return (
+            subprocess.run(
+                ["git", "-C", str(workdir), *args], env=env, capture_output=True, timeout=DIFF_TIMEOUT_S
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -214,8 +241,11 @@ def git_ok(workdir: Path, env: dict, *args: str) -> bool:
 # -- the environment -----------------------------------------------------------------------------------------------
 def packages_text() -> str:
     """This environment's installed distributions, name==version sorted (a pip freeze without pip)."""
-    found = {f"{dist.metadata['Name']}=={dist.version}" for dist in importlib.metadata.distributions()
-             if dist.metadata["Name"]}
+    found = {
+        f"{dist.metadata['Name']}=={dist.version}"
+        for dist in importlib.metadata.distributions()
+        if dist.metadata["Name"]
+    }
     header = f"# Python {platform.python_version()} on {platform.system()} {platform.machine()}"
     return "\n".join([header, *sorted(found, key=str.lower)]) + "\n"
 

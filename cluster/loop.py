@@ -94,8 +94,11 @@ def preempted() -> bool:
     key = (info.deadline_ms, tuple(info.preempted_node_ids))
     if key not in _noticed and rank() == 0:
         left = f"{info.deadline_ms / 1000 - time.time():.0f}s" if info.deadline_ms else "an unknown time"
-        print(f"[gpuflow] preemption notice for node(s) {', '.join(n[:12] for n in info.preempted_node_ids)}, "
-              f"{left} before its deadline: a checkpoint at every step until then", flush=True)
+        print(
+            f"[gpuflow] preemption notice for node(s) {', '.join(n[:12] for n in info.preempted_node_ids)}, "
+            f"{left} before its deadline: a checkpoint at every step until then",
+            flush=True,
+        )
     _noticed.add(key)
     return True
 
@@ -108,8 +111,12 @@ def report_preempted(epoch: int, step: int, model, optimizer, scaler=None, **pro
         ray.train.report({"step": epoch})
         return
     with tempfile.TemporaryDirectory() as folder:
-        state = {"epoch": epoch, "within_epoch": {"step": step, **progress}, "model": unwrap(model).state_dict(),
-                 "optimizer": optimizer.state_dict()}
+        state = {
+            "epoch": epoch,
+            "within_epoch": {"step": step, **progress},
+            "model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict(),
+        }
         if scaler is not None and scaler.is_enabled():
             state["scaler"] = scaler.state_dict()
         torch.save(state, os.path.join(folder, CHECKPOINT_FILE))
@@ -145,8 +152,9 @@ def epoch_figures() -> dict[str, float]:
     return figures
 
 
-def telemetry(config: dict, model=None, flops_per_sample: float | None = None,
-              tokens_per_sample: int | None = None) -> StepTimer:
+def telemetry(
+    config: dict, model=None, flops_per_sample: float | None = None, tokens_per_sample: int | None = None
+) -> StepTimer:
     """This worker's step timer (see cluster/telemetry.py); rank 0's also runs the spec's `profile` window.
 
     Wrap the batches, `for batch in timer.steps(loader):`, add `**timer.end_epoch()` to the metrics of
@@ -162,9 +170,14 @@ def telemetry(config: dict, model=None, flops_per_sample: float | None = None,
     if config.get("profile") and rank() == 0:
         window = config["profile"]
         profile = ProfileWindow(device, steps=window["steps"], after=window["after"], on_ready=log_profile)
-    timer = StepTimer(device, precision=config.get("precision", "fp32"), flops_per_sample=flops_per_sample,
-                      tokens_per_sample=tokens_per_sample, world_size=ray.train.get_context().get_world_size(),
-                      profile=profile)
+    timer = StepTimer(
+        device,
+        precision=config.get("precision", "fp32"),
+        flops_per_sample=flops_per_sample,
+        tokens_per_sample=tokens_per_sample,
+        world_size=ray.train.get_context().get_world_size(),
+        profile=profile,
+    )
     if rank() == 0:
         print(f"[gpuflow] telemetry: {timer.mfu_note}", flush=True)
     return timer

@@ -53,9 +53,13 @@ def log_trained_model(model, input_example, run_id: str) -> None:
         if "model_id" not in logged:
             experiment, params = run_facts(run_id)
             user = os.environ.get("MLFLOW_TRACKING_USERNAME")  # who ran it, like the run (else MLflow's default)
-            logged["model_id"] = mlflow.initialize_logged_model(name="model", source_run_id=run_id, params=params,
-                                                                experiment_id=experiment,
-                                                                tags={"mlflow.user": user} if user else None).model_id
+            logged["model_id"] = mlflow.initialize_logged_model(
+                name="model",
+                source_run_id=run_id,
+                params=params,
+                experiment_id=experiment,
+                tags={"mlflow.user": user} if user else None,
+            ).model_id
         if "saved" not in logged:
             save_model(model, input_example, logged["model_id"], requirements)
             logged["saved"] = True
@@ -73,15 +77,27 @@ def save_model(model, input_example, model_id: str, requirements: list[str]) -> 
     why = "log_model got no input_example to export it with"
     if input_example is not None:
         try:
-            return mlflow.pytorch.log_model(model, name="model", input_example=input_example, model_id=model_id,
-                                            pip_requirements=requirements, serialization_format="pt2")
+            return mlflow.pytorch.log_model(
+                model,
+                name="model",
+                input_example=input_example,
+                model_id=model_id,
+                pip_requirements=requirements,
+                serialization_format="pt2",
+            )
         except Exception as exc:
             if unreachable(exc):
                 raise
             why = f"torch.export could not trace it ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]})"
     print(f"[gpuflow] the model is logged pickled: {why}", file=sys.stderr, flush=True)
-    mlflow.pytorch.log_model(model, name="model", input_example=input_example, model_id=model_id,
-                             pip_requirements=requirements, serialization_format="pickle")
+    mlflow.pytorch.log_model(
+        model,
+        name="model",
+        input_example=input_example,
+        model_id=model_id,
+        pip_requirements=requirements,
+        serialization_format="pickle",
+    )
 
 
 MLFLOW_WAIT_S = 300.0  # how long the end of a run waits for a tracking server that is down
@@ -99,8 +115,11 @@ def when_mlflow_answers(log, what: str, wait_s: float = MLFLOW_WAIT_S):
         except (MlflowException, OSError) as exc:
             if time.monotonic() > deadline or not unreachable(exc):
                 raise
-            print(f"[gpuflow] MLflow does not answer: the {what} is logged once it is back ({exc.__class__.__name__})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[gpuflow] MLflow does not answer: the {what} is logged once it is back ({exc.__class__.__name__})",
+                file=sys.stderr,
+                flush=True,
+            )
             time.sleep(5)
 
 
@@ -122,5 +141,8 @@ def log_profile(folder) -> None:
 
     when_mlflow_answers(lambda: MlflowClient().log_artifacts(run_id, str(folder), artifact_path="profile"), "profile")
     shutil.rmtree(folder, ignore_errors=True)
-    print("[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
-          "profile/top_operators.txt", flush=True)
+    print(
+        "[gpuflow] profile logged to MLflow: profile/trace.json (open in https://ui.perfetto.dev), "
+        "profile/top_operators.txt",
+        flush=True,
+    )

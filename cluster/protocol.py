@@ -65,8 +65,10 @@ class JobEnv:
 
 def split_secrets(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """A job's environment as (what may be shown, the secrets among it)."""
-    return ({name: value for name, value in env.items() if name not in SECRET_ENV_NAMES},
-            {name: value for name, value in env.items() if name in SECRET_ENV_NAMES})
+    return (
+        {name: value for name, value in env.items() if name not in SECRET_ENV_NAMES},
+        {name: value for name, value in env.items() if name in SECRET_ENV_NAMES},
+    )
 
 
 # `gpuflow serve --set ...`: the overrides reach the flow runs that serve starts, as JSON in their environment.
@@ -170,7 +172,7 @@ def epoch_metrics(line: str) -> dict[str, float]:
     """The metrics of an epoch line, `{"val_accuracy": 0.95, ...}`, in the order the job printed them."""
     found = EPOCH_LINE.search(line)
     metrics = {}
-    for key, value in METRIC.findall(line[found.end():] if found else ""):
+    for key, value in METRIC.findall(line[found.end() :] if found else ""):
         try:
             metrics[key] = float(value)
         except ValueError:
@@ -211,8 +213,16 @@ TRIGGERED_BY_PREFECT_TAG_PREFIX = "triggered-by:"
 
 def triggered_by(prefect_tags) -> str | None:
     """The MLflow user that `gpuflow run --deployment` put on a flow run's tags (None: started otherwise)."""
-    return next((tag.removeprefix(TRIGGERED_BY_PREFECT_TAG_PREFIX) for tag in prefect_tags or ()
-                 if tag.startswith(TRIGGERED_BY_PREFECT_TAG_PREFIX)), None)
+    return next(
+        (
+            tag.removeprefix(TRIGGERED_BY_PREFECT_TAG_PREFIX)
+            for tag in prefect_tags or ()
+            if tag.startswith(TRIGGERED_BY_PREFECT_TAG_PREFIX)
+        ),
+        None,
+    )
+
+
 REGISTERED_MODEL_TAG = "gpuflow.registered_model"  # "<name>/<version>" of the model registered from the run
 TRIAL_ID_TAG = "gpuflow.trial_id"  # a sweep's trial, on its child run
 PLACEMENT_GROUP_TAG = "gpuflow.placement_group"  # the trial's Ray placement group, freed when the trial stops
@@ -232,5 +242,13 @@ SOURCE_WORKDIR_TAG = "gpuflow.source.workdir"  # the spec's workdir inside its g
 DIFF_TOO_LARGE_TAG = "gpuflow.source.diff_too_large"  # the uncommitted changes were over the cap: not recorded
 
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
-STATUS_FOR_STOP = {"cancelled": "KILLED", "timeout": "KILLED", "budget": "KILLED", "idle_gpu": "KILLED",
-                   "interrupted": "KILLED", "orphaned": "FAILED", "preempted": "FAILED", "hung": "FAILED"}
+STATUS_FOR_STOP = {
+    "cancelled": "KILLED",
+    "timeout": "KILLED",
+    "budget": "KILLED",
+    "idle_gpu": "KILLED",
+    "interrupted": "KILLED",
+    "orphaned": "FAILED",
+    "preempted": "FAILED",
+    "hung": "FAILED",
+}

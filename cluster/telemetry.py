@@ -89,8 +89,14 @@ class ProfileWindow:
     it to MLflow. The trace is Chrome trace JSON: it opens in https://ui.perfetto.dev and chrome://tracing.
     """
 
-    def __init__(self, device: torch.device, steps: int, after: int = 0,
-                 on_ready: Callable[[Path], None] | None = None, folder: str | Path | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        steps: int,
+        after: int = 0,
+        on_ready: Callable[[Path], None] | None = None,
+        folder: str | Path | None = None,
+    ):
         self.device, self.steps, self.after = device, steps, after
         self.on_ready = on_ready
         self.folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="gpuflow-profile-"))
@@ -130,8 +136,10 @@ class ProfileWindow:
         profiler.export_chrome_trace(str(self.folder / "trace.json"))
         sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort_by, row_limit=25)
-        header = (f"torch.profiler: {self.recorded_steps} step(s) recorded after skipping {self.after}, "
-                  f"on {accelerator_name(self.device)}; top operators by {sort_by}\n\n")
+        header = (
+            f"torch.profiler: {self.recorded_steps} step(s) recorded after skipping {self.after}, "
+            f"on {accelerator_name(self.device)}; top operators by {sort_by}\n\n"
+        )
         (self.folder / "top_operators.txt").write_text(header + table)
         if self.on_ready:
             self.on_ready(self.folder)
@@ -147,9 +155,16 @@ class StepTimer:
     (model FLOPs per second over the device's peak, when both are known; `mfu_note` says why not).
     """
 
-    def __init__(self, device: torch.device | str = "cpu", precision: str = "fp32", flops_per_sample: float | None = None,
-                 tokens_per_sample: int | None = None, world_size: int = 1, samples_of: Callable = count_samples,
-                 profile: ProfileWindow | None = None):
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        precision: str = "fp32",
+        flops_per_sample: float | None = None,
+        tokens_per_sample: int | None = None,
+        world_size: int = 1,
+        samples_of: Callable = count_samples,
+        profile: ProfileWindow | None = None,
+    ):
         self.device = torch.device(device)
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_sample = flops_per_sample

@@ -23,8 +23,10 @@ from gpuflow.cluster.telemetry import StepTimer
 # the text is lowercase words, spaces, full stops and newlines; 32 ids leave room and keep matmuls aligned
 ALPHABET = "\n .abcdefghijklmnopqrstuvwxyz"
 VOCAB_SIZE = 32
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen " \
-          "seventeen eighteen nineteen twenty".split()
+NUMBERS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split()
+)
 
 
 def make_text(sentences: int, seed: int = 0) -> list[str]:
@@ -55,22 +57,28 @@ def windows(tokens: torch.Tensor, block_size: int) -> torch.utils.data.TensorDat
     """Non-overlapping (input, next-character target) windows of block_size characters."""
     count = (len(tokens) - 1) // block_size
     inputs = tokens[: count * block_size].view(count, block_size)
-    targets = tokens[1: count * block_size + 1].view(count, block_size)
+    targets = tokens[1 : count * block_size + 1].view(count, block_size)
     return torch.utils.data.TensorDataset(inputs, targets)
 
 
 def batches(dataset, batch_size: int, device: torch.device, sampler=None) -> torch.utils.data.DataLoader:
     # pinned host memory lets .to(device, non_blocking=True) overlap the copy with the previous step's kernels
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=sampler is None, sampler=sampler,
-                                       drop_last=True, pin_memory=device.type == "cuda")
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        drop_last=True,
+        pin_memory=device.type == "cuda",
+    )
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256   # characters of context
+    block_size: int = 256  # characters of context
     n_layer: int = 6
     n_head: int = 6
-    n_embd: int = 384       # a multiple of 64 per head keeps the flash-attention kernels usable
+    n_embd: int = 384  # a multiple of 64 per head keeps the flash-attention kernels usable
     vocab_size: int = VOCAB_SIZE
 
 
@@ -81,8 +89,9 @@ class Block(nn.Module):
         self.ln_1, self.ln_2 = nn.LayerNorm(config.n_embd), nn.LayerNorm(config.n_embd)
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(), nn.Linear(4 * config.n_embd, config.n_embd)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.shape
@@ -135,8 +144,12 @@ def make_optimizer(model: nn.Module, lr: float, device: torch.device) -> torch.o
     """AdamW, fused on CUDA (one kernel for all parameters); no weight decay on biases and norms."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        fused=device.type == "cuda",
+    )
 
 
 def autocast(precision: str, device: torch.device):
@@ -145,9 +158,17 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=dtype, enabled=precision in ("bf16", "fp16"))
 
 
-def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, loader, device: torch.device, precision: str,
-                timer: StepTimer, scaler: torch.amp.GradScaler | None = None, after_step=None,
-                resumed: tuple[int, float] = (0, 0.0)) -> float:
+def train_epoch(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader,
+    device: torch.device,
+    precision: str,
+    timer: StepTimer,
+    scaler: torch.amp.GradScaler | None = None,
+    after_step=None,
+    resumed: tuple[int, float] = (0, 0.0),
+) -> float:
     """One pass over the loader; returns the mean training loss. fp16 needs a scaler; bf16 has fp32's range.
     `after_step(steps, total_loss)` runs after each step; `resumed`: the (steps, summed loss) the epoch had already."""
     model.train()
@@ -205,11 +226,14 @@ def train_loop(config: dict) -> None:
 
     # data: the whole text in memory (a few MB), cut into windows; each rank reads its share
     train_set = windows(encode(loop.read_table(config["train_path"]).column("text").to_pylist()), gpt_config.block_size)
-    validation_set = windows(encode(loop.read_table(config["validation_path"]).column("text").to_pylist()), gpt_config.block_size)
+    validation_set = windows(
+        encode(loop.read_table(config["validation_path"]).column("text").to_pylist()), gpt_config.block_size
+    )
     sampler = torch.utils.data.DistributedSampler(train_set, shuffle=True) if world_size > 1 else None
     train_batches = batches(train_set, config["batch_size"], device, sampler)
-    validation_batches = torch.utils.data.DataLoader(validation_set, batch_size=config["batch_size"],
-                                                     pin_memory=device.type == "cuda")
+    validation_batches = torch.utils.data.DataLoader(
+        validation_set, batch_size=config["batch_size"], pin_memory=device.type == "cuda"
+    )
 
     # model, optimizer
     torch.manual_seed(0)
@@ -217,8 +241,11 @@ def train_loop(config: dict) -> None:
     optimizer = make_optimizer(model, config["lr"], device)
     scaler = loop.grad_scaler(config["precision"], device)
     start_epoch = loop.restore(model, optimizer, scaler)
-    timer = loop.telemetry(config, flops_per_sample=loop.unwrap(model).flops_per_token() * gpt_config.block_size,
-                           tokens_per_sample=gpt_config.block_size)
+    timer = loop.telemetry(
+        config,
+        flops_per_sample=loop.unwrap(model).flops_per_token() * gpt_config.block_size,
+        tokens_per_sample=gpt_config.block_size,
+    )
 
     for epoch in range(start_epoch, config["epochs"]):
         if sampler is not None:
@@ -231,8 +258,17 @@ def train_loop(config: dict) -> None:
             if loop.preempted():
                 loop.report_preempted(epoch, steps, model, optimizer, scaler, loss=total.item())
 
-        train_loss = train_epoch(model, optimizer, epoch_batches, device, config["precision"], timer, scaler, on_notice,
-                                 resumed=(done.get("step", 0), done.get("loss", 0.0)))
+        train_loss = train_epoch(
+            model,
+            optimizer,
+            epoch_batches,
+            device,
+            config["precision"],
+            timer,
+            scaler,
+            on_notice,
+            resumed=(done.get("step", 0), done.get("loss", 0.0)),
+        )
         figures = timer.end_epoch()
         metrics = {"train_loss": train_loss, **evaluate(model, validation_batches, device, config["precision"])}
         loop.report(epoch, {**metrics, **figures}, model, optimizer, scaler)

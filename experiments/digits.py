@@ -1,6 +1,6 @@
 """Digits MLP: scikit-learn's bundled 8×8 digits (no download), trained with Ray Train DDP on CPU or GPU.
 
-    gpuflow run experiments/digits.yaml
+gpuflow run experiments/digits.yaml
 """
 
 import itertools
@@ -28,10 +28,12 @@ def write_parquet(train_uri: str, validation_uri: str) -> None:
     cut = int(0.8 * len(order))
     for uri, rows in ((train_uri, order[:cut]), (validation_uri, order[cut:])):
         Path(uri).parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table({
-            "pixels": pa.array(list(digits.data[rows].astype(np.float32) / 16.0), pa.list_(pa.float32())),
-            "label": pa.array(digits.target[rows], pa.int64()),
-        })
+        table = pa.table(
+            {
+                "pixels": pa.array(list(digits.data[rows].astype(np.float32) / 16.0), pa.list_(pa.float32())),
+                "label": pa.array(digits.target[rows], pa.int64()),
+            }
+        )
         pq.write_table(table, uri)
 
 
@@ -39,13 +41,18 @@ class PixelsAndLabels(NumpyBatchCollateFn):
     """A Ray Data batch (numpy columns) as the (pixels, labels) tensors the model takes."""
 
     def __call__(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(np.stack(batch["pixels"])), torch.from_numpy(np.array(batch["label"]))  # a copy: Arrow's buffers are read-only
+        return torch.from_numpy(np.stack(batch["pixels"])), torch.from_numpy(
+            np.array(batch["label"])
+        )  # a copy: Arrow's buffers are read-only
 
 
 def batches(name: str, batch_size: int, shuffle: bool = False):
     """This worker's share of a dataset, streamed from Parquet in batches (Ray Data splits it across workers)."""
     return ray.train.get_dataset_shard(name).iter_torch_batches(
-        batch_size=batch_size, collate_fn=PixelsAndLabels(), local_shuffle_buffer_size=8 * batch_size if shuffle else None)
+        batch_size=batch_size,
+        collate_fn=PixelsAndLabels(),
+        local_shuffle_buffer_size=8 * batch_size if shuffle else None,
+    )
 
 
 def accuracy(model, device, precision: str) -> torch.Tensor:
@@ -53,7 +60,9 @@ def accuracy(model, device, precision: str) -> torch.Tensor:
     counts = torch.zeros(2, device=device)
     with torch.no_grad(), loop.autocast(precision, device):
         for pixels, labels in batches("validation", batch_size=1024):
-            counts += torch.stack([(model(pixels).argmax(dim=1) == labels).sum(), torch.tensor(len(labels), device=device)])
+            counts += torch.stack(
+                [(model(pixels).argmax(dim=1) == labels).sum(), torch.tensor(len(labels), device=device)]
+            )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(counts)
     return counts[0] / counts[1]
@@ -103,7 +112,10 @@ def train_loop(config: dict) -> None:
 
         # evaluate on the held-out split, then checkpoint (gpuflow logs the report to MLflow)
         model.eval()
-        metrics = {"train_loss": total_loss / max(steps, 1), "val_accuracy": accuracy(model, device, config["precision"])}
+        metrics = {
+            "train_loss": total_loss / max(steps, 1),
+            "val_accuracy": accuracy(model, device, config["precision"]),
+        }
         loop.report(epoch, {**metrics, **timer.end_epoch()}, model, optimizer, scaler)
 
     timer.close()

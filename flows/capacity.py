@@ -65,9 +65,12 @@ class Capacity:
                         f"limits.max_queue_minutes: no capacity for {waited / 60:.1f} min (limit "
                         f"{self.spec.limits.max_queue_minutes:g}); nothing is running and nothing was billed. "
                         + "; ".join(f"{what}: {why}" for what, why in exc.reasons)
-                        + ". Add options (compute.options), raise limits.max_queue_minutes, or run later") from None
-                message = (f"no option has capacity: waiting for one of {len(exc.reasons)} option(s), "
-                           f"{(limit_s - waited) / 60:.1f} min left of limits.max_queue_minutes")
+                        + ". Add options (compute.options), raise limits.max_queue_minutes, or run later"
+                    ) from None
+                message = (
+                    f"no option has capacity: waiting for one of {len(exc.reasons)} option(s), "
+                    f"{(limit_s - waited) / 60:.1f} min left of limits.max_queue_minutes"
+                )
                 log.info(message)
                 self.set_state(WAITING, message)
                 waited_said = True
@@ -106,8 +109,10 @@ class Capacity:
         price = hourly_cost(on_demand_spec(self.spec))
         self.check_budget(price.hourly_usd)
         self.on_demand = True
-        log.info(f"{why}: {self.spot_losses} spot loss(es) of compute.spot_fallback_after={after}; relaunching "
-                 f"on-demand at up to ${price.hourly_usd:.4g}/h")
+        log.info(
+            f"{why}: {self.spot_losses} spot loss(es) of compute.spot_fallback_after={after}; relaunching "
+            f"on-demand at up to ${price.hourly_usd:.4g}/h"
+        )
         return True
 
     def check_budget(self, hourly_usd: float) -> None:
@@ -121,9 +126,11 @@ class Capacity:
         left_h = max(0.0, self.spec.limits.max_runtime_minutes * 60 - ran_s) / 3600
         worst = spent + hourly_usd * left_h
         if worst > limit:
-            detail = (f"stopped by budget: on-demand at ${hourly_usd:.4g}/h for the {left_h * 60:.0f} min left could "
-                      f"cost ${worst:.2f} in all (${spent:.2f} spent), more than max_cost_usd={limit:.2f}; "
-                      "the checkpoints are kept")
+            detail = (
+                f"stopped by budget: on-demand at ${hourly_usd:.4g}/h for the {left_h * 60:.0f} min left could "
+                f"cost ${worst:.2f} in all (${spent:.2f} spent), more than max_cost_usd={limit:.2f}; "
+                "the checkpoints are kept"
+            )
             self.life.stop("budget", detail)
             raise RunStopped("budget", detail)
 
@@ -162,8 +169,9 @@ class Replacement:
         try:
             handle = self.future.result()
         except Exception as exc:
-            log.warning(f"replacement cluster {self.name} did not launch ({type(exc).__name__}: {exc}): provisioning "
-                        "it now")
+            log.warning(
+                f"replacement cluster {self.name} did not launch ({type(exc).__name__}: {exc}): provisioning it now"
+            )
             handle = None
         if handle is not None and self.on_demand != self.capacity.on_demand:  # spot, and the run is on-demand now
             self.capacity.life.down(self.name)
@@ -193,6 +201,7 @@ def billed_later(job: Job | None, seconds: float) -> Job | None:
 def prefect_state(flow_run_id: str) -> Callable[[str | None, str], None]:
     """Sets the flow run's state: RUNNING named `name` (or plain Running), with `message`; never forced, so a
     cancel (Cancelling) refuses it and the cancel watcher stops the run."""
+
     def set_state(name: str | None, message: str) -> None:
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.objects import StateType
@@ -200,8 +209,9 @@ def prefect_state(flow_run_id: str) -> Callable[[str | None, str], None]:
 
         try:
             with get_client(sync_client=True) as client:
-                client.set_flow_run_state(flow_run_id, State(type=StateType.RUNNING, name=name or "Running",
-                                                             message=message))
+                client.set_flow_run_state(
+                    flow_run_id, State(type=StateType.RUNNING, name=name or "Running", message=message)
+                )
         except Exception:  # the API blinked: the console line said it already
             pass
 

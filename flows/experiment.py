@@ -1,6 +1,6 @@
 """One experiment as one unit: the Prefect flow run, the cluster and the MLflow run live and die together.
 
-    gpuflow run experiments/digits.yaml            # or: python -m gpuflow.flows.experiment experiments/digits.yaml
+gpuflow run experiments/digits.yaml            # or: python -m gpuflow.flows.experiment experiments/digits.yaml
 """
 
 from __future__ import annotations
@@ -63,11 +63,16 @@ def this_flow_run() -> dict[str, str | None]:
     from prefect.context import FlowRunContext
 
     creator = FlowRunContext.get().flow_run.created_by  # self-hosted Prefect: a schedule or an automation, no person
-    return {"id": str(runtime.flow_run.id), "name": runtime.flow_run.name,
-            "url": flow_run_ui_url(runtime.flow_run.id), "deployment": runtime.deployment.name,
-            "created_by": f"{(creator.type or '').lower()}:{creator.display_value}"
-                          if creator and creator.display_value else None,
-            "triggered_by": triggered_by(FlowRunContext.get().flow_run.tags)}
+    return {
+        "id": str(runtime.flow_run.id),
+        "name": runtime.flow_run.name,
+        "url": flow_run_ui_url(runtime.flow_run.id),
+        "deployment": runtime.deployment.name,
+        "created_by": f"{(creator.type or '').lower()}:{creator.display_value}"
+        if creator and creator.display_value
+        else None,
+        "triggered_by": triggered_by(FlowRunContext.get().flow_run.tags),
+    }
 
 
 def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
@@ -99,8 +104,9 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
     A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
     spec, life, capacity, job = run.spec, run.life, run.capacity, run.job()
     for recovery in range(spec.compute.max_recoveries + 1):
-        replacement = Replacement(capacity, cluster_name_for(flow_run_id_of(handle.name), recovery + 1), job.env,
-                                  recovery)
+        replacement = Replacement(
+            capacity, cluster_name_for(flow_run_id_of(handle.name), recovery + 1), job.env, recovery
+        )
         try:
             with replacement:  # on a spot notice, the next cluster is provisioned while this one trains
                 return train(spec, handle, job, life, stop_checks)
@@ -114,8 +120,10 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
                 detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
                 life.stop("preempted", detail)
                 raise RunStopped("preempted", detail) from None
-            get_run_logger().warning(f"{lost}: relaunching it and resuming from the last checkpoint "
-                                     f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})")
+            get_run_logger().warning(
+                f"{lost}: relaunching it and resuming from the last checkpoint "
+                f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})"
+            )
             if handle.info.get("launched", {}).get("spot") == "true":
                 capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
             # downs the lost one; the next is priced at the dearest option it may get, until it launches
@@ -126,8 +134,15 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
     raise AssertionError("unreachable")
 
 
-@flow(name="run-experiment", flow_run_name=run_name, on_cancellation=[release], on_crashed=[release, notify_end],
-      on_failure=[notify_end], on_completion=[notify_end], log_prints=True)
+@flow(
+    name="run-experiment",
+    flow_run_name=run_name,
+    on_cancellation=[release],
+    on_crashed=[release, notify_end],
+    on_failure=[notify_end],
+    on_completion=[notify_end],
+    log_prints=True,
+)
 def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of: str | None = None):
     """Validate → wait for the team's GPU quota → stage data + open the MLflow run + provision (side by side) →
     train → teardown → register.
@@ -169,8 +184,11 @@ def run_on_a_cluster(run: ExperimentRun):
     """Provision → train (relaunching a lost cluster) → teardown → register, as one unit with the MLflow run."""
     spec, life, record = run.spec, run.life, run.record
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
-    with life, Watchdog([cancel_check(run.flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"), \
-            record.phase("wall"):  # ends before the lifecycle closes the MLflow run, which logs the phases
+    with (
+        life,
+        Watchdog([cancel_check(run.flow_run["id"])], life.stop, CANCEL_POLL_S, name="gpuflow-cancel-watch"),
+        record.phase("wall"),
+    ):  # ends before the lifecycle closes the MLflow run, which logs the phases
         with record.phase("provision"):
             handle = prepare_and_provision(run)
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
@@ -188,13 +206,22 @@ def run_on_a_cluster(run: ExperimentRun):
 
     if life.stop_reason == "cancelled":
         return Cancelled(message="cancelled from Prefect: cluster torn down, MLflow run KILLED")
-    summary = {"run_id": run.run_id, "metrics": result.metrics, "checkpoint": result.checkpoint,
-               "phases": record.phases, "experiment": spec.experiment_name, "tracking_uri": spec.tracking_uri,
-               "cluster": life.cluster_name, "cost": life.bill(), "price": life.meter.price.describe(),
-               "sweep": result.sweep}
+    summary = {
+        "run_id": run.run_id,
+        "metrics": result.metrics,
+        "checkpoint": result.checkpoint,
+        "phases": record.phases,
+        "experiment": spec.experiment_name,
+        "tracking_uri": spec.tracking_uri,
+        "cluster": life.cluster_name,
+        "cost": life.bill(),
+        "price": life.meter.price.describe(),
+        "sweep": result.sweep,
+    }
     publish_summary(spec, run.run_id, summary)
-    get_run_logger().info(f"done in {record.phases['wall_seconds']:.1f}s: "
-                          f"{metrics_line(result.metrics, telemetry=False)}")
+    get_run_logger().info(
+        f"done in {record.phases['wall_seconds']:.1f}s: {metrics_line(result.metrics, telemetry=False)}"
+    )
     return summary
 
 

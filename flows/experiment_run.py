@@ -32,9 +32,13 @@ class ExperimentRun:
     def begin(cls, spec: ExperimentSpec, flow_run: dict, webhook: dict | None) -> ExperimentRun:
         """The run's records, before its cluster is requested: the bill counts from here."""
         record, backend = RunRecord(spec, flow_run["id"]), get_backend(spec.compute.backend)
-        life = Lifecycle(cluster_name_for(flow_run["id"]), backend.down, Meter(hourly_cost(spec)),
-                         lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)),
-                         workers=spec.compute.num_workers)
+        life = Lifecycle(
+            cluster_name_for(flow_run["id"]),
+            backend.down,
+            Meter(hourly_cost(spec)),
+            lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)),
+            workers=spec.compute.num_workers,
+        )
         return cls(spec, flow_run, webhook, record, life, Capacity(record, life), backend)
 
     @property
@@ -46,15 +50,24 @@ class ExperimentRun:
         """The training job: Ray Train's run name (the checkpoints' folder, stable for the flow run) and what the job
         needs to log into the MLflow run and to enforce the run's limits and lease on its own, should the flow die
         (and to say so, to the run's webhook)."""
-        env = JobEnv(tracking_uri=self.spec.tracking_uri, mlflow_run_id=self.record.run_id,
-                     artifact_uri=self.record.artifact_uri, requested_at=self.life.requested_at,
-                     hourly_usd=self.life.meter.hourly_usd(), notify_json=self.notify_json(),
-                     metadata_url=metadata_url())
+        env = JobEnv(
+            tracking_uri=self.spec.tracking_uri,
+            mlflow_run_id=self.record.run_id,
+            artifact_uri=self.record.artifact_uri,
+            requested_at=self.life.requested_at,
+            hourly_usd=self.life.meter.hourly_usd(),
+            notify_json=self.notify_json(),
+            metadata_url=metadata_url(),
+        )
         return Job(train_run_name(self.spec.name, self.record.flow_run_id), env.to_env())
 
     def notify_json(self) -> str | None:
         """What the job needs to send the run's messages itself, should the flow die."""
         if self.webhook is None:
             return None
-        return for_the_job(self.webhook, self.flow_run["name"], run_url(self.spec, self.run_id),
-                           prefect_link(self.flow_run["id"], self.flow_run["url"]))
+        return for_the_job(
+            self.webhook,
+            self.flow_run["name"],
+            run_url(self.spec, self.run_id),
+            prefect_link(self.flow_run["id"], self.flow_run["url"]),
+        )

@@ -42,11 +42,28 @@ def start_api_server(listener: socket.socket, settings_env: dict[str, str]) -> s
     the app is loaded); `settings_env`: this process's Prefect settings, for the server's."""
     app_dir = Path(importlib.util.find_spec("prefect").origin).parents[1]  # found, not imported: it may not be yet
     return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-         "prefect.server.api.server:create_app", "--fd", str(listener.fileno()), "--log-level", "error",
-         "--lifespan", "on"],
-        env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-             **settings_env},
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(app_dir),
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--fd",
+            str(listener.fileno()),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+        ],
+        env={
+            **os.environ,
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            **settings_env,
+        },
         pass_fds=(listener.fileno(),),
     )
 

@@ -22,8 +22,16 @@ def install_checkout(directory: str) -> dict:
     if (folder / "pyproject.toml").is_file() or (folder / "setup.py").is_file():
         command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(folder)]
     elif (folder / "requirements.txt").is_file():
-        command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r",
-                   str(folder / "requirements.txt")]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-r",
+            str(folder / "requirements.txt"),
+        ]
     else:
         return {"installed": None}
     print(f"gpuflow: installing the checkout at {folder} ({' '.join(command[3:])})", flush=True)

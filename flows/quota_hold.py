@@ -109,11 +109,16 @@ def quotas() -> list:
 
 
 def holding(client, pool: str) -> str:
-    """", held by <run> (<who triggered it>), ...": the live runs holding the pool's slots ("" when none)."""
+    """ ", held by <run> (<who triggered it>), ...": the live runs holding the pool's slots ("" when none)."""
     from prefect.client.schemas import filters as f
 
-    runs = client.read_flow_runs(flow_run_filter=f.FlowRunFilter(tags=f.FlowRunFilterTags(all_=[HELD_TAG_PREFIX + pool]),
-                                 state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=["RUNNING"]))), limit=20)
+    runs = client.read_flow_runs(
+        flow_run_filter=f.FlowRunFilter(
+            tags=f.FlowRunFilterTags(all_=[HELD_TAG_PREFIX + pool]),
+            state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=["RUNNING"])),
+        ),
+        limit=20,
+    )
     named = [run.name + (f" ({who})" if (who := triggered_by(run.tags)) else "") for run in runs]
     return f", held by {', '.join(named)}" if named else ""
 
@@ -124,11 +129,18 @@ def waiting_runs(pool: str, client=None) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
     with contextlib.nullcontext(client) if client else get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(all_=[WAIT_TAG_PREFIX + pool])), limit=200)
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[WAIT_TAG_PREFIX + pool])), limit=200
+        )
     now = datetime.now(timezone.utc)
-    return sorted((run for run in runs if run.state and run.state.name == WAITING
-                   and (now - run.state.timestamp).total_seconds() < STALE_S), key=submitted)
+    return sorted(
+        (
+            run
+            for run in runs
+            if run.state and run.state.name == WAITING and (now - run.state.timestamp).total_seconds() < STALE_S
+        ),
+        key=submitted,
+    )
 
 
 class QuotaHold:
@@ -153,9 +165,11 @@ class QuotaHold:
             except ObjectNotFound:
                 return False
             if self.need.slots > limit.limit:
-                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {limit.limit}"
-                                   f"{holding(client, self.need.pool)}: it can never start; make the cluster smaller "
-                                   f"(compute), or raise the quota: gpuflow quota set {self.need.pool} {self.need.slots}")
+                raise QueueTimeout(
+                    f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {limit.limit}"
+                    f"{holding(client, self.need.pool)}: it can never start; make the cluster smaller "
+                    f"(compute), or raise the quota: gpuflow quota set {self.need.pool} {self.need.slots}"
+                )
             started = time.monotonic()
             self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
             try:
@@ -163,8 +177,11 @@ class QuotaHold:
             finally:
                 self.waited_s = time.monotonic() - started
                 held = [HELD_TAG_PREFIX + self.need.pool, LEASED_TAG, f"{LEASE_TAG_PREFIX}{self.lease_id}"]
-                self._retag(client, add=held if self.lease_id else [], remove=[WAIT_TAG_PREFIX + self.need.pool,
-                                                                               TAKING_TAG_PREFIX + self.need.pool])
+                self._retag(
+                    client,
+                    add=held if self.lease_id else [],
+                    remove=[WAIT_TAG_PREFIX + self.need.pool, TAKING_TAG_PREFIX + self.need.pool],
+                )
         threading.Thread(target=self._renew, daemon=True, name="gpuflow-quota-lease").start()
         return True
 
@@ -177,18 +194,23 @@ class QuotaHold:
             if mine.state and mine.state.type.value in ("CANCELLING", "CANCELLED"):
                 raise QueueCancelled()
             if not ahead and self._try(client):
-                if not accepted(client.set_flow_run_state(self.flow_run_id, Running(
-                        message=f"holding {self.need.describe()}"))):
+                if not accepted(
+                    client.set_flow_run_state(self.flow_run_id, Running(message=f"holding {self.need.describe()}"))
+                ):
                     self.release()  # cancelled in the instant between
                     raise QueueCancelled()
-                log.info(f"quota: holding {self.need.describe()} after {time.monotonic() - started:.0f} s",
-                         extra=progress(phase="waiting for GPUs"))
+                log.info(
+                    f"quota: holding {self.need.describe()} after {time.monotonic() - started:.0f} s",
+                    extra=progress(phase="waiting for GPUs"),
+                )
                 return
             if said is None:
                 drop_prewarmed()  # a waiting run holds nothing, not even a warm cluster
             held = client.read_global_concurrency_limit_by_name(self.need.limit_name)
-            message = (f"waiting for {self.need.describe()}: {len(ahead)} run(s) ahead, "
-                       f"{held.active_slots} of {held.limit} held")
+            message = (
+                f"waiting for {self.need.describe()}: {len(ahead)} run(s) ahead, "
+                f"{held.active_slots} of {held.limit} held"
+            )
             if message != said or time.monotonic() - stamped > STAMP_S:
                 # not forced: a cancel (Cancelling) refuses it, and the next look at the state ends the wait
                 client.set_flow_run_state(self.flow_run_id, waiting_state(message))
@@ -196,11 +218,13 @@ class QuotaHold:
                     log.info(message, extra=progress(phase="waiting for GPUs"))
                 said, stamped = message, time.monotonic()
             if time.monotonic() - started > self.max_wait_s:
-                raise QueueTimeout(f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {held.limit} "
-                                   f"with {held.active_slots} held{holding(client, self.need.pool)}, "
-                                   f"{len(ahead)} run(s) ahead; waited {self.max_wait_s / 60:g} min "
-                                   f"(limits.max_queue_minutes) and started nothing; raise limits.max_queue_minutes "
-                                   f"or the quota (gpuflow quota set {self.need.pool} N), or run later")
+                raise QueueTimeout(
+                    f"the run needs {self.need.amount()}, quota {self.need.pool!r} is {held.limit} "
+                    f"with {held.active_slots} held{holding(client, self.need.pool)}, "
+                    f"{len(ahead)} run(s) ahead; waited {self.max_wait_s / 60:g} min "
+                    f"(limits.max_queue_minutes) and started nothing; raise limits.max_queue_minutes "
+                    f"or the quota (gpuflow quota set {self.need.pool} N), or run later"
+                )
             time.sleep(POLL_S)
 
     def _queue(self, client) -> tuple:
@@ -213,14 +237,21 @@ class QuotaHold:
         )
 
         mine = client.read_flow_run(self.flow_run_id)
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(all_=[POOL_TAG_PREFIX + self.need.pool]),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))), limit=200)
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[POOL_TAG_PREFIX + self.need.pool]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"])),
+            ),
+            limit=200,
+        )
         now = datetime.now(timezone.utc)
 
         def ahead(run) -> bool:
-            if str(run.id) == self.flow_run_id or submitted(run) >= submitted(mine) \
-                    or HELD_TAG_PREFIX + self.need.pool in run.tags:
+            if (
+                str(run.id) == self.flow_run_id
+                or submitted(run) >= submitted(mine)
+                or HELD_TAG_PREFIX + self.need.pool in run.tags
+            ):
                 return False
             if run.state.name == WAITING:
                 return (now - run.state.timestamp).total_seconds() < STALE_S  # else killed while it waited
@@ -236,8 +267,12 @@ class QuotaHold:
         self._retag(client, add=[TAKING_TAG_PREFIX + self.need.pool])
         try:
             response = client.increment_concurrency_slots_with_lease(
-                names=[self.need.limit_name], slots=self.need.slots, mode="concurrency",
-                lease_duration=self.lease_s, holder=ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id))
+                names=[self.need.limit_name],
+                slots=self.need.slots,
+                mode="concurrency",
+                lease_duration=self.lease_s,
+                holder=ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id),
+            )
         except httpx.HTTPStatusError as exc:
             if exc.response.status_code == 423:  # not enough free slots yet
                 self._retag(client, remove=[TAKING_TAG_PREFIX + self.need.pool])
@@ -273,8 +308,10 @@ class QuotaHold:
                     self._retag(client, remove=[LEASED_TAG, LEASE_TAG_PREFIX + self.lease_id])
                     client.set_flow_run_state(self.flow_run_id, Running(message=f"gave back {self.need.describe()}"))
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
-                log.warning(f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
-                            f"its lease lapses within {self.lease_s:.0f} s")
+                log.warning(
+                    f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
+                    f"its lease lapses within {self.lease_s:.0f} s"
+                )
             self.lease_id = None
 
 
@@ -296,6 +333,7 @@ def accepted(result) -> bool:
 
 def waiting_state(message: str):
     from prefect.states import Running
+
     return Running(name=WAITING, message=message)
 
 

@@ -23,8 +23,12 @@ from gpuflow.flows.run_logs import attach_gpuflow_loggers
 
 
 @flow(name="reap-clusters", log_prints=True)
-def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
-                  tracking_uris: list[str] | None = None, dry_run: bool = False) -> list[dict]:
+def reap_clusters(
+    ttl_hours: float = 24.0,
+    backends: list[str] | None = None,
+    tracking_uris: list[str] | None = None,
+    dry_run: bool = False,
+) -> list[dict]:
     """One pass of the reconciler: downs orphaned gpuflow clusters (flow run final, dead, missing, or older than
     ttl_hours), closes their MLflow runs, marks dead flow runs Crashed, sends unsent end messages, frees the quota's
     leaked slots. tracking_uris: by default every server the deployments and recent runs use."""
@@ -38,24 +42,28 @@ def reap_clusters(ttl_hours: float = 24.0, backends: list[str] | None = None,
     finally:
         for backend in chosen:  # e.g. the SkyPilot API server that listing the clusters started
             getattr(backend, "close", lambda: None)()
-    create_markdown_artifact(report(done), key="reaper",
-                             description="clusters the reaper downed and why")
+    create_markdown_artifact(report(done), key="reaper", description="clusters the reaper downed and why")
     return [asdict(verdict) for verdict in done.verdicts]
 
 
 def report(done: Pass) -> str:
     """The pass as the Prefect UI shows it (the reaper run's artifact)."""
     lines = ["# Reaper", "", "| cluster | backend | flow run state | action | why |", "| --- | --- | --- | --- | --- |"]
-    lines += [f"| `{v.cluster}` | {v.backend} | {v.flow_run_state or 'missing'} | "
-              f"{'downed' if v.downed else v.action} | {v.reason} |" for v in done.verdicts]
+    lines += [
+        f"| `{v.cluster}` | {v.backend} | {v.flow_run_state or 'missing'} | "
+        f"{'downed' if v.downed else v.action} | {v.reason} |"
+        for v in done.verdicts
+    ]
     if not done.verdicts:
         lines.append("| (no gpuflow clusters) | | | | |")
     lines += ["", f"MLflow runs closed: {len(done.closed)}", *[f"- `{run}`" for run in done.closed]]
     lines += ["", f"Flow runs marked Crashed: {len(done.crashed)}", *[f"- `{run}`" for run in done.crashed]]
     lines += ["", f"End messages: {len(done.said)}", *[f"- {line}" for line in done.said]]
     lines += ["", f"Quotas recounted: {len(done.recounted)}"]
-    lines += [f"- `{found.pool}`: " + (f"gave back {found.freed} leaked slot(s)" if found.freed else found.note)
-              for found in done.recounted]
+    lines += [
+        f"- `{found.pool}`: " + (f"gave back {found.freed} leaked slot(s)" if found.freed else found.note)
+        for found in done.recounted
+    ]
     return "\n".join(lines)
 
 

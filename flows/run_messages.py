@@ -37,9 +37,16 @@ def webhook_of(block_name: str) -> dict:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
     block = CustomWebhookNotificationBlock.load(block_name)
-    return {"name": block.name, "url": block.url, "method": block.method, "params": block.params,
-            "json_data": block.json_data, "form_data": block.form_data, "headers": block.headers,
-            "values": block.secrets.get_secret_value()}
+    return {
+        "name": block.name,
+        "url": block.url,
+        "method": block.method,
+        "params": block.params,
+        "json_data": block.json_data,
+        "form_data": block.form_data,
+        "headers": block.headers,
+        "values": block.secrets.get_secret_value(),
+    }
 
 
 def webhook_for(spec: ExperimentSpec) -> dict | None:
@@ -49,9 +56,13 @@ def webhook_for(spec: ExperimentSpec) -> dict | None:
     try:
         return webhook_of(spec.notify.block)
     except Exception as exc:
-        raise SpecError([f"notify.block: {spec.notify.block!r} cannot be loaded as a Prefect Custom Webhook block "
-                         f"({type(exc).__name__}); make it with `gpuflow notify add {spec.notify.block} URL` "
-                         "against this Prefect API"]) from None
+        raise SpecError(
+            [
+                f"notify.block: {spec.notify.block!r} cannot be loaded as a Prefect Custom Webhook block "
+                f"({type(exc).__name__}); make it with `gpuflow notify add {spec.notify.block} URL` "
+                "against this Prefect API"
+            ]
+        ) from None
 
 
 def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):
@@ -63,14 +74,26 @@ def main_run(client: MlflowClient, spec: ExperimentSpec, flow_run_id: str):
 def end_event(spec: ExperimentSpec, run, flow_run, state) -> Event:
     """The message for a flow run's end (`run`: its MLflow run, or None)."""
     stopped_by = run.data.tags.get(STOPPED_BY_TAG) if run else None
-    kind = "completed" if state.is_completed() else "crashed" if state.is_crashed() else \
-        (stopped_by if stopped_by == "orphaned" else "stopped") if stopped_by else "failed"
+    kind = (
+        "completed"
+        if state.is_completed()
+        else "crashed"
+        if state.is_crashed()
+        else (stopped_by if stopped_by == "orphaned" else "stopped")
+        if stopped_by
+        else "failed"
+    )
     reason = (run.data.tags.get(STOP_DETAIL_TAG) if run and stopped_by else None) or state.message or state.name
     if stopped_by:  # the flow's own stop: "Flow run encountered an exception: RunStopped: stopped by budget: ..."
         reason = f"stopped_by={stopped_by}: {reason.split('RunStopped: ', 1)[-1]}"
-    return Event(kind, flow_run.name, reason, run.data.metrics.get("cost_usd") if run else None,
-                 run_url(spec, run.info.run_id) if run else None,
-                 prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)))
+    return Event(
+        kind,
+        flow_run.name,
+        reason,
+        run.data.metrics.get("cost_usd") if run else None,
+        run_url(spec, run.info.run_id) if run else None,
+        prefect_link(flow_run.id, flow_run_ui_url(flow_run.id)),
+    )
 
 
 def says(spec: ExperimentSpec, state) -> bool:
@@ -117,10 +140,18 @@ def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:
     """The run lost its cluster and relaunched it (recovery n): said to its webhook, if any."""
     if run.webhook is None:
         return
-    failure = send(run.webhook, Event(
-        "recovered", run.flow_run["name"], f"{lost}; relaunched, resuming from the last checkpoint (recovery "
-        f"{recovery} of at most {run.spec.compute.max_recoveries})", run.life.bill()["cost_usd"],
-        run_url(run.spec, run.run_id), prefect_link(run.flow_run["id"], run.flow_run["url"])))
+    failure = send(
+        run.webhook,
+        Event(
+            "recovered",
+            run.flow_run["name"],
+            f"{lost}; relaunched, resuming from the last checkpoint (recovery "
+            f"{recovery} of at most {run.spec.compute.max_recoveries})",
+            run.life.bill()["cost_usd"],
+            run_url(run.spec, run.run_id),
+            prefect_link(run.flow_run["id"], run.flow_run["url"]),
+        ),
+    )
     if failure:
         log.warning(failure)
 
@@ -135,15 +166,26 @@ def notify_undelivered(tracking_uris: list[str]) -> list[str]:
     from prefect.client.orchestration import get_client
 
     since_ms = int((time.time() - UNSAID_WITHIN_S) * 1000)
-    unsaid = f"tags.`{NOTIFY_BLOCK_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL AND attributes.end_time > {since_ms}"
+    unsaid = (
+        f"tags.`{NOTIFY_BLOCK_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL AND attributes.end_time > {since_ms}"
+    )
     said = []
     with get_client(sync_client=True) as prefect:
         for uri in tracking_uris:
             try:
                 client = MlflowClient(uri)
                 experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
-                runs = [run for status in ("FAILED", "KILLED") for run in client.search_runs(
-                    experiments, f"attributes.status = '{status}' AND {unsaid}", max_results=500)] if experiments else []
+                runs = (
+                    [
+                        run
+                        for status in ("FAILED", "KILLED")
+                        for run in client.search_runs(
+                            experiments, f"attributes.status = '{status}' AND {unsaid}", max_results=500
+                        )
+                    ]
+                    if experiments
+                    else []
+                )
             except Exception as exc:  # one store down: the others' messages still go
                 said.append(f"{uri}: cannot read its runs: {type(exc).__name__}")
                 continue
@@ -173,8 +215,11 @@ def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
         failure = f"notification not sent: {type(exc).__name__}"
     if failure:
         return f"flow run {flow_run_id}: {failure}"
-    return f"flow run {flow_run_id}: message delivered" if client.get_run(run.info.run_id).data.tags.get(
-        NOTIFIED_TAG) else None
+    return (
+        f"flow run {flow_run_id}: message delivered"
+        if client.get_run(run.info.run_id).data.tags.get(NOTIFIED_TAG)
+        else None
+    )
 
 
 OWED_TAG = "notify-owed"  # a flow run the reaper marked Crashed: its end's message is owed until delivered
@@ -189,8 +234,9 @@ def notify_owed() -> list[str]:
 
     said = []
     with get_client(sync_client=True) as prefect:
-        for flow_run in prefect.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
-                all_=[OWED_TAG])), limit=200):
+        for flow_run in prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[OWED_TAG])), limit=200
+        ):
             try:
                 spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
                 failure = None
@@ -211,6 +257,7 @@ def add_webhook(name: str, url: str, format: str = "json") -> str:
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
 
     # the URL among the block's secrets: a block's plain fields are shown in Prefect's UI and its events
-    CustomWebhookNotificationBlock(name=name, url="{{webhook_url}}", secrets={"webhook_url": url},
-                                   json_data=FORMATS[format]).save(name, overwrite=True)
+    CustomWebhookNotificationBlock(
+        name=name, url="{{webhook_url}}", secrets={"webhook_url": url}, json_data=FORMATS[format]
+    ).save(name, overwrite=True)
     return f"notify block {name!r} saved ({format} messages); name it in a spec: notify: {{block: {name}}}"

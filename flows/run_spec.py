@@ -64,8 +64,9 @@ def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | N
     entry = next((item for item in declared(prefect_yaml) if item.get("name") == deployment), None)
     if entry is None or "form_policy" not in entry:
         return None
-    return policy_from(deployment, entry,
-                       with_overrides(entry.get("parameters") or {}, serve_overrides(), force=True)["spec"])
+    return policy_from(
+        deployment, entry, with_overrides(entry.get("parameters") or {}, serve_overrides(), force=True)["spec"]
+    )
 
 
 def given_in(spec, dotted: str) -> bool:

@@ -1,6 +1,6 @@
 """A flow run's Prefect tags (what it runs, where it is tracked, its quota's pool) and its page in the Prefect UI.
 
-    used by flows/experiment.py; a run from the UI or a schedule is tagged experiment:<name> and backend:<backend>
+used by flows/experiment.py; a run from the UI or a schedule is tagged experiment:<name> and backend:<backend>
 """
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from gpuflow.flows.quota_hold import POOL_TAG_PREFIX, need_of
 def run_tags(spec: ExperimentSpec) -> list[str]:
     """experiment:, backend:, tracking: (read by the reaper, so that it closes the runs of every server) and quota:
     (the GPU quota's queue)."""
-    return [f"experiment:{spec.name}", f"backend:{spec.compute.backend}", tracking_tag(spec.tracking_uri),
-            POOL_TAG_PREFIX + need_of(spec).pool]
+    return [
+        f"experiment:{spec.name}",
+        f"backend:{spec.compute.backend}",
+        tracking_tag(spec.tracking_uri),
+        POOL_TAG_PREFIX + need_of(spec).pool,
+    ]
 
 
 def tag_flow_run(flow_run_id, existing_tags, spec: ExperimentSpec) -> list[str]:

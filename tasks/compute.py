@@ -37,7 +37,11 @@ def worth_retrying(task, task_run, state) -> bool:
     try:
         state.result()
     except Exception as exc:  # SkyPilot's classes, by name: tasks/ does not import the SDK
-        return type(exc).__name__ not in ("CommandError", "RequestCancelled", "NoCapacity")  # NoCapacity: flows/capacity.py waits
+        return type(exc).__name__ not in (
+            "CommandError",
+            "RequestCancelled",
+            "NoCapacity",
+        )  # NoCapacity: flows/capacity.py waits
     return True
 
 
@@ -54,8 +58,9 @@ def provision(spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle,
-          stop_checks: list[Check] = ()) -> TrainResult:
+def train(
+    spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle, stop_checks: list[Check] = ()
+) -> TrainResult:
     """Runs the job on the cluster, its log streamed here; a stop check that fires stops the run through `life`."""
     logger = get_run_logger()
     backend = get_backend(spec.compute.backend)
@@ -75,7 +80,11 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
             pass
         elif event.kind == "result":
             payload = event.value
-            result.metrics, result.checkpoint, result.storage = payload["metrics"], payload["checkpoint"], payload["storage"]
+            result.metrics, result.checkpoint, result.storage = (
+                payload["metrics"],
+                payload["checkpoint"],
+                payload["storage"],
+            )
             result.sweep = payload.get("sweep")
         elif event.kind == "nodes":  # an elastic run lost (or regained) nodes and trains on
             life.nodes_alive(*event.value)
@@ -117,8 +126,10 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
         loss_checks = [elastic_loss_check(spec, life)]
     else:
         loss_checks = [loss_check(backend, handle.name)] if backend.loss_poll_s else []
-    with Watchdog(stop_checks, life.stop), \
-            Watchdog(loss_checks, life.end_lost_job, interval_s=backend.loss_poll_s or 1):
+    with (
+        Watchdog(stop_checks, life.stop),
+        Watchdog(loss_checks, life.end_lost_job, interval_s=backend.loss_poll_s or 1),
+    ):
         try:
             exit_code = backend.tail_logs(handle, job_id, on_line)
         except JobReported:
@@ -134,16 +145,24 @@ def train(spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle
     if life.stopped or (exit_code != 0 and stopped_by_the_job(job.env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)
     if exit_code != 0:
-        raise JobFailed(f"training job failed with exit code {exit_code}; the end of its log:\n" + "\n".join(tail),
-                        exit_code)
+        raise JobFailed(
+            f"training job failed with exit code {exit_code}; the end of its log:\n" + "\n".join(tail), exit_code
+        )
     logger.info(f"training finished in {result.train_seconds:.1f}s: {metrics_line(result.metrics, telemetry=False)}")
     return result
 
 
 def epoch_progress(spec: ExperimentSpec, epoch: int, line: str, life: Lifecycle, seconds: float) -> dict:
     """What the console makes of an epoch's line: epoch i of N, its metrics, the time so far and the bill."""
-    return progress(phase="training", epoch=epoch + 1, epochs=spec.train.epochs, metrics=epoch_metrics(line),
-                    train_seconds=seconds, cost_usd=life.bill()["cost_usd"], hourly_usd=life.meter.live_hourly_usd())
+    return progress(
+        phase="training",
+        epoch=epoch + 1,
+        epochs=spec.train.epochs,
+        metrics=epoch_metrics(line),
+        train_seconds=seconds,
+        cost_usd=life.bill()["cost_usd"],
+        hourly_usd=life.meter.live_hourly_usd(),
+    )
 
 
 @task(name="teardown", cache_policy=NO_CACHE)
@@ -164,8 +183,11 @@ TELEMETRY_PREFIX = "perf/"  # the step timer's figures (cluster/telemetry.py): i
 
 def metrics_line(metrics: dict, telemetry: bool = True) -> str:
     """Metrics as a person reads them, `val_accuracy=0.975 epoch=9`; without the telemetry figures on request."""
-    return " ".join(f"{key}={value:.4g}" if isinstance(value, (int, float)) else f"{key}={value}"
-                    for key, value in metrics.items() if telemetry or not key.startswith(TELEMETRY_PREFIX))
+    return " ".join(
+        f"{key}={value:.4g}" if isinstance(value, (int, float)) else f"{key}={value}"
+        for key, value in metrics.items()
+        if telemetry or not key.startswith(TELEMETRY_PREFIX)
+    )
 
 
 class ProgressBar:
@@ -175,8 +197,9 @@ class ProgressBar:
         self._changed = threading.Event()
         self._closed = False
         context = contextvars.copy_context()  # the task run's: the bar belongs to it
-        self._thread = threading.Thread(target=context.run, args=(self._draw, description), daemon=True,
-                                        name="gpuflow-progress")
+        self._thread = threading.Thread(
+            target=context.run, args=(self._draw, description), daemon=True, name="gpuflow-progress"
+        )
         self._thread.start()
 
     def set(self, percent: float) -> None:

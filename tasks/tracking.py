@@ -54,13 +54,19 @@ def refusal(exc: MlflowException, spec: ExperimentSpec) -> MlflowException:
 
     user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     if exc.error_code == "UNAUTHENTICATED":
-        message = (f"MLflow at {spec.tracking_uri} refused user {user!r} (401): check MLFLOW_TRACKING_USERNAME / "
-                   "MLFLOW_TRACKING_PASSWORD" if user else f"MLflow at {spec.tracking_uri} asks who you are (401): "
-                   "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (a user its admin created)")
+        message = (
+            f"MLflow at {spec.tracking_uri} refused user {user!r} (401): check MLFLOW_TRACKING_USERNAME / "
+            "MLFLOW_TRACKING_PASSWORD"
+            if user
+            else f"MLflow at {spec.tracking_uri} asks who you are (401): "
+            "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (a user its admin created)"
+        )
     else:
-        message = (f"MLflow at {spec.tracking_uri}: user {user!r} lacks EDIT permission on experiment "
-                   f"{spec.experiment_name!r} (403): its owner or an admin grants it with `gpuflow share SPEC --user "
-                   f"{user}`, or change tracking.experiment")
+        message = (
+            f"MLflow at {spec.tracking_uri}: user {user!r} lacks EDIT permission on experiment "
+            f"{spec.experiment_name!r} (403): its owner or an admin grants it with `gpuflow share SPEC --user "
+            f"{user}`, or change tracking.experiment"
+        )
     return MlflowException(message, error_code=ErrorCode.Value(exc.error_code))
 
 
@@ -121,7 +127,9 @@ def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
     client = client_for(spec)
     models = client.search_logged_models([experiment_of(client, run_id)], filter_string=f"source_run_id = '{run_id}'")
     if not models:
-        get_run_logger().warning("the training loop logged no model (gpuflow.cluster.loop.log_model): nothing to register")
+        get_run_logger().warning(
+            "the training loop logged no model (gpuflow.cluster.loop.log_model): nothing to register"
+        )
         return None
     import mlflow
 
@@ -153,7 +161,9 @@ TELEMETRY_ROWS = {
 
 def telemetry_lines(metrics: dict) -> list[str]:
     """A markdown table of the last epoch's telemetry; empty when the job reported none."""
-    rows = [f"| {label} | {unit.format(metrics[key])} |" for key, (label, unit) in TELEMETRY_ROWS.items() if key in metrics]
+    rows = [
+        f"| {label} | {unit.format(metrics[key])} |" for key, (label, unit) in TELEMETRY_ROWS.items() if key in metrics
+    ]
     if not rows:
         return []
     if "perf/samples_per_s" in metrics and "perf/mfu_pct" not in metrics:
@@ -169,7 +179,8 @@ def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
     lines = [
         f"# {spec.name}",
         f"**MLflow run** `{run_id}`: [{url}]({url})",
-        f"(tracking URI `{spec.tracking_uri}`" + (f"; open with `{open_command(spec)}`)" if open_command(spec) else ")"),
+        f"(tracking URI `{spec.tracking_uri}`"
+        + (f"; open with `{open_command(spec)}`)" if open_command(spec) else ")"),
         "",
         "| metric | value |",
         "| --- | --- |",
@@ -181,7 +192,9 @@ def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
         f"Price: {summary['price']}" if summary.get("price") else "",
         f"Checkpoints: `{summary.get('checkpoint')}`",
     ]
-    create_markdown_artifact("\n".join(lines), key=quote(f"mlflow-{spec.name}", safe="-").lower(), description="MLflow run of this flow run")
+    create_markdown_artifact(
+        "\n".join(lines), key=quote(f"mlflow-{spec.name}", safe="-").lower(), description="MLflow run of this flow run"
+    )
 
 
 def cost_of(summary: dict) -> float | None:

@@ -14,7 +14,9 @@ import pytest
 
 from tests.support.repo import REPO
 
-pytest_plugins = ["pytester"]  # tests.support.tiers and tests.support.cpu_report come in through addopts (pyproject.toml)
+pytest_plugins = [
+    "pytester"
+]  # tests.support.tiers and tests.support.cpu_report come in through addopts (pyproject.toml)
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -62,11 +64,14 @@ def digits_spec(gpuflow_home):
     """The shipped digits spec, its data and state redirected under the test's GPUFLOW_HOME."""
     from gpuflow.cluster.spec import load_spec
 
-    return load_spec(REPO / "experiments" / "digits.yaml", [
-        f"workdir={REPO}",
-        f"data.train={gpuflow_home}/data/train.parquet",
-        f"data.validation={gpuflow_home}/data/validation.parquet",
-    ])
+    return load_spec(
+        REPO / "experiments" / "digits.yaml",
+        [
+            f"workdir={REPO}",
+            f"data.train={gpuflow_home}/data/train.parquet",
+            f"data.validation={gpuflow_home}/data/validation.parquet",
+        ],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -121,8 +126,12 @@ def served(prefect_api, mlflow_url, tmp_path_factory):
 
 
 def served_overrides(mlflow_url: str, home: Path) -> list[str]:
-    return [f"tracking.uri={mlflow_url}", f"workdir={REPO}",
-            f"data.train={home}/data/train.parquet", f"data.validation={home}/data/validation.parquet"]
+    return [
+        f"tracking.uri={mlflow_url}",
+        f"workdir={REPO}",
+        f"data.train={home}/data/train.parquet",
+        f"data.validation={home}/data/validation.parquet",
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -133,8 +142,15 @@ def second_serve_stopped(served, tmp_path_factory) -> str:
     home = tmp_path_factory.mktemp("second-serve")
     # its shutdown waits two of its poll intervals for another serve's poll: 10 s against the session serve's 1 s, so
     # that a busy machine's slow poll is not taken for no serve at all; more than the usual grace to stop
-    with gpuflow_serve(served.api_url, home, served_overrides(served.mlflow_url, served.home), ("nightly-digits",),
-                       only=True, stop_grace_s=90, poll_s=5):
+    with gpuflow_serve(
+        served.api_url,
+        home,
+        served_overrides(served.mlflow_url, served.home),
+        ("nightly-digits",),
+        only=True,
+        stop_grace_s=90,
+        poll_s=5,
+    ):
         # the session's serve registered nightly-digits already: wait for this one's own start, then its first poll
         deadline = time.monotonic() + 240
         while "being served" not in (home / "serve.log").read_text() and time.monotonic() < deadline:
@@ -201,9 +217,17 @@ def slurm_infra():
 #   soak and the watchdog's limits;
 #   most of them wait for a signal, a lease or a cleanup (their loops train an epoch a second);
 # - "main": everything else, the worker in a fresh venv included.
-LANES = {"slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py"),
-         "faults": ("tests/test_team_stack.py", "tests/test_quota.py", "tests/test_stack.py", "tests/test_faults.py",
-                    "tests/test_chaos.py", "tests/test_watchdog.py")}
+LANES = {
+    "slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py"),
+    "faults": (
+        "tests/test_team_stack.py",
+        "tests/test_quota.py",
+        "tests/test_stack.py",
+        "tests/test_faults.py",
+        "tests/test_chaos.py",
+        "tests/test_watchdog.py",
+    ),
+}
 
 
 def lane_of(nodeid: str) -> str:
@@ -213,7 +237,7 @@ def lane_of(nodeid: str) -> str:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("full"):  # the quick tier: files go to the workers as they free up, each whole
-        for item in items:                # (a module's shared run happens once)
+        for item in items:  # (a module's shared run happens once)
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
         return
     for item in items:

@@ -22,8 +22,9 @@ BUDGET = "GPUFLOW_DAILY_BUDGET_USD"
 @pytest.fixture
 def priced_spec(digits_spec):
     """$6/h for at most 30 minutes: each run may cost $3."""
-    return digits_spec.model_copy(update={"limits": digits_spec.limits.model_copy(
-        update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30})})
+    return digits_spec.model_copy(
+        update={"limits": digits_spec.limits.model_copy(update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30})}
+    )
 
 
 def live(spec):
@@ -33,10 +34,10 @@ def live(spec):
 def finish_run(spec, flow_run_id, cost_usd):
     """What the flow leaves in MLflow at its end: a gpuflow run, tagged with its flow run, with its real cost."""
     client = MlflowClient(tracking_uri=spec.tracking_uri)
-    experiment = client.get_experiment_by_name(spec.name) or client.get_experiment(
-        client.create_experiment(spec.name))
-    run = client.create_run(experiment.experiment_id, tags={"gpuflow.backend": "local",
-                                                            "prefect.flow_run_id": flow_run_id})
+    experiment = client.get_experiment_by_name(spec.name) or client.get_experiment(client.create_experiment(spec.name))
+    run = client.create_run(
+        experiment.experiment_id, tags={"gpuflow.backend": "local", "prefect.flow_run_id": flow_run_id}
+    )
     client.log_batch(run.info.run_id, metrics=[Metric("cost_usd", cost_usd, 0, 0)], synchronous=True)
     client.set_terminated(run.info.run_id, "FINISHED")
 

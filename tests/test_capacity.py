@@ -18,8 +18,10 @@ from tests.support.sky_double import FakeSky
 from tests.test_cost import CATALOG, point_skypilot_at
 from tests.test_skypilot import spec_on_the_double
 
-TWO_OPTIONS = [{"infra": "aws", "accelerators": "H100:1", "hourly_rate_usd": 9.0},
-               {"infra": "lambda", "accelerators": "A100:1", "hourly_rate_usd": 3.0}]
+TWO_OPTIONS = [
+    {"infra": "aws", "accelerators": "H100:1", "hourly_rate_usd": 9.0},
+    {"infra": "lambda", "accelerators": "A100:1", "hourly_rate_usd": 3.0},
+]
 
 
 @pytest.fixture
@@ -34,11 +36,18 @@ def sky_prices(tmp_path, monkeypatch):
 def kubeconfig(tmp_path, monkeypatch):
     """A kubeconfig with one context, my-context, whose server nothing answers: validate and plan only read it."""
     path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "my-context",
-        "clusters": [{"name": "lab", "cluster": {"server": "https://127.0.0.1:1"}}],
-        "users": [{"name": "me", "user": {"token": "unused"}}],
-        "contexts": [{"name": "my-context", "context": {"cluster": "lab", "user": "me"}}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "my-context",
+                "clusters": [{"name": "lab", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "me", "user": {"token": "unused"}}],
+                "contexts": [{"name": "my-context", "context": {"cluster": "lab", "user": "me"}}],
+            }
+        )
+    )
     monkeypatch.setenv("KUBECONFIG", str(path))
     return path
 
@@ -46,9 +55,18 @@ def kubeconfig(tmp_path, monkeypatch):
 def spec_file(folder, gpuflow_home, compute: dict) -> str:
     """A spec on this machine's stores (counted as shared), for `gpuflow validate` and `gpuflow plan`."""
     path = folder / "spec.yaml"
-    path.write_text(yaml.safe_dump({**A_LOOP, "workdir": str(REPO), "compute": {"backend": "skypilot", **compute},
-        "limits": {"max_runtime_minutes": 30}, "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
-        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                **A_LOOP,
+                "workdir": str(REPO),
+                "compute": {"backend": "skypilot", **compute},
+                "limits": {"max_runtime_minutes": 30},
+                "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+                "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
+            }
+        )
+    )
     return str(path)
 
 
@@ -90,8 +108,10 @@ def test_no_capacity_anywhere_waits_the_bound_then_fails_naming_each_option(capa
     assert state.is_failed()
     message = state.message + logs
     assert "limits.max_queue_minutes: no capacity for" in logs
-    for option in ("option 1 (aws H100:1 on-demand): Failed to acquire resources",
-                   "option 2 (lambda A100:1 on-demand): Failed to acquire resources"):
+    for option in (
+        "option 1 (aws H100:1 on-demand): Failed to acquire resources",
+        "option 2 (lambda A100:1 on-demand): Failed to acquire resources",
+    ):
         assert option in message
     assert "waiting for one of 2 option(s)" in logs  # said in the console while it waited
     with get_client(sync_client=True) as client:
@@ -105,7 +125,9 @@ def test_no_capacity_anywhere_waits_the_bound_then_fails_naming_each_option(capa
 def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_costed(capacity_flow, sky_prices):
     state, client, mlflow_run, logs, left = capacity_flow(
         {"accelerators": "L4:1", "infra": "aws", "use_spot": True, "spot_fallback_after": 2, "max_recoveries": 3},
-        preempt_spot=2, job_s=1.0)
+        preempt_spot=2,
+        job_s=1.0,
+    )
     assert state.is_completed(), state.message
     run_id, metrics, tags = mlflow_run.info.run_id, mlflow_run.data.metrics, mlflow_run.data.tags
     assert mlflow_run.info.status == "FINISHED" and metrics["recoveries"] == 2  # one MLflow run for all three
@@ -120,14 +142,23 @@ def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_coste
     assert left == []
 
 
-def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estimate(tmp_path, capsys, gpuflow_home,
-                                                                                     monkeypatch, kubeconfig):
+def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estimate(
+    tmp_path, capsys, gpuflow_home, monkeypatch, kubeconfig
+):
     from gpuflow.flows.cli import main
 
     monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
-    spec = spec_file(tmp_path, gpuflow_home, {"spot_fallback_after": 2, "options": [
-        {"infra": "k8s/my-context", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
-        {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0}]})
+    spec = spec_file(
+        tmp_path,
+        gpuflow_home,
+        {
+            "spot_fallback_after": 2,
+            "options": [
+                {"infra": "k8s/my-context", "accelerators": "A100:1", "hourly_rate_usd": 1.5},
+                {"infra": "k8s/my-context", "accelerators": "H100:1", "use_spot": True, "hourly_rate_usd": 4.0},
+            ],
+        },
+    )
     assert main(["plan", spec]) == 0
     shown = capsys.readouterr().out
     first = shown.index("# option 1: k8s/my-context A100:1 on-demand: 1 × node (A100:1, on-demand): $1.5/h")
@@ -141,45 +172,76 @@ def test_plan_shows_the_options_in_order_with_their_prices_and_the_budget_estima
     assert "- infra: kubernetes/my-context" in shown  # the task SkyPilot gets names the context
 
 
-def test_a_kubernetes_context_is_checked_against_the_kubeconfig(tmp_path, capsys, gpuflow_home, monkeypatch,
-                                                                kubeconfig):
+def test_a_kubernetes_context_is_checked_against_the_kubeconfig(
+    tmp_path, capsys, gpuflow_home, monkeypatch, kubeconfig
+):
     """The context of k8s/<context> (or kubernetes/<context>) must be in the kubeconfig SkyPilot reads; no
     server is contacted (the kubeconfig's answers nowhere)."""
     from gpuflow.flows.cli import main
 
     monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
-    known = spec_file(tmp_path, gpuflow_home, {"options": [
-        {"infra": "kubernetes/my-context", "accelerators": "L4:1", "hourly_rate_usd": 2.5}]})
+    known = spec_file(
+        tmp_path,
+        gpuflow_home,
+        {"options": [{"infra": "kubernetes/my-context", "accelerators": "L4:1", "hourly_rate_usd": 2.5}]},
+    )
     assert main(["validate", known]) == 0
     assert "$2.5/h in all [compute.options.0.hourly_rate_usd]" in capsys.readouterr().out
-    unknown = spec_file(tmp_path, gpuflow_home, {"options": [
-        {"infra": "k8s/my-context", "accelerators": "L4:1", "hourly_rate_usd": 2.5},
-        {"infra": "k8s/elsewhere", "accelerators": "L4:1", "hourly_rate_usd": 2.5}]})
+    unknown = spec_file(
+        tmp_path,
+        gpuflow_home,
+        {
+            "options": [
+                {"infra": "k8s/my-context", "accelerators": "L4:1", "hourly_rate_usd": 2.5},
+                {"infra": "k8s/elsewhere", "accelerators": "L4:1", "hourly_rate_usd": 2.5},
+            ]
+        },
+    )
     for command in ("validate", "plan"):
         assert main([command, unknown]) == 2
         refused = capsys.readouterr()
         assert "compute.options.0" not in refused.err and refused.out == ""
-        assert (f"compute.options.1.infra: 'k8s/elsewhere': no context 'elsewhere' in the kubeconfig ({kubeconfig}); "
-                "it has: my-context. Name one (e.g. k8s/my-context)") in refused.err
+        assert (
+            f"compute.options.1.infra: 'k8s/elsewhere': no context 'elsewhere' in the kubeconfig ({kubeconfig}); "
+            "it has: my-context. Name one (e.g. k8s/my-context)"
+        ) in refused.err
 
 
-@pytest.mark.parametrize("compute, field, fix", [
-    ({"options": [{"infra": "aws", "zone": "us-east-1a"}]}, "compute.options.0.zone", "unknown field"),
-    ({"options": []}, "compute.options", "list at least one option"),
-    ({"region": "us-east-1", "options": [{"cloud": "aws", "region": "us-west-2", "accelerators": "H100:1"}]},
-     "compute.options.0.region", "remove compute.region"),
-    ({"accelerators": ["H100:1", "A100:1"], "options": [{"infra": "aws"}]}, "compute.accelerators",
-     "give each accelerator its own option"),
-    ({"options": [{"infra": "aws/us-east-1", "cloud": "aws", "accelerators": "H100:1"}]}, "compute.options.0",
-     "use one"),
-    ({"options": [{"infra": "aws", "accelerators": "H100 x8"}]}, "compute.options.0.accelerators", "'H100:8'"),
-    ({"accelerators": "H100:1", "spot_fallback_after": 2}, "compute.spot_fallback_after", "use_spot: true"),
-    ({"backend": "local", "options": [{"infra": "aws"}]}, "compute.options", "compute.backend: skypilot"),
-])
+@pytest.mark.parametrize(
+    "compute, field, fix",
+    [
+        ({"options": [{"infra": "aws", "zone": "us-east-1a"}]}, "compute.options.0.zone", "unknown field"),
+        ({"options": []}, "compute.options", "list at least one option"),
+        (
+            {"region": "us-east-1", "options": [{"cloud": "aws", "region": "us-west-2", "accelerators": "H100:1"}]},
+            "compute.options.0.region",
+            "remove compute.region",
+        ),
+        (
+            {"accelerators": ["H100:1", "A100:1"], "options": [{"infra": "aws"}]},
+            "compute.accelerators",
+            "give each accelerator its own option",
+        ),
+        (
+            {"options": [{"infra": "aws/us-east-1", "cloud": "aws", "accelerators": "H100:1"}]},
+            "compute.options.0",
+            "use one",
+        ),
+        ({"options": [{"infra": "aws", "accelerators": "H100 x8"}]}, "compute.options.0.accelerators", "'H100:8'"),
+        ({"accelerators": "H100:1", "spot_fallback_after": 2}, "compute.spot_fallback_after", "use_spot: true"),
+        ({"backend": "local", "options": [{"infra": "aws"}]}, "compute.options", "compute.backend: skypilot"),
+    ],
+)
 def test_bad_options_are_refused_naming_the_field_and_the_fix(compute, field, fix):
     with pytest.raises(SpecError) as error:
-        parse_spec({**A_LOOP, "compute": {"backend": "skypilot", **compute},
-                    "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+        parse_spec(
+            {
+                **A_LOOP,
+                "compute": {"backend": "skypilot", **compute},
+                "tracking": {"uri": "http://127.0.0.1:1"},
+                "storage": {"checkpoints": "s3://bucket/ckpt"},
+            }
+        )
     assert field in str(error.value) and fix in str(error.value), str(error.value)
 
 
@@ -193,10 +255,21 @@ def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, 
     from gpuflow.cluster.run.record import RunRecord
     from gpuflow.flows.capacity import Capacity
 
-    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "L4:1", "infra": "aws",
-                                             "use_spot": True, "spot_fallback_after": 2},
-                       "limits": {"max_runtime_minutes": 60, "max_cost_usd": max_cost_usd},
-                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    spec = parse_spec(
+        {
+            **A_LOOP,
+            "compute": {
+                "backend": "skypilot",
+                "accelerators": "L4:1",
+                "infra": "aws",
+                "use_spot": True,
+                "spot_fallback_after": 2,
+            },
+            "limits": {"max_runtime_minutes": 60, "max_cost_usd": max_cost_usd},
+            "tracking": {"uri": "http://127.0.0.1:1"},
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+        }
+    )
     life = Lifecycle("gpuflow-x", down=lambda name: True, meter=Meter(hourly_cost(spec)))
     life.job_started()
     capacity = Capacity(RunRecord(spec, "flow-run"), life, set_state=lambda name, message: None)
@@ -204,7 +277,10 @@ def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, 
     assert capacity.spot_lost("preempted") is False and capacity.launch_spec.compute.use_spot  # 1 of 2
     if affordable:
         assert capacity.spot_lost("preempted") is True
-        assert not capacity.launch_spec.compute.use_spot and "relaunching on-demand at up to $0.8048/h" in caplog.messages[-1]
+        assert (
+            not capacity.launch_spec.compute.use_spot
+            and "relaunching on-demand at up to $0.8048/h" in caplog.messages[-1]
+        )
     else:
         with pytest.raises(RunStopped) as stopped:
             capacity.spot_lost("preempted")
@@ -216,23 +292,34 @@ def test_a_spec_with_options_reads_back_the_same_after_a_json_round_trip():
     """The flow's spec reaches Prefect and the job as JSON: every field is then 'set', and must not contradict."""
     from gpuflow.cluster.spec import ExperimentSpec, parse_spec
 
-    spec = parse_spec({"train": {"loop": "experiments.digits:train_loop"}, "tracking": {"uri": "http://mlflow:5000"},
-                       "storage": {"checkpoints": "s3://bucket/gpuflow"},
-                       "compute": {"backend": "skypilot", "options": [{"infra": "aws", "use_spot": True},
-                                                                      {"infra": "gcp"}]}})
+    spec = parse_spec(
+        {
+            "train": {"loop": "experiments.digits:train_loop"},
+            "tracking": {"uri": "http://mlflow:5000"},
+            "storage": {"checkpoints": "s3://bucket/gpuflow"},
+            "compute": {"backend": "skypilot", "options": [{"infra": "aws", "use_spot": True}, {"infra": "gcp"}]},
+        }
+    )
     again = ExperimentSpec.model_validate_json(spec.model_dump_json(), context={"on_cluster": True})
     assert again == spec
 
 
 SPOT_FIELDS = {"accelerators": "L4:1", "infra": "aws", "use_spot": True, "spot_fallback_after": 2}
-SPOT_OPTIONS = {"spot_fallback_after": 2, "options": [{"infra": "aws", "accelerators": "L4:1", "use_spot": True},
-                                                      {"infra": "aws/us-west-2", "accelerators": "L4:1",
-                                                       "use_spot": True}]}
+SPOT_OPTIONS = {
+    "spot_fallback_after": 2,
+    "options": [
+        {"infra": "aws", "accelerators": "L4:1", "use_spot": True},
+        {"infra": "aws/us-west-2", "accelerators": "L4:1", "use_spot": True},
+    ],
+}
 A_GRID = {"parameters": {"train.lr": {"grid": [0.1, 0.01]}}, "metric": "val_accuracy", "mode": "max"}
 
 
-@pytest.mark.parametrize("compute, sweep", [(SPOT_FIELDS, None), (SPOT_OPTIONS, None), (SPOT_OPTIONS, A_GRID)],
-                         ids=["spot fields", "spot options", "a sweep on spot options"])
+@pytest.mark.parametrize(
+    "compute, sweep",
+    [(SPOT_FIELDS, None), (SPOT_OPTIONS, None), (SPOT_OPTIONS, A_GRID)],
+    ids=["spot fields", "spot options", "a sweep on spot options"],
+)
 def test_every_spec_the_flow_hands_a_node_loads_there(sky_prices, compute, sweep):
     """A node loads the spec it is handed by its own rules (cluster/job/__main__.py), after the launch was paid for.
     Each spec the flow may hand one: the first launch, the relaunch after a spot loss, the spot fallback's on-demand
@@ -249,10 +336,20 @@ def test_every_spec_the_flow_hands_a_node_loads_there(sky_prices, compute, sweep
     from gpuflow.cluster.spec import job_spec
     from gpuflow.flows.capacity import Capacity
 
-    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", **compute}, "sweep": sweep,
-                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
-    capacity = Capacity(RunRecord(spec, "flow-run"), Lifecycle("gpuflow-x", down=lambda name: True,
-                                                               meter=Meter(hourly_cost(spec))), lambda *_: None)
+    spec = parse_spec(
+        {
+            **A_LOOP,
+            "compute": {"backend": "skypilot", **compute},
+            "sweep": sweep,
+            "tracking": {"uri": "http://127.0.0.1:1"},
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+        }
+    )
+    capacity = Capacity(
+        RunRecord(spec, "flow-run"),
+        Lifecycle("gpuflow-x", down=lambda name: True, meter=Meter(hourly_cost(spec))),
+        lambda *_: None,
+    )
     shipped = {"first launch": capacity.launch_spec}
     assert capacity.spot_lost("preempted") is False
     shipped["relaunch after a spot loss"] = capacity.launch_spec
@@ -285,8 +382,10 @@ def test_no_catalog_and_no_price_is_refused_before_anything_launches(tmp_path, c
     for command in ("validate", "plan"):
         assert main([command, unpriced]) == 2
         refused = capsys.readouterr().err
-        assert "compute.options.0: aws L4:1 on-demand has no price: compute.options.0.hourly_rate_usd or " \
-               "limits.hourly_rate_usd is unset" in refused
+        assert (
+            "compute.options.0: aws L4:1 on-demand has no price: compute.options.0.hourly_rate_usd or "
+            "limits.hourly_rate_usd is unset" in refused
+        )
         assert f"{catalog / 'aws' / 'vms.csv'}, {catalog / 'common' / 'accelerators.csv'}" in refused
         assert "run `sky show-gpus` once where the internet is reachable" in refused
     # the cloud's instance list alone is not enough: SkyPilot checks an accelerator's name in common/ at launch

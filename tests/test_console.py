@@ -11,8 +11,14 @@ from gpuflow.cluster.run.monitor import ANSI, visible
 def test_a_progress_bar_drawn_on_an_epoch_line_is_not_shown():
     """A raw line of a job's log as Ray forwards it (a Ray Data progress bar, then the controller's epoch line)."""
     epoch = "(TrainController pid=14569) [gpuflow] epoch 3: train_loss=0.2934 val_accuracy=0.95"
-    raw = ("\r(pid=14686) Running Dataset dataset_4.: 0.00 row [00:00, ? row/s]\r" + " " * 40 + "\r\x1b[A"
-           + "\x1b[36m" + epoch + "\x1b[0m")
+    raw = (
+        "\r(pid=14686) Running Dataset dataset_4.: 0.00 row [00:00, ? row/s]\r"
+        + " " * 40
+        + "\r\x1b[A"
+        + "\x1b[36m"
+        + epoch
+        + "\x1b[0m"
+    )
     assert visible(raw) == epoch and EPOCH_LINE.search(visible(raw)).group(1) == "3"
     assert visible("plain line  ") == "plain line" and visible("\r \r") == ""
 
@@ -36,16 +42,28 @@ def test_an_epoch_record_makes_one_short_line():
     from gpuflow.cluster.run.monitor import progress
     from gpuflow.flows.cli.console import Progress, without_ray_prefix
 
-    line = ("(TrainController pid=14569) [gpuflow] epoch 2: train_loss=0.1183 val_accuracy=0.962 perf/epoch_s=0.41 "
-            "perf/samples_per_s=5043")
-    record = logging.makeLogRecord({"msg": line, **progress(
-        phase="training", epoch=3, epochs=10, metrics=epoch_metrics(line), train_seconds=20.0, cost_usd=0.004,
-        hourly_usd=0.0)})
+    line = (
+        "(TrainController pid=14569) [gpuflow] epoch 2: train_loss=0.1183 val_accuracy=0.962 perf/epoch_s=0.41 "
+        "perf/samples_per_s=5043"
+    )
+    record = logging.makeLogRecord(
+        {
+            "msg": line,
+            **progress(
+                phase="training",
+                epoch=3,
+                epochs=10,
+                metrics=epoch_metrics(line),
+                train_seconds=20.0,
+                cost_usd=0.004,
+                hourly_usd=0.0,
+            ),
+        }
+    )
     shown = Progress()
     assert shown.update(record) and shown.phase == "training"
     assert shown.epoch_line() == "epoch 3/10  val_accuracy 0.962  train_loss 0.1183  0.4 s/epoch  ETA 0:02  $0.00"
     assert without_ray_prefix(logging.makeLogRecord({"msg": line})).msg.startswith("[gpuflow] epoch 2:")
-
 
 
 def test_prefects_notes_on_hooks_are_hidden_but_a_failing_hook_is_not():
@@ -61,6 +79,7 @@ def test_prefects_notes_on_hooks_are_hidden_but_a_failing_hook_is_not():
     assert shown(logging.ERROR, "An error was encountered while running hook 'notify_end'")
     assert shown(logging.INFO, "Hook line of the user's own that says something else")
 
+
 def test_gpuflow_s_lines_show_as_the_run_they_were_logged_in(prefect_server):
     """The console shows a line of gpuflow's module loggers (the lifecycle's, a backend's) as the task or flow run it
     was logged in says it, beside Prefect's own; a line outside any run stays as it was."""
@@ -72,7 +91,8 @@ def test_gpuflow_s_lines_show_as_the_run_they_were_logged_in(prefect_server):
 
     def said(message: str):
         record = logging.getLogger("gpuflow.cluster.run.lifecycle").makeRecord(
-            "gpuflow.cluster.run.lifecycle", logging.INFO, __file__, 1, message, None, None)
+            "gpuflow.cluster.run.lifecycle", logging.INFO, __file__, 1, message, None, None
+        )
         shown = as_its_run_says(record)
         return shown, getattr(shown, "task_name", None)
 
@@ -85,7 +105,9 @@ def test_gpuflow_s_lines_show_as_the_run_they_were_logged_in(prefect_server):
         return said("waiting for 2 GPUs"), tear_down()
 
     (in_flow, flow_task), (in_task, task_name) = say_where()
-    assert (in_task.name, task_name) == ("prefect.task_runs", "teardown") and in_task.task_run_name.startswith("teardown")
+    assert (in_task.name, task_name) == ("prefect.task_runs", "teardown") and in_task.task_run_name.startswith(
+        "teardown"
+    )
     assert (in_flow.name, flow_task) == ("prefect.flow_runs", None) and in_flow.flow_run_name
     outside, _ = said("no run")
     assert outside.name == "gpuflow.cluster.run.lifecycle" and not hasattr(outside, "task_run_name")
@@ -135,18 +157,28 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
 
     from prefect.settings import PREFECT_API_URL
 
-
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    done = subprocess.run([sys.executable, "-c", REGISTER_TWICE, str(tmp_path)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", REGISTER_TWICE, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     shown = done.stdout + done.stderr
     assert done.returncode == 0, shown[-3000:]
     log_file = shown.split("LOG FILE ", 1)[1].split("\n", 1)[0]
     shown = shown.split("LOG FILE ", 1)[1]  # what the quiet console shows: after quiet_console
     assert "VERSIONS ['1', '2']" in shown  # the second time, the model exists: a new version
     assert "registered model 'quiet' version 2" in shown  # gpuflow's own line
-    for noise in ("Successfully registered", "already exists", "Created version", "Waiting up to",
-                  "INFO mlflow"):  # e.g. "Creating initial MLflow database tables"
+    for noise in (
+        "Successfully registered",
+        "already exists",
+        "Created version",
+        "Waiting up to",
+        "INFO mlflow",
+    ):  # e.g. "Creating initial MLflow database tables"
         assert noise not in shown and noise not in Path(log_file).read_text(), noise
 
 
@@ -164,8 +196,9 @@ def gpuflow_run_output(home: Path, args: list[str], terminal: bool) -> str:
     command = [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args]
     env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "160"}
     if not terminal:
-        done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=600)
+        done = subprocess.run(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
+        )
         assert done.returncode == 0, done.stdout[-3000:]
         return done.stdout
     main, other = pty.openpty()
@@ -190,14 +223,21 @@ def test_a_terminal_gets_a_live_line_rewritten_in_place(prefect_server, gpuflow_
     """On a terminal, one line rewritten in place (phase, epoch i/N, ETA), then the summary. The same run in a pipe,
     one short line per epoch, is read by tests/test_stack.py (assert_a_clean_console)."""
     epochs = 3
-    args = [arg for item in (f"train.epochs={epochs}", f"data.train={gpuflow_home}/data/train.parquet",
-                             f"data.validation={gpuflow_home}/data/validation.parquet")
-            for arg in ("--set", item)]
+    args = [
+        arg
+        for item in (
+            f"train.epochs={epochs}",
+            f"data.train={gpuflow_home}/data/train.parquet",
+            f"data.validation={gpuflow_home}/data/validation.parquet",
+        )
+        for arg in ("--set", item)
+    ]
     shown = gpuflow_run_output(gpuflow_home, args, terminal=True)
     redrawn = [part.split("\r")[0] for part in shown.split("\r\x1b[K")]  # what each redraw of the line wrote
     for i in range(1, epochs + 1):
         assert any(f"training  epoch {i}/{epochs}  ETA " in part for part in redrawn), shown[-3000:]
     assert any(part.startswith("provisioning") for part in redrawn), shown[-3000:]
     assert not any(line.startswith("epoch ") for line in shown.splitlines()), shown[-3000:]
-    assert shown.rstrip().split("\r\x1b[K")[-1].lstrip("\r\n").startswith("gpuflow: digits-mlp finished in"), \
-        shown[-3000:]
+    assert shown.rstrip().split("\r\x1b[K")[-1].lstrip("\r\n").startswith("gpuflow: digits-mlp finished in"), shown[
+        -3000:
+    ]

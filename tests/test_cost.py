@@ -42,16 +42,20 @@ def sky_catalog(tmp_path, monkeypatch):
 
 
 def sky_spec(**compute):
-    return parse_spec({**A_LOOP,
-        "workdir": str(REPO),
-        "compute": {"backend": "skypilot", **compute},
-        "tracking": {"uri": "http://127.0.0.1:1"},  # never contacted: no daily budget in these tests
-        "storage": {"checkpoints": "s3://bucket/ckpt"},
-        "data": DIGITS_DATA,
-    })
+    return parse_spec(
+        {
+            **A_LOOP,
+            "workdir": str(REPO),
+            "compute": {"backend": "skypilot", **compute},
+            "tracking": {"uri": "http://127.0.0.1:1"},  # never contacted: no daily budget in these tests
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+            "data": DIGITS_DATA,
+        }
+    )
 
 
 # -- prices from the catalog ------------------------------------------------------------------------
+
 
 def test_on_demand_price_is_the_cheapest_instance_times_nodes(sky_catalog):
     estimate = hourly_cost(sky_spec(accelerators="L4:1", cloud="aws", num_nodes=2))
@@ -88,8 +92,14 @@ def test_unknown_compute_and_missing_catalog_are_clear_errors(sky_catalog, tmp_p
         hourly_cost(sky_spec(accelerators="H100:8", cloud="lambda"))
     assert str(empty) in str(error.value)
     # a rate of the user's own needs no catalog
-    assert hourly_cost(sky_spec(accelerators="H100:8", num_nodes=2).model_copy(
-        update={"limits": parse_spec({**A_LOOP, "limits": {"hourly_rate_usd": 10}}).limits})).per_node_hourly_usd == 5
+    assert (
+        hourly_cost(
+            sky_spec(accelerators="H100:8", num_nodes=2).model_copy(
+                update={"limits": parse_spec({**A_LOOP, "limits": {"hourly_rate_usd": 10}}).limits}
+            )
+        ).per_node_hourly_usd
+        == 5
+    )
 
 
 def test_local_backend_is_free_unless_priced():
@@ -100,9 +110,11 @@ def test_local_backend_is_free_unless_priced():
 
 # -- refusing before launch -------------------------------------------------------------------------
 
+
 def test_run_over_max_cost_is_refused_with_both_figures_and_the_fix(sky_catalog):
     spec = sky_spec(accelerators="H100:8", cloud="lambda").model_copy(
-        update={"limits": parse_spec({**A_LOOP, "limits": {"max_runtime_minutes": 60, "max_cost_usd": 10}}).limits})
+        update={"limits": parse_spec({**A_LOOP, "limits": {"max_runtime_minutes": 60, "max_cost_usd": 10}}).limits}
+    )
     with pytest.raises(BudgetExceeded) as error:
         check_budget(spec)
     message = str(error.value)
@@ -115,8 +127,13 @@ def test_run_over_max_cost_is_refused_with_both_figures_and_the_fix(sky_catalog)
 def test_flow_refuses_in_validate_before_any_cluster_exists(prefect_server, digits_spec, gpuflow_home):
     from gpuflow.flows.experiment import run_experiment
 
-    spec = digits_spec.model_copy(update={"limits": digits_spec.limits.model_copy(
-        update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30, "max_cost_usd": 1.0})})
+    spec = digits_spec.model_copy(
+        update={
+            "limits": digits_spec.limits.model_copy(
+                update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30, "max_cost_usd": 1.0}
+            )
+        }
+    )
     state = run_experiment(spec, return_state=True)
     assert state.is_failed()
     assert "$3.00" in state.message and "max_cost_usd=$1.00" in state.message, state.message
@@ -125,8 +142,9 @@ def test_flow_refuses_in_validate_before_any_cluster_exists(prefect_server, digi
 
 
 def log_past_run(client, experiment_id, cost_usd, started_at, gpuflow=True):
-    run = client.create_run(experiment_id, start_time=int(started_at * 1000),
-                            tags={"gpuflow.backend": "local"} if gpuflow else {})
+    run = client.create_run(
+        experiment_id, start_time=int(started_at * 1000), tags={"gpuflow.backend": "local"} if gpuflow else {}
+    )
     client.log_batch(run.info.run_id, metrics=[Metric("cost_usd", cost_usd, int(started_at * 1000), 0)])
     client.set_terminated(run.info.run_id, "FINISHED", end_time=int(started_at * 1000) + 1000)
     return run.info.run_id
@@ -147,8 +165,9 @@ def ledger(digits_spec, gpuflow_home):
 
 
 def test_daily_budget_counts_todays_runs_across_experiments(ledger, digits_spec, monkeypatch):
-    spec = digits_spec.model_copy(update={"limits": digits_spec.limits.model_copy(
-        update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30})})
+    spec = digits_spec.model_copy(
+        update={"limits": digits_spec.limits.model_copy(update={"hourly_rate_usd": 6.0, "max_runtime_minutes": 30})}
+    )
     monkeypatch.setenv("GPUFLOW_DAILY_BUDGET_USD", "10")
     with pytest.raises(BudgetExceeded) as error:
         check_budget(spec)
@@ -170,6 +189,7 @@ def test_gpuflow_cost_lists_runs_and_totals(ledger, capsys):
 
 # -- while it runs, and after -----------------------------------------------------------------------
 
+
 def test_cost_check_fires_at_max_cost():
     rate = lambda: 3.6  # noqa: E731
     assert cost_check(0.5, rate, time.time() - 400)() is None  # $0.40
@@ -179,8 +199,9 @@ def test_cost_check_fires_at_max_cost():
 
 
 def test_the_bill_of_a_run_counts_from_the_provision_request_at_the_launched_price():
-    estimate = Estimate(hourly_usd=7.2, per_node_hourly_usd=3.6, num_nodes=2, use_spot=True, source="catalog",
-                        gpus_per_node=8)
+    estimate = Estimate(
+        hourly_usd=7.2, per_node_hourly_usd=3.6, num_nodes=2, use_spot=True, source="catalog", gpus_per_node=8
+    )
     life = Lifecycle("gpuflow-x", down=lambda name: True, meter=Meter(estimate, requested_at=1000.0))
     life.launched_at = 1060.0
     life.last_output_at, life.teardown_requested_at = 1900.0, 1902.5
@@ -192,14 +213,18 @@ def test_the_bill_of_a_run_counts_from_the_provision_request_at_the_launched_pri
     assert metrics["provision_seconds"] == 60.0
     life.launched(hourly_usd=14.4)  # e.g. the dearer of two accelerator options launched
     assert life.bill(ended=life.requested_at + 3600)["cost_usd"] == pytest.approx(14.4)
-    priced_by_user = Lifecycle("gpuflow-y", down=lambda name: True, meter=Meter(hourly_cost(parse_spec(
-        {**A_LOOP, "limits": {"hourly_rate_usd": 2.0}}))))
+    priced_by_user = Lifecycle(
+        "gpuflow-y",
+        down=lambda name: True,
+        meter=Meter(hourly_cost(parse_spec({**A_LOOP, "limits": {"hourly_rate_usd": 2.0}}))),
+    )
     priced_by_user.launched(hourly_usd=0.0)  # Slurm prices at 0: the user's own rate stands
     assert priced_by_user.meter.hourly_usd() == 2.0
 
 
 def test_a_replacement_asked_for_on_a_notice_is_billed_from_its_request_and_downed_if_unused():
     """Both clusters bill from the notice to the loss; a replacement no loss came for is downed with the run."""
+
     class Launch:
         def wait(self):
             pass
@@ -211,7 +236,9 @@ def test_a_replacement_asked_for_on_a_notice_is_billed_from_its_request_and_down
     life.replacements["gpuflow-x-r1"] -= 30  # asked for 30 s ago
     life.relaunching("gpuflow-x-r1")  # the loss: the run goes on on the replacement
     [lost] = life.meter.attempts
-    assert lost["seconds"] == pytest.approx(100, abs=1) and life.bill()["cluster_hours"] * 3600 == pytest.approx(130, abs=1)
+    assert lost["seconds"] == pytest.approx(100, abs=1) and life.bill()["cluster_hours"] * 3600 == pytest.approx(
+        130, abs=1
+    )
     life.launching(Launch(), "gpuflow-x-r2")  # a second notice, and the run ends before its loss
     life.replacements["gpuflow-x-r2"] -= 20
     life.teardown()
@@ -223,8 +250,11 @@ def test_a_replacement_asked_for_on_a_notice_is_billed_from_its_request_and_down
 
 def log_utilization(client, run_id, start, step_s, values_per_gpu):
     """A GPU-utilisation series in the keys MLflow's own GPU monitor writes."""
-    metrics = [Metric(f"system/gpu_{gpu}_utilization_percentage", value, int((start + i * step_s) * 1000), i)
-               for i, values in enumerate(values_per_gpu) for gpu, value in enumerate(values)]
+    metrics = [
+        Metric(f"system/gpu_{gpu}_utilization_percentage", value, int((start + i * step_s) * 1000), i)
+        for i, values in enumerate(values_per_gpu)
+        for gpu, value in enumerate(values)
+    ]
     client.log_batch(run_id, metrics=metrics, synchronous=True)
 
 
@@ -236,8 +266,13 @@ def gpu_run(digits_spec, gpuflow_home):
 
 
 def idle_spec(digits_spec, minimum=20.0, minutes=10.0):
-    return digits_spec.model_copy(update={"limits": digits_spec.limits.model_copy(
-        update={"min_gpu_utilization": minimum, "idle_gpu_minutes": minutes})})
+    return digits_spec.model_copy(
+        update={
+            "limits": digits_spec.limits.model_copy(
+                update={"min_gpu_utilization": minimum, "idle_gpu_minutes": minutes}
+            )
+        }
+    )
 
 
 def test_idle_gpu_stops_after_a_whole_idle_window(gpu_run, digits_spec):
@@ -266,8 +301,11 @@ def test_watchdog_stops_on_idle_gpu(gpu_run, digits_spec):
     log_utilization(client, run_id, time.time() - 11 * 60, 60, [[1.0]] * 11)
     stopped = threading.Event()
     reasons = []
-    watchdog = Watchdog([idle_gpu_check(idle_spec(digits_spec), run_id, poll_interval_s=0)],
-                        lambda reason, detail: (reasons.append(reason), stopped.set()), interval_s=0.05)
+    watchdog = Watchdog(
+        [idle_gpu_check(idle_spec(digits_spec), run_id, poll_interval_s=0)],
+        lambda reason, detail: (reasons.append(reason), stopped.set()),
+        interval_s=0.05,
+    )
     watchdog.start()
     assert stopped.wait(60)
     watchdog.finish()
@@ -301,7 +339,12 @@ def test_clusters_without_a_catalog_cost_nothing_unless_priced():
     from gpuflow.cluster.cost.pricing import hourly_cost
     from gpuflow.cluster.spec import parse_spec
 
-    spec = {**A_LOOP, "compute": {"backend": "skypilot", "infra": "slurm/skyci"}, "tracking": {"uri": "http://127.0.0.1:5000"},
-            "storage": {"checkpoints": "s3://b/c"}, "data": {"train": "s3://b/t.parquet", "validation": None}}
+    spec = {
+        **A_LOOP,
+        "compute": {"backend": "skypilot", "infra": "slurm/skyci"},
+        "tracking": {"uri": "http://127.0.0.1:5000"},
+        "storage": {"checkpoints": "s3://b/c"},
+        "data": {"train": "s3://b/t.parquet", "validation": None},
+    }
     assert hourly_cost(parse_spec(spec)).hourly_usd == 0
     assert hourly_cost(parse_spec({**A_LOOP, **spec, "limits": {"hourly_rate_usd": 3.0}})).hourly_usd == 3.0

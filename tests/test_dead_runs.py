@@ -69,30 +69,48 @@ def killed(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
-def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(prefect_server, gpuflow_home,
-                                                                                 monkeypatch):
+def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(
+    prefect_server, gpuflow_home, monkeypatch
+):
     pool, api_url = f"dead-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
     set_quota(pool, 1)
     with get_client(sync_client=True) as client:
-        holding, waiting = (client.create_flow_run(run_experiment_standin, tags=[f"quota:{pool}", "backend:local"],
-                                                   state=Running()).id for _ in range(2))
+        holding, waiting = (
+            client.create_flow_run(run_experiment_standin, tags=[f"quota:{pool}", "backend:local"], state=Running()).id
+            for _ in range(2)
+        )
     processes = [holder(api_url, pool, holding)]
     try:
         assert processes[0].stdout.readline().startswith("held")
         processes.append(holder(api_url, pool, waiting))  # waits behind the holder, stamping its state
         # and one killed before its MLflow run opens: a real flow run of its own, sending Prefect's heartbeats
-        processes.append(subprocess.Popen(
-            [str(BIN / "python"), "-c", STARTED], stdout=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-            env=base_env(PREFECT_API_URL=api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30")))
+        processes.append(
+            subprocess.Popen(
+                [str(BIN / "python"), "-c", STARTED],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                start_new_session=True,
+                env=base_env(PREFECT_API_URL=api_url, PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30"),
+            )
+        )
         said, provisioning = processes[2].stdout.readline().split()
         assert said == "started"
         ours = {str(holding), str(waiting), provisioning}  # the worker's other tests may have live runs of their own
         wait_until(lambda: state_of(waiting).name == WAITING, 60, "the second run waits for the quota")
         row = next(row for row in status() if row.flow_run_id == str(waiting))
-        assert (row.state, row.queue, row.cluster, row.lease, row.mlflow) == (WAITING, f"1 of 1 in {pool}", None,
-                                                                              None, None)
-        wait_until(lambda: [row for row in status() if row.state == "Running" and row.flow_run_id == provisioning],
-                   60, "the third run is Running")
+        assert (row.state, row.queue, row.cluster, row.lease, row.mlflow) == (
+            WAITING,
+            f"1 of 1 in {pool}",
+            None,
+            None,
+            None,
+        )
+        wait_until(
+            lambda: [row for row in status() if row.state == "Running" and row.flow_run_id == provisioning],
+            60,
+            "the third run is Running",
+        )
         with get_client(sync_client=True) as client:
             beat = wait_until(lambda: last_heartbeat(client, provisioning), 60, "a Prefect heartbeat")
         assert abs(time.time() - beat) < 60
@@ -110,8 +128,10 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(p
         started = time.monotonic()
         reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
         print(f"one reaper pass: {time.monotonic() - started:.1f} s")
-        for flow_run_id, why in [(str(waiting), "while waiting for GPUs"),
-                                 (provisioning, "before its MLflow run opened")]:
+        for flow_run_id, why in [
+            (str(waiting), "while waiting for GPUs"),
+            (provisioning, "before its MLflow run opened"),
+        ]:
             state = state_of(flow_run_id)
             assert state.type.value == "CRASHED" and why in state.message and "found by the reaper" in state.message
         assert [row.flow_run_id for row in status() if row.flow_run_id in ours] == [str(holding)]  # the dead: gone
@@ -123,8 +143,9 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(p
 
 
 @pytest.mark.full  # `gpuflow run` prewarms a local Ray cluster: tens of seconds on a shared machine
-def test_a_gpuflow_run_killed_while_waiting_for_the_quota_is_crashed_by_one_pass(prefect_server, gpuflow_home,
-                                                                                 monkeypatch):
+def test_a_gpuflow_run_killed_while_waiting_for_the_quota_is_crashed_by_one_pass(
+    prefect_server, gpuflow_home, monkeypatch
+):
     pool, api_url = f"killed-{uuid.uuid4().hex[:8]}", PREFECT_API_URL.value()
     set_quota(pool, 1)
     with get_client(sync_client=True) as client:
@@ -132,18 +153,42 @@ def test_a_gpuflow_run_killed_while_waiting_for_the_quota_is_crashed_by_one_pass
     processes = [holder(api_url, pool, holding)]
     try:
         assert processes[0].stdout.readline().startswith("held")
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"),
-             *[f"--set={override}" for override in (f"workdir={REPO}", f"train.loop={PLAIN_LOOP}", "data=null",
-                                                    "compute.workers_per_node=1", f"compute.quota={pool}",
-                                                    "tracking.register_model=false")]],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, start_new_session=True,
-            env=base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(gpuflow_home))))
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuflow.flows.cli",
+                    "run",
+                    str(REPO / "experiments" / "digits.yaml"),
+                    *[
+                        f"--set={override}"
+                        for override in (
+                            f"workdir={REPO}",
+                            f"train.loop={PLAIN_LOOP}",
+                            "data=null",
+                            "compute.workers_per_node=1",
+                            f"compute.quota={pool}",
+                            "tracking.register_model=false",
+                        )
+                    ],
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                cwd=REPO,
+                start_new_session=True,
+                env=base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(gpuflow_home)),
+            )
+        )
 
         def waiter():
             with get_client(sync_client=True) as client:
-                return [run for run in client.read_flow_runs(limit=50)
-                        if f"quota-wait:{pool}" in run.tags and run.state and run.state.name == WAITING]
+                return [
+                    run
+                    for run in client.read_flow_runs(limit=50)
+                    if f"quota-wait:{pool}" in run.tags and run.state and run.state.name == WAITING
+                ]
+
         flow_run_id = str(wait_until(waiter, 180, "`gpuflow run` waits for the quota")[0].id)
         assert [row.queue for row in status() if row.flow_run_id == flow_run_id] == [f"1 of 1 in {pool}"]
         killed(processes[1])
@@ -165,8 +210,11 @@ def test_status_tells_a_gone_cluster_and_a_lease_from_a_clock_ahead(prefect_serv
     """A live run whose MLflow lease was renewed by a clock 30 s ahead of this one, and whose local cluster's
     processes were killed (SIGKILL) with its folder left."""
     with get_client(sync_client=True) as client:
-        flow_run_id = str(client.create_flow_run(run_experiment_standin, state=Running(),
-                                                 tags=[f"tracking:{default_tracking_uri()}"]).id)
+        flow_run_id = str(
+            client.create_flow_run(
+                run_experiment_standin, state=Running(), tags=[f"tracking:{default_tracking_uri()}"]
+            ).id
+        )
     mlflow = MlflowClient(default_tracking_uri())
     experiment = mlflow.create_experiment(f"status-{uuid.uuid4().hex[:8]}")
     mlflow_run = mlflow.create_run(experiment, tags={FLOW_RUN_TAG: flow_run_id})
@@ -193,8 +241,9 @@ def test_status_tells_a_gone_cluster_and_a_lease_from_a_clock_ahead(prefect_serv
             client.set_flow_run_state(flow_run_id, Cancelled(), force=True)
 
 
-def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left_downed(prefect_server, gpuflow_home,
-                                                                                         tmp_path):
+def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left_downed(
+    prefect_server, gpuflow_home, tmp_path
+):
     """A local cluster stops with the process that launched it (its supervisor watches that process): a `gpuflow run`
     killed before its MLflow run opens leaves its cluster's folder, and the spare it warmed; one killed between the
     folder and its record leaves a folder alone. One pass downs all three and marks the run Crashed; a cluster whose
@@ -203,32 +252,49 @@ def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left
     launcher, alive_launcher = (subprocess.Popen(["sleep", "300"]) for _ in range(2))
     sessions = [subprocess.Popen(["sleep", "300"], start_new_session=True) for _ in range(3)]
     with get_client(sync_client=True) as client:
-        dead_run, live_run = (client.create_flow_run(run_experiment_standin, tags=["backend:local"], state=Running()).id
-                              for _ in range(2))
+        dead_run, live_run = (
+            client.create_flow_run(run_experiment_standin, tags=["backend:local"], state=Running()).id for _ in range(2)
+        )
     names = [cluster_name_for(str(dead_run)), "gpuflow-warm-0123456789ab", cluster_name_for(str(live_run))]
     for name, session, owner in zip(names, sessions, [launcher, launcher, alive_launcher], strict=True):
         (backend.root / name).mkdir(parents=True)
-        (backend.root / name / "cluster.json").write_text(json.dumps({
-            "session": session.pid, "temp_dir": str(tmp_path / name), "launched_at": time.time(), "jobs": {},
-            "owner": owner.pid}))
+        (backend.root / name / "cluster.json").write_text(
+            json.dumps(
+                {
+                    "session": session.pid,
+                    "temp_dir": str(tmp_path / name),
+                    "launched_at": time.time(),
+                    "jobs": {},
+                    "owner": owner.pid,
+                }
+            )
+        )
     half_made = backend.root / "gpuflow-warm-ba9876543210"  # killed between its folder and its record
     half_made.mkdir()
     os.utime(half_made, (time.time() - 60, time.time() - 60))
     try:
-        assert {c.name: c.status for c in backend.status()} == {**{name: "UP" for name in names},
-                                                               half_made.name: "ORPHANED"}
+        assert {c.name: c.status for c in backend.status()} == {
+            **{name: "UP" for name in names},
+            half_made.name: "ORPHANED",
+        }
         launcher.kill()  # kill -9 of `gpuflow run`: its supervisors stop its clusters
         for session in sessions:
             session.kill()
             session.wait()
         launcher.wait()
         assert {c.name: c.status for c in backend.status()} == {
-            names[0]: "ORPHANED", names[1]: "ORPHANED", names[2]: "GONE", half_made.name: "ORPHANED"}
+            names[0]: "ORPHANED",
+            names[1]: "ORPHANED",
+            names[2]: "GONE",
+            half_made.name: "ORPHANED",
+        }
 
         reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
         assert [c.name for c in backend.status()] == [names[2]]  # what the dead run left is gone
-        assert state_of(dead_run).type.value == "CRASHED" and "its local cluster stopped with it" in \
-            state_of(dead_run).message
+        assert (
+            state_of(dead_run).type.value == "CRASHED"
+            and "its local cluster stopped with it" in state_of(dead_run).message
+        )
         assert state_of(live_run).type.value == "RUNNING"  # its launcher lives: its flow decides
     finally:
         for process in [launcher, alive_launcher, *sessions]:

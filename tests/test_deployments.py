@@ -1,8 +1,7 @@
 """prefect.yaml's deployments: declared right, served by `gpuflow serve`, run by a schedule, bad values refused.
 
-    .venv/bin/python -m pytest --full tests/test_deployments.py
+.venv/bin/python -m pytest --full tests/test_deployments.py
 """
-
 
 import pytest
 
@@ -81,8 +80,9 @@ def test_a_bad_form_value_fails_the_run_naming_the_field(served):
     spec = served.deployment("run-experiment").parameters["spec"]
     bad = {**spec, "compute": {**spec["compute"], "accelerators": "H100:1"}}  # valid JSON schema, invalid spec
     with served.client() as client:
-        flow_run = client.create_flow_run_from_deployment(served.deployment("run-experiment").id,
-                                                          parameters={"spec": bad})
+        flow_run = client.create_flow_run_from_deployment(
+            served.deployment("run-experiment").id, parameters={"spec": bad}
+        )
     flow_run = served.wait_until_final(flow_run.id)
     assert flow_run.state.is_failed()
     assert "compute" in flow_run.state.message and "backend: skypilot" in flow_run.state.message, flow_run.state.message
@@ -100,13 +100,16 @@ def test_a_value_outside_the_schema_is_refused_at_submission(served):
 def test_spec_file_is_used_instead_of_the_form(served, tmp_path):
     spec_file = tmp_path / "from-file.yaml"
     # where metrics go is the deployment's (its form_policy), so the file names the same tracking server
-    spec_file.write_text(f"name: from-file\nworkdir: {REPO}\ntrain: {{loop: 'experiments.digits:train_loop'}}\n"
-                         "data: {train: /nonexistent/train.parquet, validation: null}\n"
-                         f"tracking: {{uri: '{served.mlflow_url}'}}\n")
+    spec_file.write_text(
+        f"name: from-file\nworkdir: {REPO}\ntrain: {{loop: 'experiments.digits:train_loop'}}\n"
+        "data: {train: /nonexistent/train.parquet, validation: null}\n"
+        f"tracking: {{uri: '{served.mlflow_url}'}}\n"
+    )
     deployment = served.deployment("run-experiment")
     with served.client() as client:
         flow_run = client.create_flow_run_from_deployment(
-            deployment.id, parameters={"spec": deployment.parameters["spec"], "spec_file": str(spec_file)})
+            deployment.id, parameters={"spec": deployment.parameters["spec"], "spec_file": str(spec_file)}
+        )
     flow_run = served.wait_until_final(flow_run.id)
     assert flow_run.state.is_failed() and "data.train" in flow_run.state.message, flow_run.state.message
     assert flow_run.name.startswith("from-file-") and "experiment:from-file" in flow_run.tags

@@ -43,11 +43,21 @@ def digits_run(prefect_server, tmp_path_factory) -> DigitsRun:
     home = tmp_path_factory.mktemp("digits-run")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("GPUFLOW_HOME", str(home))
-        env.setenv("MLFLOW_TRACKING_USERNAME", "digits-tester")  # who ran it: the run's mlflow.user (a local store ignores it)
-        spec = load_spec(REPO / "experiments" / "digits.yaml", [
-            f"workdir={REPO}", f"data.train={home}/data/train.parquet",
-            f"data.validation={home}/data/validation.parquet", f"tracking.uri=sqlite:///{home}/mlflow.db",
-            f"storage.checkpoints={home}/checkpoints", "profile.steps=4", "profile.after=2"])
+        env.setenv(
+            "MLFLOW_TRACKING_USERNAME", "digits-tester"
+        )  # who ran it: the run's mlflow.user (a local store ignores it)
+        spec = load_spec(
+            REPO / "experiments" / "digits.yaml",
+            [
+                f"workdir={REPO}",
+                f"data.train={home}/data/train.parquet",
+                f"data.validation={home}/data/validation.parquet",
+                f"tracking.uri=sqlite:///{home}/mlflow.db",
+                f"storage.checkpoints={home}/checkpoints",
+                "profile.steps=4",
+                "profile.after=2",
+            ],
+        )
         state = run_experiment(spec, return_state=True)
         return DigitsRun(spec, state, home, processes_of(home))
 

@@ -26,7 +26,9 @@ def test_a_range_splits_into_the_cluster_size_and_a_minimum():
     assert (spread.num_workers, spread.min_workers, spread.workers_per_node) == (4, 2, 2)
     assert compute(num_nodes=2, workers_per_node=1, num_workers=[2, 2]).min_workers is None, "[n, n] is fixed"
     # what the job gets (the spec as JSON) is still elastic
-    again = parse_spec(parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "num_workers": [1, 2]}}).model_dump(mode="json"))
+    again = parse_spec(
+        parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "num_workers": [1, 2]}}).model_dump(mode="json")
+    )
     assert (again.compute.num_workers, again.compute.min_workers) == (2, 1)
 
 
@@ -52,8 +54,13 @@ def test_a_bad_range_names_the_field_the_value_and_the_fix(fields, value, fix):
 
 def test_a_sweep_takes_no_range():
     with pytest.raises(SpecError, match="compute.num_workers.*fixed num_workers: 2"):
-        parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "num_workers": [1, 2]},
-                    "sweep": {"parameters": {"train.lr": {"grid": [0.1, 0.2]}}, "metric": "val_accuracy"}})
+        parse_spec(
+            {
+                **A_LOOP,
+                "compute": {"num_nodes": 2, "num_workers": [1, 2]},
+                "sweep": {"parameters": {"train.lr": {"grid": [0.1, 0.2]}}, "metric": "val_accuracy"},
+            }
+        )
 
 
 def test_ray_train_gets_the_range_a_slot_per_worker_and_a_restart_per_node_it_may_lose():
@@ -74,8 +81,9 @@ def test_the_stretches_of_a_clusters_life_at_each_size():
 
 
 def test_the_bill_follows_the_live_size_and_a_relaunch_is_whole_again():
-    price = Estimate(hourly_usd=7.2, per_node_hourly_usd=3.6, num_nodes=2, use_spot=True, source="catalog",
-                     gpus_per_node=1)
+    price = Estimate(
+        hourly_usd=7.2, per_node_hourly_usd=3.6, num_nodes=2, use_spot=True, source="catalog", gpus_per_node=1
+    )
     meter = Meter(price, requested_at=1000.0)
     assert meter.cost(ended=1000.0 + 3600)["cost_usd"] == pytest.approx(7.2), "unchanged without a resize"
     meter.resized(1, when=1000.0 + 1800)

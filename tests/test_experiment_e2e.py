@@ -17,8 +17,13 @@ def test_a_failing_loop_fails_everything_and_keeps_checkpoints(prefect_server, d
     from gpuflow.flows.run_messages import add_webhook
     from tests.support.servers import the_one_message, webhook_receiver
 
-    spec = digits_spec.model_copy(update={"train": digits_spec.train.model_copy(update={
-        "epochs": 4, "params": {**digits_spec.train.params, "fail_at_epoch": 2}})})
+    spec = digits_spec.model_copy(
+        update={
+            "train": digits_spec.train.model_copy(
+                update={"epochs": 4, "params": {**digits_spec.train.params, "fail_at_epoch": 2}}
+            )
+        }
+    )
     with webhook_receiver() as (url, messages):
         add_webhook("failures", url)
         state = run_experiment(spec.model_copy(update={"notify": NotifySpec(block="failures")}), return_state=True)

@@ -56,8 +56,14 @@ def reaper_in(gpuflow_home: Path, *, ephemeral_api: bool, api_url: str | None = 
         from prefect.settings import PREFECT_API_URL
 
         env["PREFECT_API_URL"] = api_url or PREFECT_API_URL.value()
-    done = subprocess.run([sys.executable, "-c", "from gpuflow.flows.reaper import reap_clusters; reap_clusters(backends=['local'])"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", "from gpuflow.flows.reaper import reap_clusters; reap_clusters(backends=['local'])"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
@@ -75,10 +81,14 @@ def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow
         killed_at = time.monotonic()
         run.wait()
 
-        wait_until(lambda: processes_of(gpuflow_home) == [], CLEANUP_S,
-                   "every process of the run gone (cluster, job, API)")
-        [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"],
-                                  CLEANUP_S, "the MLflow run closed")
+        wait_until(
+            lambda: processes_of(gpuflow_home) == [], CLEANUP_S, "every process of the run gone (cluster, job, API)"
+        )
+        [mlflow_run] = wait_until(
+            lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"],
+            CLEANUP_S,
+            "the MLflow run closed",
+        )
         print(f"kill -9 → nothing left and MLflow closed in {time.monotonic() - killed_at:.1f}s")
         assert mlflow_run.info.status == "FAILED"
         assert mlflow_run.data.tags["stopped_by"] == "orphaned"
@@ -99,8 +109,14 @@ def notify_add_in(gpuflow_home: Path, name: str, url: str) -> str:
     env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home), "PREFECT_HOME": str(gpuflow_home / "prefect")}
     env.pop("PREFECT_API_URL", None)
     (gpuflow_home / "prefect").mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", "notify", "add", name, url], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow.flows.cli", "notify", "add", name, url],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     return done.stdout + done.stderr
 
 
@@ -152,8 +168,11 @@ def test_a_run_whose_prefect_api_is_gone_ends_at_once_on_sigterm(digits_spec, gp
 def kill_its_prefect_api_at_epoch_2(run: GpuflowRun) -> None:
     """kill -9 of the temporary Prefect API server that `gpuflow run` started, once its second epoch is reported."""
     run.wait_for_line("epoch 2/")
-    [server] = [pid for pid in children_of(run.process.pid)
-                if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    [server] = [
+        pid
+        for pid in children_of(run.process.pid)
+        if b"prefect.server.api.server:create_app" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
     os.kill(server, signal.SIGKILL)
 
 
@@ -205,8 +224,11 @@ def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_h
     freeze_outside_a_write(run.process, Path(digits_spec.tracking_uri.removeprefix("sqlite:///")))
     stopped_at = time.monotonic()
     try:
-        [mlflow_run] = wait_until(lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"], CLEANUP_S,
-                                  "the job closing the MLflow run on its own")
+        [mlflow_run] = wait_until(
+            lambda: [r for r in mlflow_runs(digits_spec) if r.info.status != "RUNNING"],
+            CLEANUP_S,
+            "the job closing the MLflow run on its own",
+        )
         print(f"frozen flow → job stopped itself in {time.monotonic() - stopped_at:.1f}s")
         assert mlflow_run.data.tags["stopped_by"] == "orphaned" and mlflow_run.info.status == "FAILED"
         # the cluster is gone while the flow is still frozen: only the frozen process itself is left
@@ -237,8 +259,9 @@ def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky
     assert backend.status() == []
 
 
-def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_server, digits_spec, gpuflow_home,
-                                                                     tmp_path, monkeypatch):
+def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(
+    prefect_server, digits_spec, gpuflow_home, tmp_path, monkeypatch
+):
     """Training goes on while MLflow is down; what it logged meanwhile arrives once the server is back."""
     import threading
 
@@ -249,12 +272,17 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(prefect_se
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     # an epoch a second: still training when the server is back (down 10 s, then its start-up)
     store, port, epochs = tmp_path / "mlflow-server", stable_port(), 60
-    spec = digits_spec.model_copy(update={
-        "train": digits_spec.train.model_copy(update={"epochs": epochs, "loop": PACED_LOOP,
-                                                      "params": {**digits_spec.train.params, "pace_s": 1.0}}),
-        "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
-        "tracking": digits_spec.tracking.model_copy(update={"uri": f"http://127.0.0.1:{port}", "register_model": False}),
-    })
+    spec = digits_spec.model_copy(
+        update={
+            "train": digits_spec.train.model_copy(
+                update={"epochs": epochs, "loop": PACED_LOOP, "params": {**digits_spec.train.params, "pace_s": 1.0}}
+            ),
+            "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
+            "tracking": digits_spec.tracking.model_copy(
+                update={"uri": f"http://127.0.0.1:{port}", "register_model": False}
+            ),
+        }
+    )
     outcome = {}
     with mlflow_server(store, port):
         flow = threading.Thread(target=lambda: outcome.update(state=run_experiment(spec, return_state=True)))
@@ -304,8 +332,9 @@ def test_the_end_of_a_run_waits_for_a_tracking_server_that_is_down(tmp_path, mon
         with pytest.raises(MlflowException, match="RESOURCE_DOES_NOT_EXIST|not found"):
             when_mlflow_answers(lambda: client.get_run("0" * 32), "run", wait_s=120)
         with pytest.raises(requests.HTTPError, match="404"):  # an HTTP error is an answer too (OSError by type)
-            when_mlflow_answers(lambda: requests.get(f"{client.tracking_uri}/no-such-page").raise_for_status(),
-                                "page", wait_s=120)
+            when_mlflow_answers(
+                lambda: requests.get(f"{client.tracking_uri}/no-such-page").raise_for_status(), "page", wait_s=120
+            )
         assert time.monotonic() - refused_at < 30, "a refused request is not retried"
     finally:
         back.set()

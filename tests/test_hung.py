@@ -16,8 +16,9 @@ class Clock:
 def run_with(**stamps_s) -> Run:
     """A run as MLflow returns it, its metrics last logged at these times (seconds)."""
     info = RunInfo("r", "0", "u", "RUNNING", 0, None, "ACTIVE")
-    return Run(info, RunData(metrics=[Metric(key.replace("__", "/"), 1.0, int(at * 1000), 0)
-                                      for key, at in stamps_s.items()]))
+    return Run(
+        info, RunData(metrics=[Metric(key.replace("__", "/"), 1.0, int(at * 1000), 0) for key, at in stamps_s.items()])
+    )
 
 
 def test_an_explicit_limit_counts_from_the_last_report_and_ignores_system_metrics():

@@ -21,20 +21,42 @@ ROWS = 100
 @pytest.mark.full
 def test_each_worker_reads_an_equal_disjoint_share_of_each_dataset(gpuflow_home, tmp_path):
     pq.write_table(pa.table({"id": list(range(ROWS, 2 * ROWS))}), tmp_path / "streamed.parquet")
-    spec = parse_spec({"train": {"loop": "tests.loops.plain:record_shards"}, "workdir": str(REPO),
-                       # three CPUs: two workers and one for Ray Data's read tasks
-                       "compute": {"workers_per_node": 3}, "limits": {"orphan_grace_minutes": 30}})
+    spec = parse_spec(
+        {
+            "train": {"loop": "tests.loops.plain:record_shards"},
+            "workdir": str(REPO),
+            # three CPUs: two workers and one for Ray Data's read tasks
+            "compute": {"workers_per_node": 3},
+            "limits": {"orphan_grace_minutes": 30},
+        }
+    )
     backend = LocalBackend()
     handle = backend.launch(spec, "gpuflow-1b9e570000000000000000000000000a")
     try:
-        driver = subprocess.run([sys.executable, "-m", "tests.support.shards_driver", handle.address, str(tmp_path),
-                                 str(tmp_path / "streamed.parquet"), str(ROWS)],
-                                cwd=REPO, env=ray_env(), capture_output=True, text=True, timeout=600)
+        driver = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.support.shards_driver",
+                handle.address,
+                str(tmp_path),
+                str(tmp_path / "streamed.parquet"),
+                str(ROWS),
+            ],
+            cwd=REPO,
+            env=ray_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
     finally:
         backend.down(handle.name)
-    seen = {(rank, epoch): json.loads((tmp_path / f"{rank}-{epoch}.json").read_text())
-            for rank in (0, 1) for epoch in (0, 1)}
+    seen = {
+        (rank, epoch): json.loads((tmp_path / f"{rank}-{epoch}.json").read_text())
+        for rank in (0, 1)
+        for epoch in (0, 1)
+    }
     for name, ids in (("in_memory", range(ROWS)), ("streamed", range(ROWS, 2 * ROWS))):
         for epoch in (0, 1):
             first, second = seen[(0, epoch)][name], seen[(1, epoch)][name]

@@ -44,13 +44,36 @@ class GpuflowRun:
         else:
             env["PREFECT_API_URL"] = PREFECT_API_URL.value()
         # the digits spec, paced and long; or a spec file of the test's own, as it is
-        args = [] if spec_file else ["--set", "train.epochs=400", *PACED, "--set", f"data.train={spec.data.train}",
-                                     "--set", f"data.validation={spec.data.validation}"]
+        args = (
+            []
+            if spec_file
+            else [
+                "--set",
+                "train.epochs=400",
+                *PACED,
+                "--set",
+                f"data.train={spec.data.train}",
+                "--set",
+                f"data.validation={spec.data.validation}",
+            ]
+        )
         for item in overrides:
             args += ["--set", item]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpuflow.flows.cli", "run", str(spec_file or REPO / "experiments" / "digits.yaml"), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "gpuflow.flows.cli",
+                "run",
+                str(spec_file or REPO / "experiments" / "digits.yaml"),
+                *args,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
         self.lines, self.flow_run_id = [], None
         self.training = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -78,7 +101,9 @@ class GpuflowRun:
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"gpuflow run still running after {timeout_s}s:\n{''.join(self.lines[-40:])}") from None
+            raise AssertionError(
+                f"gpuflow run still running after {timeout_s}s:\n{''.join(self.lines[-40:])}"
+            ) from None
         finally:
             if self.process.poll() is None:
                 self.process.kill()
@@ -88,6 +113,7 @@ def flow_run_state(flow_run_id):
     async def read():
         async with get_client() as client:
             return (await client.read_flow_run(flow_run_id)).state
+
     return asyncio.run(read())
 
 
@@ -95,6 +121,7 @@ def cancel(flow_run_id):
     async def request():
         async with get_client() as client:
             await client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"), force=True)
+
     asyncio.run(request())
 
 

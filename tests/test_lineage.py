@@ -21,8 +21,13 @@ from gpuflow.cluster.protocol import JobEnv
 
 
 def table(rows: int) -> pa.Table:
-    return pa.table({"pixels": [[float(i)] * 4 for i in range(rows)], "label": pa.array(range(rows), pa.int64()),
-                     "name": [f"row-{i}" for i in range(rows)]})
+    return pa.table(
+        {
+            "pixels": [[float(i)] * 4 for i in range(rows)],
+            "label": pa.array(range(rows), pa.int64()),
+            "name": [f"row-{i}" for i in range(rows)],
+        }
+    )
 
 
 def described(uri) -> dict:
@@ -74,8 +79,11 @@ def repo(tmp_path):
 def test_source_tags_name_the_commit_and_flip_dirty_after_an_edit(repo):
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     tags = source_tags(repo)
-    assert tags == {"mlflow.source.git.commit": head, "mlflow.source.git.branch": "main",
-                    "mlflow.source.git.dirty": "false"}
+    assert tags == {
+        "mlflow.source.git.commit": head,
+        "mlflow.source.git.branch": "main",
+        "mlflow.source.git.dirty": "false",
+    }
     (repo / "train.py").write_text("def train(config): return 1\n")
     assert source_tags(repo)["mlflow.source.git.dirty"] == "true"
 

@@ -50,8 +50,10 @@ def test_two_nodes_are_two_ray_nodes(gpuflow_home):
     handle = backend.launch(parse_spec({**A_LOOP, "compute": {"num_nodes": 2, "workers_per_node": 1}}), NAME)
     pids = backend.pids(NAME)
     # A driver in its own process, as the job is: Ray reads its address settings at import.
-    driver = (f"import json, ray; ray.init(address='{handle.address}', logging_level='ERROR'); "
-              "print(json.dumps([n for n in ray.nodes() if n['Alive']]))")
+    driver = (
+        f"import json, ray; ray.init(address='{handle.address}', logging_level='ERROR'); "
+        "print(json.dumps([n for n in ray.nodes() if n['Alive']]))"
+    )
     try:
         out = subprocess.run([sys.executable, "-c", driver], env=ray_env(), capture_output=True, text=True, timeout=120)
         nodes = json.loads(out.stdout.strip().splitlines()[-1])
@@ -86,8 +88,12 @@ def test_an_early_job_handed_a_run_takes_its_environment_and_keeps_what_it_set_i
     handoff_environment(started_with, {"BOTH": "run's", "THE_RUNS": "2"})
     import os
 
-    assert (os.environ.get("ONLY_THE_STARTERS"), os.environ["BOTH"], os.environ["SET_BY_THE_JOB"],
-            os.environ["THE_RUNS"]) == (None, "run's", "0.1", "2")
+    assert (
+        os.environ.get("ONLY_THE_STARTERS"),
+        os.environ["BOTH"],
+        os.environ["SET_BY_THE_JOB"],
+        os.environ["THE_RUNS"],
+    ) == (None, "run's", "0.1", "2")
 
 
 def test_an_early_job_is_taken_over_only_if_it_read_the_same_at_start(monkeypatch):

@@ -22,8 +22,10 @@ def test_runs_started_at_once_on_a_fresh_store_all_track(tmp_path):
     from mlflow import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"
-    starts = [subprocess.Popen([sys.executable, "-c", OPEN_AND_LOG, uri], cwd=REPO, stderr=subprocess.PIPE,
-                               text=True) for _ in range(4)]
+    starts = [
+        subprocess.Popen([sys.executable, "-c", OPEN_AND_LOG, uri], cwd=REPO, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
     errors = [start.communicate(timeout=180)[1] for start in starts]
     assert [start.returncode for start in starts] == [0] * 4, "\n".join(error[-600:] for error in errors)
     runs = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("together").experiment_id])

@@ -24,8 +24,14 @@ from gpuflow.cluster.spec.notifying import NotifySpec
 from gpuflow.flows.cli import main as gpuflow
 from tests.support.servers import the_one_message, webhook_receiver
 
-EVENT = Event("stopped", "digits-mlp-2026-11-26-0300", "stopped_by=budget: stopped by budget: $2.00 spent", 2.0,
-              "http://mlflow.team:5000/#/experiments/1/runs/abc", "http://prefect.team:4200/runs/flow-run/f00")
+EVENT = Event(
+    "stopped",
+    "digits-mlp-2026-11-26-0300",
+    "stopped_by=budget: stopped by budget: $2.00 spent",
+    2.0,
+    "http://mlflow.team:5000/#/experiments/1/runs/abc",
+    "http://prefect.team:4200/runs/flow-run/f00",
+)
 
 
 def test_a_saved_block_sends_the_event_with_its_reason_cost_and_links(prefect_server, capsys):
@@ -68,11 +74,15 @@ def test_an_unreachable_webhook_is_reported_without_its_address(monkeypatch):
 
 
 def test_a_long_failure_becomes_one_line_with_the_loops_error():
-    message = ("Flow run encountered an exception: JobFailed: training job failed with exit code 1; the end of its "
-               "log:\n(TrainController pid=7) Traceback (most recent call last):\n(TrainController pid=7) "
-               "RuntimeError: fail_at_epoch=2: failing on purpose\nray.train.WorkerGroupError: Training failed")
-    assert short_reason(message) == ("Flow run encountered an exception: JobFailed: training job failed with exit "
-                                     "code 1; the end of its log ... RuntimeError: fail_at_epoch=2: failing on purpose")
+    message = (
+        "Flow run encountered an exception: JobFailed: training job failed with exit code 1; the end of its "
+        "log:\n(TrainController pid=7) Traceback (most recent call last):\n(TrainController pid=7) "
+        "RuntimeError: fail_at_epoch=2: failing on purpose\nray.train.WorkerGroupError: Training failed"
+    )
+    assert short_reason(message) == (
+        "Flow run encountered an exception: JobFailed: training job failed with exit "
+        "code 1; the end of its log ... RuntimeError: fail_at_epoch=2: failing on purpose"
+    )
     assert "\n" not in short_reason("a\nb") and len(short_reason("x" * 5000)) <= 400
 
 
@@ -80,8 +90,9 @@ def test_a_spec_naming_a_missing_block_is_refused_before_anything_starts(prefect
     from gpuflow.cluster.spec.notifying import NotifySpec
     from gpuflow.flows.experiment import run_experiment
 
-    state = run_experiment(digits_spec.model_copy(update={"notify": NotifySpec(block="nobody-made-this")}),
-                           return_state=True)
+    state = run_experiment(
+        digits_spec.model_copy(update={"notify": NotifySpec(block="nobody-made-this")}), return_state=True
+    )
     assert state.is_failed() and "notify.block: 'nobody-made-this'" in state.message, state.message
     assert "gpuflow notify add nobody-made-this URL" in state.message
     assert not (gpuflow_home / "clusters").exists() or not any((gpuflow_home / "clusters").iterdir())
@@ -96,6 +107,7 @@ def test_validate_refuses_a_missing_block_naming_the_field(prefect_server, capsy
 
 
 # -- at least once, said once (issue #38): a webhook down for a while, one never up, a sender that died -----------
+
 
 def quick_retries(monkeypatch, bound_s: float) -> None:
     """The retry bound shortened so that a test lasts seconds: first retry after 0.1 s, then 0.2, 0.4 ..."""
@@ -147,8 +159,10 @@ def failing_flow_run(spec, block: str):
     def failing_experiment(spec: dict):
         client = MlflowClient(spec_obj.tracking_uri)
         experiment = client.get_experiment_by_name(spec_obj.experiment_name)
-        run = client.create_run(experiment.experiment_id if experiment else client.create_experiment(
-            spec_obj.experiment_name), tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: block})
+        run = client.create_run(
+            experiment.experiment_id if experiment else client.create_experiment(spec_obj.experiment_name),
+            tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: block},
+        )
         client.set_terminated(run.info.run_id, "FAILED")
         raise RuntimeError("fail_at_epoch=2: failing on purpose")
 
@@ -198,19 +212,33 @@ def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, 
         assert gpuflow(["notify", "add", "reaped", url]) == 0
         spec = digits_spec.model_copy(update={"notify": NotifySpec(block="reaped")})
         with get_client(sync_client=True) as prefect:  # the flow and its job killed: nobody said the end
-            flow_run = prefect.create_flow_run(reap_clusters.with_options(name="run-experiment"),
-                                               parameters={"spec": spec.model_dump(mode="json")})
+            flow_run = prefect.create_flow_run(
+                reap_clusters.with_options(name="run-experiment"), parameters={"spec": spec.model_dump(mode="json")}
+            )
             prefect.set_flow_run_state(flow_run.id, Crashed(message="its process died"), force=True)
         client = MlflowClient(spec.tracking_uri)
         experiment = client.get_experiment_by_name(spec.experiment_name) or client.create_experiment(
-            spec.experiment_name)
+            spec.experiment_name
+        )
         experiment = getattr(experiment, "experiment_id", experiment)
-        run_id = client.create_run(experiment, tags={FLOW_RUN_TAG: str(flow_run.id), NOTIFY_BLOCK_TAG: "reaped",
-                                                     STOPPED_BY_TAG: "orphaned",
-                                                     NOTIFY_SENDING_TAG: f"{time.time() - 3600:.3f} dead"}).info.run_id
+        run_id = client.create_run(
+            experiment,
+            tags={
+                FLOW_RUN_TAG: str(flow_run.id),
+                NOTIFY_BLOCK_TAG: "reaped",
+                STOPPED_BY_TAG: "orphaned",
+                NOTIFY_SENDING_TAG: f"{time.time() - 3600:.3f} dead",
+            },
+        ).info.run_id
         client.set_terminated(run_id, "FAILED")  # its claim is an hour old: the sender died holding it
-        said_before = client.create_run(experiment, tags={FLOW_RUN_TAG: str(flow_run.id), NOTIFY_BLOCK_TAG: "reaped",
-                                                          NOTIFIED_TAG: "crashed 2026-11-26T00:00:00Z"}).info.run_id
+        said_before = client.create_run(
+            experiment,
+            tags={
+                FLOW_RUN_TAG: str(flow_run.id),
+                NOTIFY_BLOCK_TAG: "reaped",
+                NOTIFIED_TAG: "crashed 2026-11-26T00:00:00Z",
+            },
+        ).info.run_id
         client.set_terminated(said_before, "FAILED")
 
         reap_clusters(backends=["local"], tracking_uris=[spec.tracking_uri])
@@ -235,8 +263,10 @@ def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_s
         assert gpuflow(["notify", "add", "cancelled-block", url]) == 0
         spec = digits_spec.model_copy(update={"notify": NotifySpec(block="cancelled-block")})
         with get_client(sync_client=True) as prefect:
-            runs = [prefect.create_flow_run(run_experiment, parameters={"spec": spec.model_dump(mode="json")})
-                    for _ in range(2)]
+            runs = [
+                prefect.create_flow_run(run_experiment, parameters={"spec": spec.model_dump(mode="json")})
+                for _ in range(2)
+            ]
             for flow_run, state in zip(runs, [Cancelling(), Running()], strict=True):
                 prefect.set_flow_run_state(flow_run.id, state, force=True)
             for flow_run in runs:

@@ -36,8 +36,20 @@ def fresh_venv(tmp_path_factory) -> Path:
     site = next((venv / "lib").glob("python3*/site-packages"))
     (site / "zz-deps-from-test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     source = tracked_files(REPO, root / "gpuflow-src")
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--no-index", str(source)], check=True)
+    subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            str(source),
+        ],
+        check=True,
+    )
     return venv
 
 
@@ -45,8 +57,9 @@ def gpuflow(venv: Path, project: Path, *args: str, env: dict) -> subprocess.Comp
     # output to files, not pipes: a process the command leaves behind would hold a pipe open, and hang us
     out, err = project.parent / "stdout.txt", project.parent / "stderr.txt"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        code = subprocess.run([str(venv / "bin" / "gpuflow"), *args], cwd=project, env=env, stdout=stdout,
-                              stderr=stderr, timeout=900).returncode
+        code = subprocess.run(
+            [str(venv / "bin" / "gpuflow"), *args], cwd=project, env=env, stdout=stdout, stderr=stderr, timeout=900
+        ).returncode
     result = subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
     print(result.stdout[-4000:], result.stderr[-4000:])
     return result
@@ -56,20 +69,31 @@ def test_init_validate_run_in_an_own_project(fresh_venv, tmp_path):
     project = tmp_path / "my-regression"
     project.mkdir()
     home = project / ".gpuflow"
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))}
+    env = {
+        key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))
+    }
     env.update(GPUFLOW_STACK="manual")  # a run here leaves no warm stack: the test's processes stop with it
-    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # a busy machine starts Prefect slowly
+    env.update(
+        GPUFLOW_HOME=str(home),
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PYTHONPATH="",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+    )  # a busy machine starts Prefect slowly
 
     # the installed gpuflow is the one that runs, not this repo
-    where = subprocess.run([str(fresh_venv / "bin" / "python"), "-c",
-                            "import gpuflow.cluster as c; print(c.__file__)"],
-                           cwd=project, env=env, capture_output=True, text=True, check=True).stdout
+    where = subprocess.run(
+        [str(fresh_venv / "bin" / "python"), "-c", "import gpuflow.cluster as c; print(c.__file__)"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert str(REPO) not in where and "site-packages" in where
     # the project has packages of its own named like the repo's folders: gpuflow must never import them
     for name in ("flows", "tasks", "cluster"):
         (project / name).mkdir()
-        (project / name / "__init__.py").write_text(f"raise ImportError('the project\'s own {name}, not gpuflow')\n")
+        (project / name / "__init__.py").write_text(f"raise ImportError('the project's own {name}, not gpuflow')\n")
 
     assert gpuflow(fresh_venv, project, "init", env=env).returncode == 0
     loop = (project / "train.py").read_text()

@@ -30,9 +30,11 @@ def past(name, wall, epochs=5, epoch_s=2.0, identity=SAME, started_at=0.0, **fig
 
 # -- the pure decision ------------------------------------------------------------------------------------------------
 def test_the_prediction_is_the_median_of_the_history_with_its_range_and_names_its_runs():
-    history = [past("r1", 40.0, provision_s=5, first_epoch_s=4, teardown_s=2, started_at=1),
-               past("r2", 50.0, provision_s=7, first_epoch_s=6, teardown_s=3, started_at=2),
-               past("r3", 44.0, provision_s=6, first_epoch_s=5, teardown_s=2, started_at=3)]
+    history = [
+        past("r1", 40.0, provision_s=5, first_epoch_s=4, teardown_s=2, started_at=1),
+        past("r2", 50.0, provision_s=7, first_epoch_s=6, teardown_s=3, started_at=2),
+        past("r3", 44.0, provision_s=6, first_epoch_s=5, teardown_s=2, started_at=3),
+    ]
     prediction = predict(history, a_spec(epochs=5), SAME)
     assert prediction.wall == Span(44.0, 40.0, 50.0)
     assert prediction.provision == Span(6, 5, 7) and prediction.teardown == Span(2, 2, 3)
@@ -59,14 +61,18 @@ def test_each_past_run_is_scaled_to_the_specs_epochs_by_its_own_epoch_time():
 def test_with_no_history_the_prediction_is_the_bound_only():
     prediction = predict([], a_spec(), SAME)
     assert not prediction.known and prediction.cost(RATE) is None
-    assert prediction.lines(RATE) == ["prediction: no history: bound only (no finished run of this loop (loop-a) "
-                                      "on this hardware (local 1x2))"]
+    assert prediction.lines(RATE) == [
+        "prediction: no history: bound only (no finished run of this loop (loop-a) on this hardware (local 1x2))"
+    ]
     assert prediction_metrics(prediction, RATE) == {}
 
 
 def test_other_hardware_or_another_loop_is_never_mixed_in_and_only_the_newest_count():
-    history = [past("same", 40.0, started_at=1), past("other-gpu", 400.0, identity=Identity("loop-a", "skypilot 1x1 H100:1")),
-               past("edited-loop", 4.0, identity=Identity("loop-b", "local 1x2"))]
+    history = [
+        past("same", 40.0, started_at=1),
+        past("other-gpu", 400.0, identity=Identity("loop-a", "skypilot 1x1 H100:1")),
+        past("edited-loop", 4.0, identity=Identity("loop-b", "local 1x2")),
+    ]
     prediction = predict(history, a_spec(), SAME)
     assert [run.name for run in prediction.based_on] == ["same"] and prediction.wall.median == 40.0
     many = [past(f"r{i}", 10.0 * i, started_at=i) for i in range(1, 16)]
@@ -80,8 +86,10 @@ def test_a_sweep_is_not_predicted():
 
 def test_the_predicted_figures_go_beside_the_actual_ones_at_open():
     prediction = predict([past("r1", 40.0), past("r2", 60.0)], a_spec(), SAME)
-    assert prediction_metrics(prediction, RATE) == {"predicted_wall_seconds": 50.0,
-                                                    "predicted_cost_usd": pytest.approx(0.05)}
+    assert prediction_metrics(prediction, RATE) == {
+        "predicted_wall_seconds": 50.0,
+        "predicted_cost_usd": pytest.approx(0.05),
+    }
 
 
 def test_a_budget_refusal_says_the_prediction_but_is_decided_on_the_bound():
@@ -106,14 +114,18 @@ def test_the_loop_digest_follows_the_loop_files_bytes(tmp_path):
     assert first == loop_digest(str(tmp_path), "mine:train_loop") and len(first) == 12
     (tmp_path / "mine.py").write_text("def train_loop(config):\n    return 1\n")
     assert loop_digest(str(tmp_path), "mine:train_loop") != first
-    assert loop_digest(str(REPO), "experiments.digits:train_loop") == \
-        loop_digest(str(REPO), "experiments.digits:write_parquet")  # one file, one digest
+    assert loop_digest(str(REPO), "experiments.digits:train_loop") == loop_digest(
+        str(REPO), "experiments.digits:write_parquet"
+    )  # one file, one digest
 
 
 def test_the_hardware_key_names_backend_shape_and_accelerators():
     assert hardware_key(a_spec(compute={"workers_per_node": 3})).startswith("local 1x3, 1 CPU/worker of ")
-    sky = a_spec(compute={"backend": "skypilot", "num_nodes": 2, "workers_per_node": 4, "accelerators": ["H100:8", "A100:8"]},
-                 storage={"checkpoints": "s3://bucket/ckpt"}, tracking={"uri": "http://127.0.0.1:1"})
+    sky = a_spec(
+        compute={"backend": "skypilot", "num_nodes": 2, "workers_per_node": 4, "accelerators": ["H100:8", "A100:8"]},
+        storage={"checkpoints": "s3://bucket/ckpt"},
+        tracking={"uri": "http://127.0.0.1:1"},
+    )
     assert hardware_key(sky) == "skypilot 2x4 H100:8|A100:8"
 
 
@@ -123,7 +135,9 @@ def log_run(client, experiment_id, tags, wall, epoch_times, status="FINISHED", e
     now = int(time.time() * 1000)
     metrics = [Metric(f"gpuflow.{name}_seconds", value, now, 0) for name, value in {"wall": wall, **phases}.items()]
     metrics += [Metric("perf/epoch_s", value, now, step) for step, value in enumerate(epoch_times, 1)]
-    client.log_batch(run.info.run_id, metrics=metrics, params=[] if epochs is None else [Param("train.epochs", str(epochs))])
+    client.log_batch(
+        run.info.run_id, metrics=metrics, params=[] if epochs is None else [Param("train.epochs", str(epochs))]
+    )
     client.set_terminated(run.info.run_id, status)
     return run.info.run_id
 
@@ -135,10 +149,28 @@ def store(gpuflow_home):
     client = MlflowClient(spec.tracking_uri)
     experiment = client.create_experiment(spec.experiment_name)
     tags = identity_tags(spec)
-    log_run(client, experiment, tags, 40.0, [6.0, 2.0, 3.0, 2.0, 2.0], epochs=5, provision=5.0, first_epoch=6.0,
-            teardown=1.0)
-    log_run(client, experiment, tags, 50.0, [7.0, 3.0, 3.0, 3.0, 3.0], epochs=5, provision=6.0, first_epoch=7.0,
-            teardown=2.0)
+    log_run(
+        client,
+        experiment,
+        tags,
+        40.0,
+        [6.0, 2.0, 3.0, 2.0, 2.0],
+        epochs=5,
+        provision=5.0,
+        first_epoch=6.0,
+        teardown=1.0,
+    )
+    log_run(
+        client,
+        experiment,
+        tags,
+        50.0,
+        [7.0, 3.0, 3.0, 3.0, 3.0],
+        epochs=5,
+        provision=6.0,
+        first_epoch=7.0,
+        teardown=2.0,
+    )
     log_run(client, experiment, tags, 500.0, [1.0, 1.0], status="FAILED", epochs=5)
     log_run(client, experiment, {**tags, "gpuflow.hardware": "skypilot 1x1 H100:1"}, 5.0, [1.0, 1.0], epochs=5)
     log_run(client, experiment, {**tags, "gpuflow.loop_digest": "an-edit"}, 7.0, [1.0, 1.0], epochs=5)
@@ -165,11 +197,22 @@ def test_plan_shows_the_prediction_with_history_and_the_bound_without(store, cap
     from gpuflow.flows.cli import main
 
     spec_file = REPO / "experiments" / "digits.yaml"
-    with_history = ["plan", str(spec_file), f"--set=workdir={REPO}", "--set", "train.epochs=5",
-                    "--set", f"tracking.uri={store.tracking_uri}", "--set", f"tracking.experiment={store.experiment_name}"]
+    with_history = [
+        "plan",
+        str(spec_file),
+        f"--set=workdir={REPO}",
+        "--set",
+        "train.epochs=5",
+        "--set",
+        f"tracking.uri={store.tracking_uri}",
+        "--set",
+        f"tracking.experiment={store.experiment_name}",
+    ]
     assert main(with_history + ["--set", "limits.hourly_rate_usd=3.6"]) == 0
     shown = capsys.readouterr().out
-    assert "# predicted wall time 45 s (40–50 s) from 2 past run(s) of this loop on this hardware: run-50, run-40" in shown
+    assert (
+        "# predicted wall time 45 s (40–50 s) from 2 past run(s) of this loop on this hardware: run-50, run-40" in shown
+    )
     assert "provision 5.5 s (5.0–6.0 s), first epoch 6.5 s (6.0–7.0 s), 4 more epoch(s) 10 s (8.0–12 s)" in shown
     assert "#   predicted cost $0.0450 ($0.0400–$0.0500) at $3.6/h" in shown
     assert main(with_history[:-2] + ["--set", "tracking.experiment=elsewhere"]) == 0

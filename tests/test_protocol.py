@@ -4,8 +4,15 @@ from gpuflow.cluster.protocol import SETUP_DONE, JobEnv, epoch_line, parse_line,
 
 
 def test_the_job_env_reads_back_what_the_flow_wrote():
-    sent = JobEnv(tracking_uri="sqlite:////tmp/x/mlflow.db", mlflow_run_id="abc123", requested_at=1764000000.125,
-                  hourly_usd=2.5, local_cluster_session=4242, spec_json='{"name": "x"}', run_name="x-1a2b")
+    sent = JobEnv(
+        tracking_uri="sqlite:////tmp/x/mlflow.db",
+        mlflow_run_id="abc123",
+        requested_at=1764000000.125,
+        hourly_usd=2.5,
+        local_cluster_session=4242,
+        spec_json='{"name": "x"}',
+        run_name="x-1a2b",
+    )
     env = sent.to_env()
     assert env["GPUFLOW_MLFLOW_RUN_ID"] == "abc123" and env["MLFLOW_TRACKING_URI"] == sent.tracking_uri
     assert JobEnv.from_env(env) == sent

@@ -36,19 +36,56 @@ def test_a_run_needs_its_clusters_gpus_of_its_pool():
     loop = {"loop": "experiments.digits:train_loop"}
     remote = {"tracking": {"uri": "http://mlflow.team:5000"}, "storage": {"checkpoints": "s3://team/checkpoints"}}
     local = parse_spec({"train": loop, "compute": {"workers_per_node": 3}})
-    assert (need_of(local).pool, need_of(local).slots, need_of(local).describe()) == \
-        ("local", 3, "3 workers of quota 'local'")
-    cloud = parse_spec({"train": loop, "compute": {"backend": "skypilot", "num_nodes": 2, "accelerators": "H100:8",
-                                                   "cloud": "aws"}, "limits": {"orphan_grace_minutes": 2}, **remote})
+    assert (need_of(local).pool, need_of(local).slots, need_of(local).describe()) == (
+        "local",
+        3,
+        "3 workers of quota 'local'",
+    )
+    cloud = parse_spec(
+        {
+            "train": loop,
+            "compute": {"backend": "skypilot", "num_nodes": 2, "accelerators": "H100:8", "cloud": "aws"},
+            "limits": {"orphan_grace_minutes": 2},
+            **remote,
+        }
+    )
     assert (need_of(cloud).pool, need_of(cloud).slots, need_of(cloud).unit) == ("aws-h100", 16, "GPU")
-    named = parse_spec({"train": loop, "compute": {"backend": "skypilot", "accelerators": ["A100:4", "H100:1"],
-                                                   "infra": "slurm/skyci", "quota": "team-a100"}, **remote})
+    named = parse_spec(
+        {
+            "train": loop,
+            "compute": {
+                "backend": "skypilot",
+                "accelerators": ["A100:4", "H100:1"],
+                "infra": "slurm/skyci",
+                "quota": "team-a100",
+            },
+            **remote,
+        }
+    )
     assert (need_of(named).pool, need_of(named).slots) == ("team-a100", 4)
-    options = parse_spec({"train": loop, "compute": {"backend": "skypilot", "options": [  # the first option's pool
-        {"infra": "k8s/ctx", "accelerators": "L4:2"}, {"cloud": "aws", "accelerators": "H100:1"}]}, **remote})
+    options = parse_spec(
+        {
+            "train": loop,
+            "compute": {
+                "backend": "skypilot",
+                "options": [  # the first option's pool
+                    {"infra": "k8s/ctx", "accelerators": "L4:2"},
+                    {"cloud": "aws", "accelerators": "H100:1"},
+                ],
+            },
+            **remote,
+        }
+    )
     assert (need_of(options).pool, need_of(options).slots) == ("k8s-l4", 2)
-    assert lease_seconds(cloud) == 120 + 30 + 600 + 600 and lease_seconds(parse_spec(  # + its autostop and down
-        {"train": loop, "limits": {"orphan_grace_minutes": 0.2}})) == 60  # Prefect's shortest lease
+    assert (
+        lease_seconds(cloud) == 120 + 30 + 600 + 600
+        and lease_seconds(
+            parse_spec(  # + its autostop and down
+                {"train": loop, "limits": {"orphan_grace_minutes": 0.2}}
+            )
+        )
+        == 60
+    )  # Prefect's shortest lease
 
 
 @contextlib.contextmanager
@@ -58,9 +95,16 @@ def served_with_quota(tmp_path, size: int, grace_minutes: float = 2):
 
     home = tmp_path / "served"
     # a plain Ray Train loop, no data: the queue is the point, not what trains (an epoch a second, a checkpoint each)
-    overrides = [f"workdir={REPO}", f"train.loop={PLAIN_LOOP}", "train.epochs=4", "train.params={offset: 0, pace_s: 1}",
-                 "compute.workers_per_node=1", f"limits.orphan_grace_minutes={grace_minutes}",
-                 "tracking.register_model=false", "data=null"]
+    overrides = [
+        f"workdir={REPO}",
+        f"train.loop={PLAIN_LOOP}",
+        "train.epochs=4",
+        "train.params={offset: 0, pace_s: 1}",
+        "compute.workers_per_node=1",
+        f"limits.orphan_grace_minutes={grace_minutes}",
+        "tracking.register_model=false",
+        "data=null",
+    ]
     with prefect_server(tmp_path / "prefect") as api_url, temporary_settings({PREFECT_API_URL: api_url}):
         quota = gpuflow("quota", "set", "local", str(size), api_url=api_url, home=home)
         assert quota.returncode == 0 and f"quota local: {size} at once" in quota.stdout, quota.stderr
@@ -91,8 +135,10 @@ def runs_and_held(ids) -> tuple[list, int]:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        return ([client.read_flow_run(run_id) for run_id in ids],
-                client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + "local").active_slots)
+        return (
+            [client.read_flow_run(run_id) for run_id in ids],
+            client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + "local").active_slots,
+        )
 
 
 def steps_of(flow_run_id) -> set[str]:
@@ -113,16 +159,30 @@ def states_of(flow_run_id) -> list:
 
 
 def holding(run) -> bool:
-    return bool(run.state and run.state.is_running() and run.state.name != WAITING
-                and "holding" in (run.state.message or ""))
+    return bool(
+        run.state and run.state.is_running() and run.state.name != WAITING and "holding" in (run.state.message or "")
+    )
 
 
 def test_gpuflow_status_reads_as_a_table():
     from gpuflow.flows.cli.status import RunStatus, table
 
-    rows = [RunStatus("digits-mlp-1", "1", "Running", "local", "gpuflow-1 (UP)", "1 worker", 0.5, 0.0125,
-                      "alive, renewed 3 s ago (grace 120 s)", None, "http://mlflow:5000/#/experiments/1/runs/a"),
-            RunStatus("digits-mlp-2", "2", WAITING, "local", gpus="1 worker", queue="1 of 1 in local")]
+    rows = [
+        RunStatus(
+            "digits-mlp-1",
+            "1",
+            "Running",
+            "local",
+            "gpuflow-1 (UP)",
+            "1 worker",
+            0.5,
+            0.0125,
+            "alive, renewed 3 s ago (grace 120 s)",
+            None,
+            "http://mlflow:5000/#/experiments/1/runs/a",
+        ),
+        RunStatus("digits-mlp-2", "2", WAITING, "local", gpus="1 worker", queue="1 of 1 in local"),
+    ]
     header, first, second = table(rows).splitlines()
     assert header.split() == ["run", "state", "cluster", "GPUs", "$/h", "spent", "lease", "queue", "MLflow", "message"]
     assert "$0.50" in first and "$0.01" in first and "alive, renewed 3 s ago" in first
@@ -143,8 +203,11 @@ def test_runs_over_the_quota_wait_their_turn_in_submission_order(tmp_path):
             for run in runs:
                 if holding(run) or (run.state and run.state.is_final()):
                     first_held.setdefault(run.id, time.monotonic())
-            if status is None and sum(run.state.name == WAITING for run in runs if run.state) == 2 \
-                    and sum(holding(run) for run in runs) == 2:
+            if (
+                status is None
+                and sum(run.state.name == WAITING for run in runs if run.state) == 2
+                and sum(holding(run) for run in runs) == 2
+            ):
                 status = json.loads(gpuflow("status", "--json", api_url=api_url, home=home).stdout)
             if all(run.state and run.state.is_final() for run in runs):
                 break
@@ -171,25 +234,37 @@ def test_a_killed_holder_gives_its_share_back_once_its_cluster_is_gone_and_a_can
     with served_with_quota(tmp_path, size=1, grace_minutes=0.2) as (api_url, home):
         holder, waiter, cancelled = submit(3, epochs=400)
         wait_until(lambda: holding(runs_and_held([holder])[0][0]), 300, "the first run holding the quota")
-        wait_until(lambda: [run.state.name for run in runs_and_held([waiter, cancelled])[0]] == [WAITING] * 2, 120,
-                   "the others waiting")
+        wait_until(
+            lambda: [run.state.name for run in runs_and_held([waiter, cancelled])[0]] == [WAITING] * 2,
+            120,
+            "the others waiting",
+        )
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(cancelled, Cancelling(), force=True)
-        flow_process = [p for p in carrying("PREFECT__FLOW_RUN_ID", str(holder))
-                        if p.parent() is None or p.parent().environ().get("PREFECT__FLOW_RUN_ID") != str(holder)]
+        flow_process = [
+            p
+            for p in carrying("PREFECT__FLOW_RUN_ID", str(holder))
+            if p.parent() is None or p.parent().environ().get("PREFECT__FLOW_RUN_ID") != str(holder)
+        ]
         assert len(flow_process) == 1, flow_process
         os.kill(flow_process[0].pid, signal.SIGKILL)
         killed_at = time.monotonic()
         backend = LocalBackend(home / "clusters")
         cluster = cluster_name_for(str(holder))
-        gone = wait_until(lambda: cluster not in {c.name for c in backend.status()} and time.monotonic(), 120,
-                          "the killed run's cluster gone")
+        gone = wait_until(
+            lambda: cluster not in {c.name for c in backend.status()} and time.monotonic(),
+            120,
+            "the killed run's cluster gone",
+        )
         wait_until(lambda: holding(runs_and_held([waiter])[0][0]), 180, "the waiting run taking the quota")
         took_over = time.monotonic()
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(waiter, Cancelling(), force=True)  # it has shown what it had to
-        wait_until(lambda: all(run.state.is_final() for run in runs_and_held([holder, waiter, cancelled])[0]), 180,
-                   "every run over")
+        wait_until(
+            lambda: all(run.state.is_final() for run in runs_and_held([holder, waiter, cancelled])[0]),
+            180,
+            "every run over",
+        )
         final, _ = runs_and_held([holder, waiter, cancelled])
         # the cancelled waiter never opened an MLflow run nor asked for a cluster; the one that took over did both
         assert not {"open-mlflow-run", "provision"} & steps_of(cancelled)
@@ -223,14 +298,25 @@ def quota_of(pool: str):
 def local_spec(pool: str, max_queue_minutes: float = 5):
     from gpuflow.cluster.spec import parse_spec
 
-    return parse_spec({"train": {"loop": "experiments.digits:train_loop"}, "limits": {
-        "max_queue_minutes": max_queue_minutes}, "compute": {"workers_per_node": 1, "quota": pool}})
+    return parse_spec(
+        {
+            "train": {"loop": "experiments.digits:train_loop"},
+            "limits": {"max_queue_minutes": max_queue_minutes},
+            "compute": {"workers_per_node": 1, "quota": pool},
+        }
+    )
 
 
 def quota_list(api_url: str, home) -> subprocess.Popen:
     env = base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(home))
-    return subprocess.Popen([str(BIN / "gpuflow"), "quota", "list"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO)
+    return subprocess.Popen(
+        [str(BIN / "gpuflow"), "quota", "list"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone(prefect_server, gpuflow_home):
@@ -306,9 +392,15 @@ print("released", flush=True)
 
 def holder(api_url: str, pool: str, flow_run_id, max_queue_minutes: float = 5) -> subprocess.Popen:
     """A process that takes the pool's quota for a flow run (QuotaHold), says so, and gives it back when told."""
-    return subprocess.Popen([str(BIN / "python"), "-c", HOLD, pool, str(flow_run_id), str(max_queue_minutes)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                            env=base_env(PREFECT_API_URL=api_url), start_new_session=True)
+    return subprocess.Popen(
+        [str(BIN / "python"), "-c", HOLD, pool, str(flow_run_id), str(max_queue_minutes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=base_env(PREFECT_API_URL=api_url),
+        start_new_session=True,
+    )
 
 
 def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_after: bool = False) -> str:
@@ -326,8 +418,10 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     home, port, pool = tmp_path / "prefect", stable_port(), "restarted"
     processes = []
     try:
-        with prefect_server_process(home, port, lease_storage) as (server, api_url), \
-                temporary_settings({PREFECT_API_URL: api_url}):
+        with (
+            prefect_server_process(home, port, lease_storage) as (server, api_url),
+            temporary_settings({PREFECT_API_URL: api_url}),
+        ):
             set_quota(pool, 1)
             with get_client(sync_client=True) as client:
                 first, second = (holder_run(client, pool, Running()).id for _ in range(2))
@@ -368,8 +462,9 @@ def test_a_slot_held_when_the_prefect_server_restarts_is_given_back(tmp_path):
 
 @pytest.mark.full
 def test_a_slot_that_a_server_restart_leaked_is_given_back_by_the_recount(tmp_path):
-    said, warning = held_across_a_restart(tmp_path, "prefect.server.concurrency.lease_storage.memory",
-                                          recount_after=True)
+    said, warning = held_across_a_restart(
+        tmp_path, "prefect.server.concurrency.lease_storage.memory", recount_after=True
+    )
     assert said.startswith("held") and float(said.split()[-2]) < 40, said
     assert "keeps concurrency leases in memory" in warning and "lease_storage.filesystem" in warning
 
@@ -393,15 +488,24 @@ def test_a_run_waiting_for_the_quota_holds_no_cluster(tmp_path):
         run = None
         try:
             assert taken.stdout.readline().startswith("held")
-            run = subprocess.Popen([str(BIN / "gpuflow"), "run", "experiments/digits.yaml", "--set",
-                                    "compute.workers_per_node=1"], cwd=REPO, start_new_session=True,
-                                   env=base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(home)),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            run = subprocess.Popen(
+                [str(BIN / "gpuflow"), "run", "experiments/digits.yaml", "--set", "compute.workers_per_node=1"],
+                cwd=REPO,
+                start_new_session=True,
+                env=base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(home)),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
             def waiting():
                 with get_client(sync_client=True) as client:
-                    return [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
-                        all_=["quota-wait:local"]))) if r.state and r.state.name == WAITING]
+                    return [
+                        r
+                        for r in client.read_flow_runs(
+                            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=["quota-wait:local"]))
+                        )
+                        if r.state and r.state.name == WAITING
+                    ]
 
             wait_until(waiting, 120, "the run waiting for the quota")
             # the wait is stamped after the early cluster went: none is left while it waits
@@ -437,22 +541,35 @@ def test_a_dead_runs_slot_comes_back_only_once_its_cloud_cluster_is_gone(prefect
     pool = f"cloud-{uuid.uuid4().hex[:8]}"
     fake = FakeSky(down_s=100)  # past the old lease (grace + 30 s, Prefect's 60 s at least) and its repossessor's pass
     monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
-    spec = parse_spec({"train": {"loop": "experiments.digits:train_loop"}, "compute": {
-        "backend": "skypilot", "infra": "aws", "accelerators": "H100:1", "quota": pool},
-        "limits": {"orphan_grace_minutes": 0.2, "idle_minutes_to_autostop": 1, "hourly_rate_usd": 2.0},
-        "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    spec = parse_spec(
+        {
+            "train": {"loop": "experiments.digits:train_loop"},
+            "compute": {"backend": "skypilot", "infra": "aws", "accelerators": "H100:1", "quota": pool},
+            "limits": {"orphan_grace_minutes": 0.2, "idle_minutes_to_autostop": 1, "hourly_rate_usd": 2.0},
+            "tracking": {"uri": "http://127.0.0.1:1"},
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+        }
+    )
     set_quota(pool, 1)
     try:
         with get_client(sync_client=True) as client:
-            run_id = str(client.create_flow_run(quota_holder, tags=[f"quota:{pool}", "backend:skypilot"],
-                                                state=Running()).id)
+            run_id = str(
+                client.create_flow_run(quota_holder, tags=[f"quota:{pool}", "backend:skypilot"], state=Running()).id
+            )
             hold = QuotaHold(spec, run_id)
             assert hold.acquire()
             hold._stop.set()  # its process dies: the lease is renewed no more
             client.set_flow_run_state(run_id, Crashed(message="kill -9"), force=True)
         cluster = cluster_name_for(run_id)
-        fake.clusters[cluster] = {"name": cluster, "status": sky.ClusterStatus.UP, "launched_at": int(time.time()),
-                                  "autostop": 1, "to_down": True, "jobs": {}, "spot": False}
+        fake.clusters[cluster] = {
+            "name": cluster,
+            "status": sky.ClusterStatus.UP,
+            "launched_at": int(time.time()),
+            "autostop": 1,
+            "to_down": True,
+            "jobs": {},
+            "spot": False,
+        }
         samples, done = [], threading.Event()
 
         def sample():
@@ -492,8 +609,10 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
             waiter = holder_run(client, pool, Running())
         with pytest.raises(QueueTimeout) as timed_out:  # the slot is taken: waits its 1.2 s, then says why
             QuotaHold(local_spec(pool, max_queue_minutes=0.02), str(waiter.id)).acquire()
-        assert str(timed_out.value).startswith(f"the run needs 1 worker, quota '{pool}' is 1 with 1 held, held by "
-                                               f"{held_by.name} (alice), 0 run(s) ahead; waited 0.02 min")
+        assert str(timed_out.value).startswith(
+            f"the run needs 1 worker, quota '{pool}' is 1 with 1 held, held by "
+            f"{held_by.name} (alice), 0 run(s) ahead; waited 0.02 min"
+        )
         assert f"raise limits.max_queue_minutes or the quota (gpuflow quota set {pool} N)" in str(timed_out.value)
 
         too_big = local_spec(pool).model_dump(mode="json", exclude={"secrets"})
@@ -501,9 +620,11 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
         too_big["limits"]["max_queue_minutes"] = 0.02  # should it wait after all, not for 5 min
         state = run_experiment(spec=too_big, return_state=True)  # a real flow run: its state is what the UI shows
         assert state.is_failed()
-        assert state.message == (f"the run needs 2 workers, quota '{pool}' is 1, held by {held_by.name} (alice): it "
-                                 f"can never start; make the cluster smaller (compute), or raise the quota: gpuflow "
-                                 f"quota set {pool} 2")
+        assert state.message == (
+            f"the run needs 2 workers, quota '{pool}' is 1, held by {held_by.name} (alice): it "
+            f"can never start; make the cluster smaller (compute), or raise the quota: gpuflow "
+            f"quota set {pool} 2"
+        )
     finally:
         with get_client(sync_client=True) as client:
             client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)

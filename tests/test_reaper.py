@@ -56,8 +56,10 @@ def test_reaper_downs_orphans_keeps_live_and_foreign_clusters(prefect_server, di
     backend = LocalBackend()
     client = MlflowClient(tracking_uri=spec.tracking_uri)
     experiment = client.create_experiment("reaper", artifact_location=(gpuflow_home / "artifacts").as_uri())
-    runs = {key: client.create_run(experiment, tags={"prefect.flow_run_id": run_id}).info.run_id
-            for key, run_id in (("orphan", finished), ("live", live))}
+    runs = {
+        key: client.create_run(experiment, tags={"prefect.flow_run_id": run_id}).info.run_id
+        for key, run_id in (("orphan", finished), ("live", live))
+    }
     pids = {}
     try:
         for key, name in names.items():
@@ -85,17 +87,20 @@ def test_reaper_downs_orphans_keeps_live_and_foreign_clusters(prefect_server, di
 def test_reaper_on_any_backend_missing_run_and_ttl(prefect_server, gpuflow_home):
     live = running_flow_run_id()
     now = time.time()
-    cloud = CloudDouble({
-        cluster_name_for(str(uuid.uuid4())): now,  # its flow run never existed (or was deleted)
-        cluster_name_for(live): now - 3600,  # running for an hour: kept
-        "gpuflow-" + "0" * 31: now - 10**6,  # 31 hex digits: not a gpuflow name, never touched
-    })
+    cloud = CloudDouble(
+        {
+            cluster_name_for(str(uuid.uuid4())): now,  # its flow run never existed (or was deleted)
+            cluster_name_for(live): now - 3600,  # running for an hour: kept
+            "gpuflow-" + "0" * 31: now - 10**6,  # 31 hex digits: not a gpuflow name, never touched
+        }
+    )
     stuck = CloudDouble({cluster_name_for(live): now - 30 * 3600}, name="cloud-b")  # same live run, up 30 h
 
     verdicts = reap([cloud, stuck], ttl_seconds=24 * 3600)
 
     assert [v.reason for v in verdicts if v.downed and v.backend == "cloud"] == [
-        f"flow run {verdicts[0].flow_run_id} does not exist"]
+        f"flow run {verdicts[0].flow_run_id} does not exist"
+    ]
     assert cloud.downed == [verdicts[0].cluster] and len(cloud.clusters) == 2
     assert stuck.downed == [cluster_name_for(live)] and "TTL" in verdicts[-1].reason
     assert reap([CloudDouble({cluster_name_for(live): now})], 24 * 3600, dry_run=True)[0].action == "keep"
@@ -118,8 +123,11 @@ def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpu
 
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow(finished_experiment)
-        client.create_deployment(flow_id, "served-with-a-server",
-                                 parameters={"spec": {"name": "x", "tracking": {"uri": "http://mlflow.team:5000/"}}})
+        client.create_deployment(
+            flow_id,
+            "served-with-a-server",
+            parameters={"spec": {"name": "x", "tracking": {"uri": "http://mlflow.team:5000/"}}},
+        )
         for tag in (tracking_tag("https://other.team"), tracking_tag("sqlite:////elsewhere/mlflow.db")):
             run = client.create_flow_run(finished_experiment, tags=["experiment:x", tag])
             client.set_flow_run_state(run.id, Running(), force=True)

@@ -30,11 +30,15 @@ EPOCHS = 10  # the first loss comes after 3 checkpoints, the next 2 checkpoints 
 
 
 def two_nodes(spec, **compute):
-    return spec.model_copy(update={
-        "train": spec.train.model_copy(update={"epochs": EPOCHS}),
-        "compute": spec.compute.model_copy(update={"num_nodes": 2, "workers_per_node": 1, "num_workers": 2, **compute}),
-        "tracking": spec.tracking.model_copy(update={"register_model": False}),
-    })
+    return spec.model_copy(
+        update={
+            "train": spec.train.model_copy(update={"epochs": EPOCHS}),
+            "compute": spec.compute.model_copy(
+                update={"num_nodes": 2, "workers_per_node": 1, "num_workers": 2, **compute}
+            ),
+            "tracking": spec.tracking.model_copy(update={"register_model": False}),
+        }
+    )
 
 
 class NodeKiller(threading.Thread):
@@ -53,8 +57,10 @@ class NodeKiller(threading.Thread):
         uploaded it, before every rank reported the epoch, and a loss then takes the whole epoch with it. A snapshot
         being rewritten keeps the last count: read as none, it would set the next loss's target too low."""
         try:
-            self.registered = sum(len(json.loads(snapshot.read_text())["checkpoint_results"])
-                                  for snapshot in self.home.glob(f"checkpoints/*/{SNAPSHOT_FILE}"))
+            self.registered = sum(
+                len(json.loads(snapshot.read_text())["checkpoint_results"])
+                for snapshot in self.home.glob(f"checkpoints/*/{SNAPSHOT_FILE}")
+            )
         except (OSError, ValueError, KeyError):
             pass
         return self.registered
@@ -104,8 +110,7 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
         assert state.is_completed(), state.message
         _, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
         # a message per recovery: a completed run says nothing unless notify.completed asks
-        sent = the_messages(messages, ["recovered", "recovered"], run.info.run_id,
-                            str(state.state_details.flow_run_id))
+        sent = the_messages(messages, ["recovered", "recovered"], run.info.run_id, str(state.state_details.flow_run_id))
     assert all("relaunched" in message["reason"] for message in sent), sent
 
     assert run.info.status == "FINISHED"
@@ -119,8 +124,10 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
     resumed = sorted({int(epoch) for epoch in re.findall(r"resuming at epoch (\d+)", logs)})
     # from a checkpoint each time, not from scratch, and the second from further on than the first
     assert len(resumed) == 2 and 1 <= resumed[0], logs[-3000:]
-    print(f"\n[worker node, then whole cluster lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → "
-          f"first resumed epoch), lost compute {run.data.metrics['lost_compute_seconds']:.1f}s")
+    print(
+        f"\n[worker node, then whole cluster lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → "
+        f"first resumed epoch), lost compute {run.data.metrics['lost_compute_seconds']:.1f}s"
+    )
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
 
 
@@ -162,8 +169,10 @@ def test_an_elastic_run_trains_on_without_a_lost_node(prefect_server, digits_spe
 
     cost, hours = run.data.metrics["cost_usd"], run.data.metrics["cluster_hours"]
     assert RATE / 2 * hours < cost < RATE * hours, "billed for 2 nodes, then for 1"
-    print(f"\n[elastic, a worker node lost] an epoch on 1 worker {trained_on_after:.1f}s after the loss; "
-          f"${cost:.5f} for {hours * 3600:.0f}s (whole: ${RATE * hours:.5f})")
+    print(
+        f"\n[elastic, a worker node lost] an epoch on 1 worker {trained_on_after:.1f}s after the loss; "
+        f"${cost:.5f} for {hours * 3600:.0f}s (whole: ${RATE * hours:.5f})"
+    )
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
 
 
@@ -188,8 +197,9 @@ STEP_PACE_S = 2.0  # ~23 steps an epoch of digits on 2 workers: ~46 s, longer th
 NOTICE_AT_STEP = 2
 
 
-def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_goes(prefect_server, digits_spec,
-                                                                                    gpuflow_home, monkeypatch):
+def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_goes(
+    prefect_server, digits_spec, gpuflow_home, monkeypatch
+):
     """A notice 30 s before a worker node of a 2-node run is killed: the replacement cluster (-r1) is provisioned
     before the node goes, the run resumes on it mid-epoch from a checkpoint written after the notice, redoes a step or
     two (a checkpoint at every step while noticed), not the notice's lead, and logs each epoch once."""
@@ -201,9 +211,17 @@ def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_go
     started = time.monotonic()
     step_log = gpuflow_home / "steps.log"
     spec = two_nodes(digits_spec)
-    spec = spec.model_copy(update={"train": spec.train.model_copy(update={
-        "epochs": 1, "loop": STEPPED_LOOP,
-        "params": {**spec.train.params, "step_pace_s": STEP_PACE_S, "step_log": str(step_log)}})})
+    spec = spec.model_copy(
+        update={
+            "train": spec.train.model_copy(
+                update={
+                    "epochs": 1,
+                    "loop": STEPPED_LOOP,
+                    "params": {**spec.train.params, "step_pace_s": STEP_PACE_S, "step_log": str(step_log)},
+                }
+            )
+        }
+    )
     with metadata_double("aws") as double:
         monkeypatch.setenv("GPUFLOW_METADATA_URL", double.url)
         killer = Interruption(gpuflow_home, step_log, at_step=NOTICE_AT_STEP, double=double, lead_s=LEAD_S)
@@ -232,9 +250,11 @@ def test_a_spot_notice_checkpoints_and_starts_the_replacement_before_the_node_go
     # the run's own figure counts from the notice's checkpoint too, not from the epoch's start (over 30 s)
     assert run.data.metrics["redone_seconds"] <= 5 * STEP_PACE_S, run.data.metrics
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
-    print(f"\n[spot notice] replacement {replacement['status']} at the loss (asked for "
-          f"{killer.killed_at - replacement['launched_at']:.1f}s before); resumed at step {figures['resumed_step']}, "
-          f"{figures['steps_redone']} step(s) redone, recovery {figures['recovery_s']:.1f}s (loss → first step); "
-          f"the run's redone_seconds {run.data.metrics['redone_seconds']:.1f} (measured {figures['redone_s']:.1f}), "
-          f"lost_compute_seconds {run.data.metrics['lost_compute_seconds']:.1f}; "
-          f"test wall {time.monotonic() - started:.0f}s")
+    print(
+        f"\n[spot notice] replacement {replacement['status']} at the loss (asked for "
+        f"{killer.killed_at - replacement['launched_at']:.1f}s before); resumed at step {figures['resumed_step']}, "
+        f"{figures['steps_redone']} step(s) redone, recovery {figures['recovery_s']:.1f}s (loss → first step); "
+        f"the run's redone_seconds {run.data.metrics['redone_seconds']:.1f} (measured {figures['redone_s']:.1f}), "
+        f"lost_compute_seconds {run.data.metrics['lost_compute_seconds']:.1f}; "
+        f"test wall {time.monotonic() - started:.0f}s"
+    )

@@ -43,8 +43,12 @@ LOOP = "import ray.train\n\nOFFSET = 0.5\n\n\ndef train_loop(config):\n    pass\
 
 
 def git(repo, *args) -> str:
-    return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
-                          check=True, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 @pytest.fixture
@@ -101,8 +105,14 @@ def test_a_clean_tree_records_no_diff_and_a_diff_over_the_cap_records_a_tag_inst
 
 # -- a recorded run, as the flow and the job write it ----------------------------------------------------------------
 def tiny_spec(data: Path, **extra) -> dict:
-    return {"name": "tiny-rerun", "train": {"loop": "loop:train_loop", "epochs": 2, "lr": 0.1, "params": {"hidden": 8}},
-            "data": {"train": str(data)}, "workdir": "src", "compute": {"backend": "local"}, **extra}
+    return {
+        "name": "tiny-rerun",
+        "train": {"loop": "loop:train_loop", "epochs": 2, "lr": 0.1, "params": {"hidden": 8}},
+        "data": {"train": str(data)},
+        "workdir": "src",
+        "compute": {"backend": "local"},
+        **extra,
+    }
 
 
 def recorded_run(uri: str, repo: Path, spec: dict, tags: dict | None = None, data: Path | None = None):
@@ -110,11 +120,13 @@ def recorded_run(uri: str, repo: Path, spec: dict, tags: dict | None = None, dat
     client = MlflowClient(uri)
     artifacts = Path(uri.removeprefix("sqlite:///")).parent / "artifacts"  # not ./mlruns: MLflow's default is the cwd
     experiment = client.get_experiment_by_name(spec["name"]) or client.create_experiment(
-        spec["name"], artifact_location=artifacts.as_uri())
+        spec["name"], artifact_location=artifacts.as_uri()
+    )
     experiment = getattr(experiment, "experiment_id", experiment)
     changes, diff = uncommitted_changes(repo / "src")
-    run = client.create_run(experiment, tags={FLOW_RUN_TAG: str(uuid.uuid4()), **source_tags(repo / "src"),
-                                              **changes, **(tags or {})})
+    run = client.create_run(
+        experiment, tags={FLOW_RUN_TAG: str(uuid.uuid4()), **source_tags(repo / "src"), **changes, **(tags or {})}
+    )
     run_id = run.info.run_id
     client.log_text(run_id, yaml.safe_dump(spec), "spec.yaml")
     if diff:
@@ -137,7 +149,8 @@ def data(tmp_path) -> Path:
 
 
 def test_a_run_is_found_by_its_mlflow_id_or_its_prefect_flow_run_id_and_a_missing_store_is_not_created(
-        repo, store, data, tmp_path):
+    repo, store, data, tmp_path
+):
     run = recorded_run(store, repo, tiny_spec(data))
     missing = f"sqlite:///{tmp_path / 'nowhere.db'}"
     assert find_run(run.info.run_id, [missing, store]).run_id == run.info.run_id
@@ -207,12 +220,16 @@ def test_changes_too_large_to_record_refuse_the_rerun_unless_allowed(repo, store
 
 
 def test_a_sweep_parent_reruns_the_sweep_and_a_trial_reruns_alone_with_its_values(repo, store, data, tmp_path):
-    sweep = {"parameters": {"train.lr": {"grid": [0.01, 0.1]}, "train.params.hidden": {"grid": [8, 16]}},
-             "metric": "loss", "mode": "min"}
+    sweep = {
+        "parameters": {"train.lr": {"grid": [0.01, 0.1]}, "train.params.hidden": {"grid": [8, 16]}},
+        "metric": "loss",
+        "mode": "min",
+    }
     parent = recorded_run(store, repo, tiny_spec(data, sweep=sweep))
     client = MlflowClient(store)
-    trial = client.create_run(parent.info.experiment_id, tags={"mlflow.parentRunId": parent.info.run_id,
-                                                               TRIAL_ID_TAG: "abc_00003"})
+    trial = client.create_run(
+        parent.info.experiment_id, tags={"mlflow.parentRunId": parent.info.run_id, TRIAL_ID_TAG: "abc_00003"}
+    )
     for path, value in {"train.lr": 0.01, "train.params.hidden": 16}.items():
         client.log_param(trial.info.run_id, path, value)
 
@@ -227,7 +244,10 @@ def test_package_differences_name_the_package_and_both_versions():
     recorded = "# Python 3.11.9 on Linux x86_64\nnumpy==1.26.4\nTorch==2.3.0\nonly-there==1.0\n"
     here = "# Python 3.11.9 on Linux x86_64\nnumpy==2.0.0\ntorch==2.3.0\nonly-here==0.1\n"
     assert package_differences(recorded, here) == [
-        ("numpy", "1.26.4", "2.0.0"), ("only-here", None, "0.1"), ("only-there", "1.0", None)]
+        ("numpy", "1.26.4", "2.0.0"),
+        ("only-here", None, "0.1"),
+        ("only-there", "1.0", None),
+    ]
     assert package_differences(packages_text()) == []
 
 
@@ -277,8 +297,13 @@ def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deplo
     from gpuflow.flows.run_spec import hooks_spec
 
     run = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny"), data=data)
-    deployed = tiny_spec(data, tracking={"uri": store}, setup="pip install -q tiny", train={
-        "loop": "loop:train_loop", "epochs": 5, "lr": 0.1, "params": {"hidden": 8}}, workdir=str(repo / "src"))
+    deployed = tiny_spec(
+        data,
+        tracking={"uri": store},
+        setup="pip install -q tiny",
+        train={"loop": "loop:train_loop", "epochs": 5, "lr": 0.1, "params": {"hidden": 8}},
+        workdir=str(repo / "src"),
+    )
     asked = parse_spec(deployed)  # the form's spec: from the UI, only where the run is tracked counts
     policy = FormPolicy("nightly", asked, ["train.epochs"])
 
@@ -294,7 +319,7 @@ def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deplo
 
 
 # -- one real run, and its rerun from a fresh clone ----------------------------------------------------------------
-E2E_LOOP = '''import pyarrow.parquet as pq
+E2E_LOOP = """import pyarrow.parquet as pq
 import ray.train
 
 OFFSET = 0.5
@@ -304,15 +329,21 @@ def train_loop(config):
     rows = pq.read_table(config["train_path"]).num_rows
     for epoch in range(config["epochs"]):
         ray.train.report({"epoch": epoch, "loss": OFFSET + config["lr"] * rows / (epoch + 1)})
-'''
+"""
 
 
 def gpuflow(folder: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
     # output to files, not pipes: a process left behind would hold a pipe open
     out, err = folder.parent / f"{folder.name}-stdout.txt", folder.parent / f"{folder.name}-stderr.txt"
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        code = subprocess.run([str(Path(sys.executable).parent / "gpuflow"), *args], cwd=folder, env=env,
-                              stdout=stdout, stderr=stderr, timeout=600).returncode
+        code = subprocess.run(
+            [str(Path(sys.executable).parent / "gpuflow"), *args],
+            cwd=folder,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            timeout=600,
+        ).returncode
     done = subprocess.CompletedProcess(args, code, out.read_text(), err.read_text())
     print(done.stdout[-3000:], done.stderr[-3000:])
     return done
@@ -326,20 +357,33 @@ def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics
     project.mkdir()
     pq.write_table(pa.table({"x": list(range(40))}), tmp_path / "train.parquet")
     (project / "loop.py").write_text(E2E_LOOP)
-    (project / "spec.yaml").write_text(yaml.safe_dump({
-        "name": "tiny-rerun", "train": {"loop": "loop:train_loop", "epochs": 3, "lr": 0.1},
-        "data": {"train": str(tmp_path / "train.parquet")}, "tracking": {"register_model": False},
-        "compute": {"backend": "local", "num_nodes": 1, "workers_per_node": 1}}))
+    (project / "spec.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny-rerun",
+                "train": {"loop": "loop:train_loop", "epochs": 3, "lr": 0.1},
+                "data": {"train": str(tmp_path / "train.parquet")},
+                "tracking": {"register_model": False},
+                "compute": {"backend": "local", "num_nodes": 1, "workers_per_node": 1},
+            }
+        )
+    )
     git(project, "init", "-q", "-b", "main")
     git(project, "add", ".")
     git(project, "commit", "-qm", "tiny project")
     # not committed: the loop takes its offset from a new, untracked module
     (project / "loop.py").write_text(E2E_LOOP.replace("OFFSET = 0.5", "from offset import OFFSET"))
     (project / "offset.py").write_text("OFFSET = 0.25\n")
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))}
+    env = {
+        key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))
+    }
     env.update(GPUFLOW_STACK="manual")  # a run here leaves no warm stack: the test's processes stop with it
-    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(tmp_path / "prefect-home"), PYTHONPATH="",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+    env.update(
+        GPUFLOW_HOME=str(home),
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PYTHONPATH="",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+    )
 
     assert gpuflow(project, env, "run", "spec.yaml").returncode == 0
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
@@ -371,11 +415,19 @@ def test_the_comparison_shows_the_loop_s_metrics_time_per_epoch_and_cost(store, 
     client = MlflowClient(store)
     runs = [recorded_run(store, repo, tiny_spec(data)) for _ in range(2)]
     for run, (loss, train_s, cost) in zip(runs, [(0.5, 20.0, 1.0), (0.5, 10.0, 0.5)], strict=True):
-        for key, value in {"loss": loss, "gpuflow.train_seconds": train_s, "cost_usd": cost,
-                           "cluster_hours": 0.1, "idle_seconds_before_teardown": 0.01}.items():
+        for key, value in {
+            "loss": loss,
+            "gpuflow.train_seconds": train_s,
+            "cost_usd": cost,
+            "cluster_hours": 0.1,
+            "idle_seconds_before_teardown": 0.01,
+        }.items():
             client.log_metric(run.info.run_id, key, value)
         client.log_param(run.info.run_id, "train.epochs", "2")
     lines = comparison(*[client.get_run(run.info.run_id) for run in runs])
-    assert [line.split()[:3] for line in lines[1:]] == [["loss", "0.5", "0.5"], ["time", "per", "epoch"],
-                                                        ["cost", "(USD)", "1"]]
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["loss", "0.5", "0.5"],
+        ["time", "per", "epoch"],
+        ["cost", "(USD)", "1"],
+    ]
     assert "10" in lines[2] and "5" in lines[2] and "(-0.5)" in lines[3]

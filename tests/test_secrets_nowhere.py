@@ -19,9 +19,11 @@ from tests.support.runs import flow_logs, mlflow_run_of
 def prefect_artifacts(flow_run_id) -> str:
     async def read():
         async with get_client() as client:
-            found = await client.read_artifacts(artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            found = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
             return [artifact.model_dump_json() for artifact in found]
+
     return "\n".join(asyncio.run(read()))
 
 
@@ -29,6 +31,7 @@ def prefect_flow_run(flow_run_id) -> str:
     async def read():
         async with get_client() as client:
             return (await client.read_flow_run(flow_run_id)).model_dump_json()
+
     return asyncio.run(read())
 
 
@@ -42,13 +45,15 @@ def test_canary_secret_appears_nowhere(prefect_server, digits_spec, gpuflow_home
     canary = f"canary-{uuid.uuid4().hex}"
     monkeypatch.setenv("CANARY_API_TOKEN", canary)
     monkeypatch.setenv("GPUFLOW_DAILY_BUDGET_USD", "100")  # the run reserves, then settles, its budget too
-    spec = digits_spec.model_copy(update={
-        "train": digits_spec.train.model_copy(update={"loop": "tests.loops.canary:train_loop", "epochs": 1}),
-        "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
-        "limits": digits_spec.limits.model_copy(update={"hourly_rate_usd": 1.0}),
-        "envs": {"CANARY_SHA256": hashlib.sha256(canary.encode()).hexdigest()},
-        "secrets": ["CANARY_API_TOKEN"],
-    })
+    spec = digits_spec.model_copy(
+        update={
+            "train": digits_spec.train.model_copy(update={"loop": "tests.loops.canary:train_loop", "epochs": 1}),
+            "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
+            "limits": digits_spec.limits.model_copy(update={"hourly_rate_usd": 1.0}),
+            "envs": {"CANARY_SHA256": hashlib.sha256(canary.encode()).hexdigest()},
+            "secrets": ["CANARY_API_TOKEN"],
+        }
+    )
     state = run_experiment(spec, return_state=True)
     flow_run_id = state.state_details.flow_run_id
     assert state.is_completed(), state.message  # so the loop saw the secret (it fails otherwise)
@@ -90,11 +95,20 @@ def test_mlflow_credentials_travel_to_the_cluster_as_secrets(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "alice")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "canary-mlflow-password")
     task = build_task(gpu_spec(), run_name="digits-gpu-2026")
-    secrets = {name: getattr(value, "get_secret_value", lambda value=value: value)() for name, value in task.secrets.items()}
-    assert secrets == {"HF_TOKEN": "hf_value", "MLFLOW_TRACKING_USERNAME": "alice",
-                       "MLFLOW_TRACKING_PASSWORD": "canary-mlflow-password"}
+    secrets = {
+        name: getattr(value, "get_secret_value", lambda value=value: value)() for name, value in task.secrets.items()
+    }
+    assert secrets == {
+        "HF_TOKEN": "hf_value",
+        "MLFLOW_TRACKING_USERNAME": "alice",
+        "MLFLOW_TRACKING_PASSWORD": "canary-mlflow-password",
+    }
     assert not any("MLFLOW_TRACKING_PASSWORD" in key for key in task.envs)
     assert "canary-mlflow-password" not in task_yaml(gpu_spec())
     local = parse_spec(A_LOOP)  # a local store needs no credentials: none are passed
-    assert "MLFLOW_TRACKING_PASSWORD" not in (build_task(local.model_copy(
-        update={"compute": local.compute.model_copy(update={"backend": "skypilot"})})).secrets or {})
+    assert "MLFLOW_TRACKING_PASSWORD" not in (
+        build_task(
+            local.model_copy(update={"compute": local.compute.model_copy(update={"backend": "skypilot"})})
+        ).secrets
+        or {}
+    )

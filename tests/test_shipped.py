@@ -43,7 +43,9 @@ README_COMMANDS = readme_command_lines()
 
 
 def test_the_readme_shows_commands():
-    assert len(README_COMMANDS) >= 10 and any(c.startswith("gpuflow run experiments/digits.yaml") for c in README_COMMANDS)
+    assert len(README_COMMANDS) >= 10 and any(
+        c.startswith("gpuflow run experiments/digits.yaml") for c in README_COMMANDS
+    )
 
 
 @pytest.mark.parametrize("command", README_COMMANDS)
@@ -80,25 +82,50 @@ def test_every_shipped_spec_validates(path, monkeypatch, capsys, gpuflow_home):
     overrides = []
     if load_spec(path).compute.backend != "local":
         monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))  # stores here count as shared
-        overrides = ["--set", f"storage.checkpoints={gpuflow_home}/checkpoints",
-                     "--set", f"tracking.uri=sqlite:///{gpuflow_home}/mlflow.db",
-                     "--set", "limits.hourly_rate_usd=3"]  # SkyPilot's price catalog is not downloadable here
+        overrides = [
+            "--set",
+            f"storage.checkpoints={gpuflow_home}/checkpoints",
+            "--set",
+            f"tracking.uri=sqlite:///{gpuflow_home}/mlflow.db",
+            "--set",
+            "limits.hourly_rate_usd=3",
+        ]  # SkyPilot's price catalog is not downloadable here
     assert main(["validate", str(path.relative_to(REPO)), *overrides]) == 0, capsys.readouterr()
 
 
 # -- the whole matrix: each shipped spec runs, tiny -------------------------------------------------------------------
 TINY = {  # one epoch, small enough for a CPU; everything else as shipped
     # one trial: the shipped sweep's fields, one of each of its values (tests/test_sweep.py runs trials side by side)
-    "digits-sweep.yaml": ["train.epochs=1", "sweep.early_stopping=null",
-                          "sweep.parameters={train.lr: {grid: [0.002]}, train.params.hidden: {grid: [32]}}"],
+    "digits-sweep.yaml": [
+        "train.epochs=1",
+        "sweep.early_stopping=null",
+        "sweep.parameters={train.lr: {grid: [0.002]}, train.params.hidden: {grid: [32]}}",
+    ],
     # the cloud specs on this machine's local backend: their loop, params, precision and profile as shipped
-    "digits-gpu.yaml": ["train.epochs=1", "compute.backend=local", "compute.accelerators=null", "tracking.uri=null",
-                        "storage.checkpoints=null", "limits.max_cost_usd=null"],
-    "chargpt-gpu.yaml": ["train.epochs=1", "compute.backend=local", "compute.accelerators=null", "tracking.uri=null",
-                         "storage.checkpoints=null", "limits.max_cost_usd=null", "limits.min_gpu_utilization=null",
-                         "train.params.n_layer=1", "train.params.n_embd=64", "train.params.n_head=2",
-                         "train.params.block_size=64", "train.params.steps_per_epoch=30", "profile.after=2",
-                         "profile.steps=2"],
+    "digits-gpu.yaml": [
+        "train.epochs=1",
+        "compute.backend=local",
+        "compute.accelerators=null",
+        "tracking.uri=null",
+        "storage.checkpoints=null",
+        "limits.max_cost_usd=null",
+    ],
+    "chargpt-gpu.yaml": [
+        "train.epochs=1",
+        "compute.backend=local",
+        "compute.accelerators=null",
+        "tracking.uri=null",
+        "storage.checkpoints=null",
+        "limits.max_cost_usd=null",
+        "limits.min_gpu_utilization=null",
+        "train.params.n_layer=1",
+        "train.params.n_embd=64",
+        "train.params.n_head=2",
+        "train.params.block_size=64",
+        "train.params.steps_per_epoch=30",
+        "profile.after=2",
+        "profile.steps=2",
+    ],
 }
 
 
@@ -145,7 +172,7 @@ def test_every_shipped_spec_has_a_tiny_run():
 def test_every_fault_in_the_readme_names_tests_that_inject_it():
     """The README's fault table: each row names the tests that inject that fault, and each named test exists."""
     text = (REPO / "README.md").read_text()
-    table = text[text.index("| fault | cluster |"):].split("\n\n", 1)[0].splitlines()[2:]
+    table = text[text.index("| fault | cluster |") :].split("\n\n", 1)[0].splitlines()[2:]
     assert len(table) >= 10
     for row in table:
         named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.split("|")[-2])

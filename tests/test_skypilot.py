@@ -31,17 +31,30 @@ NAME = cluster_name_for("6f1e0c52-61d4-4a4b-8a0e-5a3b9d2c7e11")
 
 
 def gpu_spec(**compute):
-    return parse_spec({**A_LOOP,
-        "name": "digits-gpu",
-        "compute": {"backend": "skypilot", "num_nodes": 2, "workers_per_node": 1,
-                    "accelerators": ["H100:1", "A100:1"], "use_spot": True, "region": "us-east-1", "cloud": "aws",
-                    "disk_size_gb": 100, "max_hourly_cost_usd": 9.5, **compute},
-        "precision": "bf16",
-        "tracking": {"uri": "https://mlflow.example.com"},
-        "storage": {"checkpoints": "s3://bucket/ckpt"},
-        "data": {"train": "s3://bucket/train.parquet", "validation": "s3://bucket/val.parquet"},
-        "secrets": ["HF_TOKEN"], "envs": {"NCCL_DEBUG": "WARN"},
-    })
+    return parse_spec(
+        {
+            **A_LOOP,
+            "name": "digits-gpu",
+            "compute": {
+                "backend": "skypilot",
+                "num_nodes": 2,
+                "workers_per_node": 1,
+                "accelerators": ["H100:1", "A100:1"],
+                "use_spot": True,
+                "region": "us-east-1",
+                "cloud": "aws",
+                "disk_size_gb": 100,
+                "max_hourly_cost_usd": 9.5,
+                **compute,
+            },
+            "precision": "bf16",
+            "tracking": {"uri": "https://mlflow.example.com"},
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+            "data": {"train": "s3://bucket/train.parquet", "validation": "s3://bucket/val.parquet"},
+            "secrets": ["HF_TOKEN"],
+            "envs": {"NCCL_DEBUG": "WARN"},
+        }
+    )
 
 
 def test_task_from_spec(monkeypatch):
@@ -85,11 +98,18 @@ def test_nodes_install_this_gpuflow_from_a_wheel_without_an_index(gpuflow_home, 
     assert sky.Task.from_yaml_config(task.to_yaml_config()).file_mounts == {WHEEL_MOUNT: local}
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {"gpuflow/cluster/job/__main__.py", "gpuflow/cluster/job/tracking.py", "gpuflow/flows/cli/__init__.py", "gpuflow/tasks/compute.py"} <= names
+    assert {
+        "gpuflow/cluster/job/__main__.py",
+        "gpuflow/cluster/job/tracking.py",
+        "gpuflow/flows/cli/__init__.py",
+        "gpuflow/tasks/compute.py",
+    } <= names
     # pip accepts it offline, and what it installs runs the job's module
     target = tmp_path / "installed"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target),
-                    str(wheel)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        check=True,
+    )
     job = Path("cluster", "job", "__main__.py")
     assert (target / "gpuflow" / job).read_bytes() == (REPO / job).read_bytes()
     assert (target / "bin" / "gpuflow").is_file()
@@ -143,25 +163,45 @@ SLURM_REFUSAL = (
     "1x Slurm(cpus=1+)\nTo keep retrying until the cluster is up, use the `--retry-until-up` flag.\n"
     "Reasons for provision failures (for details, please check the log above):\nProvision failures (tried 1 infra):"
     "\n\n\u2717 Slurm (skyci) \u2014 (cpus=1, mem=1, ...)\n  Failed to acquire resources in closed for "
-    "{Slurm([Spot], cpus=1+), Slurm(cpus=1+)}.\n")
+    "{Slurm([Spot], cpus=1+), Slurm(cpus=1+)}.\n"
+)
 TWO_AT_ONE_PLACE = (
     "Reasons for provision failures (for details, please check the log above):\nProvision failures (tried 2 infra):"
     "\n\n\u2717 AWS (us-east-1) \u2014 (gpus=H100:1, p5.4xlarge, ...)\n  InsufficientInstanceCapacity (spot)\n\n"
-    "\u2717 AWS (us-east-1) \u2014 (gpus=H100:1, p5.4xlarge, ...)\n  InsufficientInstanceCapacity (on-demand)\n")
+    "\u2717 AWS (us-east-1) \u2014 (gpus=H100:1, p5.4xlarge, ...)\n  InsufficientInstanceCapacity (on-demand)\n"
+)
 
 
-@pytest.mark.parametrize("options, message, reasons", [
-    ([{"infra": "slurm/skyci", "use_spot": True}, {"infra": "slurm/skyci/closed"}], SLURM_REFUSAL,
-     ["not tried: slurm has no spot instances", "Failed to acquire resources in closed for {Slurm([Spot]"]),
-    ([{"infra": "aws/us-east-1", "accelerators": "H100:1", "use_spot": True},
-      {"infra": "aws/us-east-1", "accelerators": "H100:1"}], TWO_AT_ONE_PLACE,
-     ["InsufficientInstanceCapacity (spot)", "InsufficientInstanceCapacity (on-demand)"]),
-], ids=["spot never tried on slurm", "two options at one place"])
+@pytest.mark.parametrize(
+    "options, message, reasons",
+    [
+        (
+            [{"infra": "slurm/skyci", "use_spot": True}, {"infra": "slurm/skyci/closed"}],
+            SLURM_REFUSAL,
+            ["not tried: slurm has no spot instances", "Failed to acquire resources in closed for {Slurm([Spot]"],
+        ),
+        (
+            [
+                {"infra": "aws/us-east-1", "accelerators": "H100:1", "use_spot": True},
+                {"infra": "aws/us-east-1", "accelerators": "H100:1"},
+            ],
+            TWO_AT_ONE_PLACE,
+            ["InsufficientInstanceCapacity (spot)", "InsufficientInstanceCapacity (on-demand)"],
+        ),
+    ],
+    ids=["spot never tried on slurm", "two options at one place"],
+)
 def test_no_capacity_names_each_option_with_its_own_reason(options, message, reasons):
     """SkyPilot's block headers name the place and GPUs, never spot: each option gets the block of its own try, in
     the order tried, and an option SkyPilot never tried says so; no colour codes reach the user."""
-    spec = parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "options": options},
-                       "tracking": {"uri": "http://127.0.0.1:1"}, "storage": {"checkpoints": "s3://bucket/ckpt"}})
+    spec = parse_spec(
+        {
+            **A_LOOP,
+            "compute": {"backend": "skypilot", "options": options},
+            "tracking": {"uri": "http://127.0.0.1:1"},
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+        }
+    )
     refusal = no_capacity(spec, sky.exceptions.ResourcesUnavailableError(message))
     assert [why.split(" {")[0] for _, why in refusal.reasons] == [reason.split(" {")[0] for reason in reasons]
     assert all(f"option {n}" in str(refusal) for n in (1, 2)) and "\x1b" not in str(refusal)
@@ -204,8 +244,11 @@ def test_down_cancels_a_launch_in_flight():
     failure = []
     launcher = threading.Thread(target=lambda: failure.append(_launch_error(backend)))
     launcher.start()
-    wait_until(lambda: any(r.name == "launch" and r.status == "RUNNING" for r in list(fake.requests.values())), 30,
-               "a launch in flight")
+    wait_until(
+        lambda: any(r.name == "launch" and r.status == "RUNNING" for r in list(fake.requests.values())),
+        30,
+        "a launch in flight",
+    )
     started = time.monotonic()
     backend.down(NAME)
     launcher.join(timeout=10)
@@ -224,14 +267,20 @@ def _launch_error(backend):
 
 def spec_on_the_double(gpuflow_home, compute: dict, limits: dict):
     """A digits spec for the SkyPilot double: its stores and data under the test's gpuflow home."""
-    return parse_spec({**A_LOOP,
-        "compute": {"backend": "skypilot", **compute},
-        "limits": limits,
-        "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
-        "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
-        "data": {"train": str(gpuflow_home / "train.parquet"), "validation": str(gpuflow_home / "val.parquet"),
-                 "generate": "experiments.digits:write_parquet"},
-    })
+    return parse_spec(
+        {
+            **A_LOOP,
+            "compute": {"backend": "skypilot", **compute},
+            "limits": limits,
+            "tracking": {"uri": f"sqlite:///{gpuflow_home}/mlflow.db"},
+            "storage": {"checkpoints": str(gpuflow_home / "checkpoints")},
+            "data": {
+                "train": str(gpuflow_home / "train.parquet"),
+                "validation": str(gpuflow_home / "val.parquet"),
+                "generate": "experiments.digits:write_parquet",
+            },
+        }
+    )
 
 
 @pytest.fixture
@@ -243,8 +292,11 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
         fake = FakeSky(scenario, **double)
         monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
         # no price catalog offline: price it as a user may; a short wait for capacity
-        spec = spec_on_the_double(gpuflow_home, {"accelerators": "H100:1", "infra": "aws"},
-                                  {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05})
+        spec = spec_on_the_double(
+            gpuflow_home,
+            {"accelerators": "H100:1", "infra": "aws"},
+            {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05},
+        )
         state = run_experiment(spec, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         _, mlflow_run = mlflow_run_of(spec.tracking_uri, flow_run_id, spec.experiment_name)
@@ -253,12 +305,15 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     return run
 
 
-@pytest.mark.parametrize("scenario, status, evidence", [
-    ("ok", "FINISHED", "SkyPilot job 1"),
-    ("capacity", "FAILED", "Relax the task's resource requirements"),
-    ("setup", "FAILED", "No matching distribution found"),
-    ("job", "FAILED", "fail_at_epoch=1: failing on purpose"),
-])
+@pytest.mark.parametrize(
+    "scenario, status, evidence",
+    [
+        ("ok", "FINISHED", "SkyPilot job 1"),
+        ("capacity", "FAILED", "Relax the task's resource requirements"),
+        ("setup", "FAILED", "No matching distribution found"),
+        ("job", "FAILED", "fail_at_epoch=1: failing on purpose"),
+    ],
+)
 def test_flow_lifecycle_on_skypilot(sky_flow, scenario, status, evidence):
     fake, state, mlflow_run, logs = sky_flow(scenario)
     assert state.is_completed() == (scenario == "ok"), state.message

@@ -72,8 +72,10 @@ def digits_on_the_third_option(slurm_infra, mlflow_url, shared_disk, prefect_ser
     """One digits run, read by two tests (a launch is minutes of CPU). Its options fail over both ways SkyPilot does:
     a partition that refuses the launch (sbatch fails: the harness's `closed` partition takes no jobs), spot nodes,
     which a Slurm cluster has none of (dropped before launch), then the cluster as it is."""
-    options = (f'[{{infra: "{slurm_infra.infra}/closed"}}, {{infra: "{slurm_infra.infra}", use_spot: true}}, '
-               f'{{infra: "{slurm_infra.infra}"}}]')
+    options = (
+        f'[{{infra: "{slurm_infra.infra}/closed"}}, {{infra: "{slurm_infra.infra}", use_spot: true}}, '
+        f'{{infra: "{slurm_infra.infra}"}}]'
+    )
     with launcher(slurm_infra, mlflow_url, shared_disk, tmp_path_factory.mktemp("third-option")) as start:
         run = start("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}", epochs=3)
         run.wait()
@@ -87,11 +89,21 @@ def launcher(slurm_infra, mlflow_url, shared_disk, logs: Path):
     runs = []
 
     def start(*overrides: str, epochs: int = 3, env: dict[str, str] | None = None) -> Run:
-        args, run_env = digits_on_slurm("run", slurm_infra, mlflow_url, shared_disk, f"train.epochs={epochs}",
-                                        *overrides)
+        args, run_env = digits_on_slurm(
+            "run", slurm_infra, mlflow_url, shared_disk, f"train.epochs={epochs}", *overrides
+        )
         env = {**run_env, **(env or {}), "PREFECT_API_URL": PREFECT_API_URL.value()}
-        run = Run(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True))
+        run = Run(
+            subprocess.Popen(
+                args,
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
         runs.append(run)
         return run
 
@@ -108,26 +120,50 @@ def stop_what_is_left(runs: list, slurm_infra, logs: Path) -> None:
             os.killpg(run.process.pid, signal.SIGKILL)
             run.process.wait()
         if run.cluster:
-            subprocess.run([str(Path(sys.executable).parent / "sky"), "down", "-y", run.cluster],
-                           env=slurm_infra.subprocess_env(), capture_output=True, timeout=300)
+            subprocess.run(
+                [str(Path(sys.executable).parent / "sky"), "down", "-y", run.cluster],
+                env=slurm_infra.subprocess_env(),
+                capture_output=True,
+                timeout=300,
+            )
 
 
 def digits_on_slurm(command: str, slurm_infra, mlflow_url, shared_disk, *overrides: str) -> tuple[list, dict]:
     """`gpuflow COMMAND experiments/digits.yaml` for the Slurm cluster, and its environment."""
-    args = [GPUFLOW, command, "experiments/digits.yaml",
-            "--set", "compute.backend=skypilot", "--set", f"compute.infra={slurm_infra.infra}",
-            "--set", "compute.workers_per_node=1",
-            "--set", f"tracking.uri={mlflow_url}", "--set", f"storage.checkpoints={shared_disk}/checkpoints",
-            "--set", f"data.train={shared_disk}/data/train.parquet",
-            "--set", f"data.validation={shared_disk}/data/validation.parquet",
-            # one node on this machine: keep Ray on 127.0.0.1 (a real multi-node cluster must not set this)
-            "--set", 'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}',
-            "--set", f"setup={NODE_SETUP}"]
+    args = [
+        GPUFLOW,
+        command,
+        "experiments/digits.yaml",
+        "--set",
+        "compute.backend=skypilot",
+        "--set",
+        f"compute.infra={slurm_infra.infra}",
+        "--set",
+        "compute.workers_per_node=1",
+        "--set",
+        f"tracking.uri={mlflow_url}",
+        "--set",
+        f"storage.checkpoints={shared_disk}/checkpoints",
+        "--set",
+        f"data.train={shared_disk}/data/train.parquet",
+        "--set",
+        f"data.validation={shared_disk}/data/validation.parquet",
+        # one node on this machine: keep Ray on 127.0.0.1 (a real multi-node cluster must not set this)
+        "--set",
+        'envs={RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: "0"}',
+        "--set",
+        f"setup={NODE_SETUP}",
+    ]
     for item in overrides:
         args += ["--set", item]
-    env = slurm_infra.subprocess_env({
-        "GPUFLOW_SHARED_PATH": str(shared_disk), "GPUFLOW_HOME": str(shared_disk / "home"), "PYTHONUNBUFFERED": "1",
-        "NO_PROXY": "127.0.0.1,localhost"})
+    env = slurm_infra.subprocess_env(
+        {
+            "GPUFLOW_SHARED_PATH": str(shared_disk),
+            "GPUFLOW_HOME": str(shared_disk / "home"),
+            "PYTHONUNBUFFERED": "1",
+            "NO_PROXY": "127.0.0.1,localhost",
+        }
+    )
     return args, env
 
 
@@ -161,7 +197,9 @@ class Run:
                 if text in line:
                     return at
             if self.process.poll() is not None and not self.reader.is_alive():
-                raise AssertionError(f"gpuflow exited {self.process.returncode} before {text!r}:\n{self.output[-6000:]}")
+                raise AssertionError(
+                    f"gpuflow exited {self.process.returncode} before {text!r}:\n{self.output[-6000:]}"
+                )
             time.sleep(0.5)
         raise TimeoutError(f"no {text!r} within {timeout_s}s:\n{self.output[-6000:]}")
 
@@ -175,14 +213,28 @@ class Run:
 
     def phases(self) -> dict[str, float]:
         """Phase wall times as seen from the output (the flow also logs gpuflow.*_seconds to MLflow)."""
-        marks = {name: self.at(text) for name, text in (
-            ("start", "provisioning skypilot cluster"), ("provisioned", "[gpuflow] provisioned"),
-            ("setup_done", "[gpuflow] setup finished"), ("first_epoch", "epoch 1/"),
-            ("down_start", "tearing down cluster"), ("down_end", " is down ("))}
-        spans = {"provision": ("start", "provisioned"), "setup": ("provisioned", "setup_done"),
-                 "to_first_epoch": ("setup_done", "first_epoch"), "down": ("down_start", "down_end")}
-        return {name: round(marks[b] - marks[a], 1) for name, (a, b) in spans.items()
-                if marks[a] is not None and marks[b] is not None}
+        marks = {
+            name: self.at(text)
+            for name, text in (
+                ("start", "provisioning skypilot cluster"),
+                ("provisioned", "[gpuflow] provisioned"),
+                ("setup_done", "[gpuflow] setup finished"),
+                ("first_epoch", "epoch 1/"),
+                ("down_start", "tearing down cluster"),
+                ("down_end", " is down ("),
+            )
+        }
+        spans = {
+            "provision": ("start", "provisioned"),
+            "setup": ("provisioned", "setup_done"),
+            "to_first_epoch": ("setup_done", "first_epoch"),
+            "down": ("down_start", "down_end"),
+        }
+        return {
+            name: round(marks[b] - marks[a], 1)
+            for name, (a, b) in spans.items()
+            if marks[a] is not None and marks[b] is not None
+        }
 
 
 def mlflow_run_on(mlflow_url: str, cluster: str):
@@ -197,8 +249,9 @@ def assert_nothing_left(slurm_infra, *clusters: str):
     assert harness.slurm_jobs(user=slurm_infra.ssh_user) == []
     # nor a process of the clusters on the node (a Ray that escaped the job would hold port 6390)
     deadline = time.monotonic() + 120
-    while (left := [p for p in harness.leftover_processes() if any(c in p for c in clusters)]) and \
-            time.monotonic() < deadline:
+    while (
+        left := [p for p in harness.leftover_processes() if any(c in p for c in clusters)]
+    ) and time.monotonic() < deadline:
         time.sleep(2)
     assert left == []
 
@@ -220,9 +273,12 @@ def test_digits_trains_on_slurm_and_leaves_nothing(digits_on_the_third_option, s
     assert flow_run_id_of(run.cluster) == tags["prefect.flow_run_id"]
     for metric in ("train_loss", "val_accuracy"):  # logged by rank 0 on the node, once per epoch
         assert sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, metric)) == [0, 1, 2]
-    assert {"gpuflow.provision_seconds", "gpuflow.first_epoch_seconds", "gpuflow.teardown_seconds"} <= set(mlflow_run.data.metrics)
-    assert client.search_logged_models([mlflow_run.info.experiment_id],
-                                       filter_string=f"source_run_id = '{mlflow_run.info.run_id}'")
+    assert {"gpuflow.provision_seconds", "gpuflow.first_epoch_seconds", "gpuflow.teardown_seconds"} <= set(
+        mlflow_run.data.metrics
+    )
+    assert client.search_logged_models(
+        [mlflow_run.info.experiment_id], filter_string=f"source_run_id = '{mlflow_run.info.run_id}'"
+    )
 
     checkpoints = sorted(Path(tags["gpuflow.checkpoints"]).glob("checkpoint_*/checkpoint.pt"))
     assert len(checkpoints) == 3
@@ -265,8 +321,10 @@ def test_cancel_from_prefect_while_launching_downs_the_cluster(gpuflow_on_slurm,
 
 # -- faults on the real cluster (see tests/test_faults.py for the local ones) ---------------------------------
 
-def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_cluster(gpuflow_on_slurm, slurm_infra,
-                                                                                   mlflow_url, shared_disk):
+
+def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_cluster(
+    gpuflow_on_slurm, slurm_infra, mlflow_url, shared_disk
+):
     """No flow is left to tear down: the job notices the lease, stops, shortens autostop; SkyPilot downs the cluster.
     The run held the team's quota: its slot stays held while the cluster lives, and one reaper pass afterwards marks
     the run Crashed and gives the slot back."""
@@ -280,10 +338,20 @@ def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_clust
         slot_held_while_up = quota_checked_sigkill(gpuflow_on_slurm, slurm_infra, mlflow_url)
         with get_client(sync_client=True) as client:
             flow_run_id = slot_held_while_up.pop()
-            reaper = subprocess.run([sys.executable, "-m", "gpuflow.flows.reaper"], cwd=REPO, capture_output=True,
-                                    text=True, timeout=300, env=slurm_infra.subprocess_env({
-                                        "PREFECT_API_URL": PREFECT_API_URL.value(),
-                                        "GPUFLOW_HOME": str(shared_disk / "home"), "NO_PROXY": "127.0.0.1,localhost"}))
+            reaper = subprocess.run(
+                [sys.executable, "-m", "gpuflow.flows.reaper"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env=slurm_infra.subprocess_env(
+                    {
+                        "PREFECT_API_URL": PREFECT_API_URL.value(),
+                        "GPUFLOW_HOME": str(shared_disk / "home"),
+                        "NO_PROXY": "127.0.0.1,localhost",
+                    }
+                ),
+            )
             assert reaper.returncode == 0, reaper.stdout[-3000:] + reaper.stderr[-3000:]
             assert client.read_flow_run(flow_run_id).state.is_crashed()
             assert client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + "skypilot").active_slots == 0
@@ -330,8 +398,10 @@ def quota_checked_sigkill(gpuflow_on_slurm, slurm_infra, mlflow_url) -> list[str
     wait_for_value(allocation_gone, 600, "autodown to release the Slurm allocation")
     assert all(held == 1 for up, held in samples if up), samples
     gone_s = time.monotonic() - killed
-    print(f"\n[sigkill on slurm] job stopped itself {job_stopped_s:.0f}s after the kill (grace 15 s); "
-          f"cluster gone by autodown after {gone_s:.0f}s")
+    print(
+        f"\n[sigkill on slurm] job stopped itself {job_stopped_s:.0f}s after the kill (grace 15 s); "
+        f"cluster gone by autodown after {gone_s:.0f}s"
+    )
     # the grace, plus the guard's poll and the MLflow round trips on a busy machine; not autostop's 5 minutes
     assert job_stopped_s < 15 + 120
     assert run.cluster not in harness.sky_clusters(slurm_infra, refresh=True)  # SkyPilot agrees: it is gone
@@ -380,14 +450,15 @@ def test_a_lost_allocation_is_relaunched_and_resumes_in_the_same_run(gpuflow_on_
     assert resumed and int(resumed[0]) >= 3
     assert f"{run.cluster}-r1" in run.output
     assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
-    print(f"\n[scancel on slurm] recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s (loss → first resumed "
-          f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
-          f"{time.monotonic() - lost_at:.0f}s after the scancel")
+    print(
+        f"\n[scancel on slurm] recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s (loss → first resumed "
+        f"epoch), lost compute {mlflow_run.data.metrics['lost_compute_seconds']:.0f}s, run ended "
+        f"{time.monotonic() - lost_at:.0f}s after the scancel"
+    )
     report("scancel", run, mlflow_run.data.metrics)
 
 
-def test_two_options_cannot_be_had_the_run_launches_on_the_third(digits_on_the_third_option, slurm_infra,
-                                                                  mlflow_url):
+def test_two_options_cannot_be_had_the_run_launches_on_the_third(digits_on_the_third_option, slurm_infra, mlflow_url):
     """compute.options: SkyPilot fails over (the ordered list of resources) from a launch refused at provision time
     and from spot, which it drops before launching; the run trains on the third option and its MLflow run says so."""
     run = digits_on_the_third_option
@@ -405,8 +476,13 @@ def test_two_options_cannot_be_had_the_run_launches_on_the_third(digits_on_the_t
 def test_spot_only_falls_back_to_on_demand_after_a_wait_and_trains(gpuflow_on_slurm, slurm_infra, mlflow_url):
     """A spot-only spec on a cluster with no spot: no capacity, a bounded wait (the flow run says so), then after
     compute.spot_fallback_after=2 the on-demand relaunch; the node accepts the spec it is handed and trains."""
-    run = gpuflow_on_slurm("compute.use_gpu=false", "compute.use_spot=true", "compute.spot_fallback_after=2",
-                           "limits.max_queue_minutes=3", epochs=2)
+    run = gpuflow_on_slurm(
+        "compute.use_gpu=false",
+        "compute.use_spot=true",
+        "compute.spot_fallback_after=2",
+        "limits.max_queue_minutes=3",
+        epochs=2,
+    )
     assert run.wait() == 0, run.output[-6000:]
     assert "no option has capacity: waiting for one of 1 option(s)" in run.output
     assert "spot loss(es) of compute.spot_fallback_after=2; relaunching on-demand" in run.output
@@ -422,8 +498,9 @@ def test_no_option_has_capacity_the_wait_ends_naming_each_option_and_why(gpuflow
     """Nothing to be had (a partition that takes no jobs, and spot): the run waits limits.max_queue_minutes, then
     fails naming each option with SkyPilot's reason for it; no cluster and no Slurm job is left."""
     options = f'[{{infra: "{slurm_infra.infra}/closed"}}, {{infra: "{slurm_infra.infra}", use_spot: true}}]'
-    run = gpuflow_on_slurm("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}",
-                           "limits.max_queue_minutes=0.3")
+    run = gpuflow_on_slurm(
+        "compute.use_gpu=false", "compute.infra=null", f"compute.options={options}", "limits.max_queue_minutes=0.3"
+    )
     assert run.wait() == 1, run.output[-6000:]
     final = next(line for line in run.output.splitlines() if "limits.max_queue_minutes: no capacity" in line)
     assert f"option 1 ({slurm_infra.infra}/closed CPU on-demand): " in final, final
@@ -453,8 +530,9 @@ def test_a_partition_the_cluster_lacks_is_refused_before_anything_starts(slurm_i
 NOTICE_LEAD_S = 15  # the cloud's notice comes this long before the allocation goes (AWS's is 120 s, GCP's 30 s)
 
 
-def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resumes(gpuflow_on_slurm, slurm_infra,
-                                                                                     mlflow_url, shared_disk):
+def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resumes(
+    gpuflow_on_slurm, slurm_infra, mlflow_url, shared_disk
+):
     """The notice path of docs/spot.md on a SkyPilot node: a spec with a spot option (SkyPilot drops it here, there is
     no spot on Slurm, and launches the on-demand one), the AWS metadata double on 127.0.0.1 standing in for the node's
     metadata service (the flow hands GPUFLOW_METADATA_URL to the node). Mid-epoch the double gives the notice: the
@@ -471,12 +549,22 @@ def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resu
     step_log = shared_disk / f"steps-{uuid.uuid4().hex[:8]}.log"
     options = f'[{{infra: "{slurm_infra.infra}", use_spot: true}}, {{infra: "{slurm_infra.infra}"}}]'
     with metadata_double("aws") as double:
-        run = gpuflow_on_slurm("compute.use_gpu=false", "compute.infra=null", f"compute.options={options}",
-                               f"train.loop={STEPPED_LOOP}", "train.params.step_pace_s=0.5",
-                               f"train.params.step_log={step_log}", "tracking.register_model=false", epochs=1,
-                               env={"GPUFLOW_METADATA_URL": double.url})
-        wait_for_value(lambda: len(steps_done(step_log)) >= 3 or run.process.poll() is not None, RUN_TIMEOUT_S,
-                       "three steps trained on the first cluster")
+        run = gpuflow_on_slurm(
+            "compute.use_gpu=false",
+            "compute.infra=null",
+            f"compute.options={options}",
+            f"train.loop={STEPPED_LOOP}",
+            "train.params.step_pace_s=0.5",
+            f"train.params.step_log={step_log}",
+            "tracking.register_model=false",
+            epochs=1,
+            env={"GPUFLOW_METADATA_URL": double.url},
+        )
+        wait_for_value(
+            lambda: len(steps_done(step_log)) >= 3 or run.process.poll() is not None,
+            RUN_TIMEOUT_S,
+            "three steps trained on the first cluster",
+        )
         [job] = harness.slurm_jobs(user=slurm_infra.ssh_user)  # the replacement's comes on the notice
         noticed_at = time.time()
         deadline = double.notify(in_s=NOTICE_LEAD_S)  # the node asks <url> itself: node ""
@@ -512,10 +600,12 @@ def test_a_spot_notice_on_a_node_checkpoints_provisions_the_replacement_and_resu
     # epoch began, 3 + the notice's lead / pace = over 30.
     assert len(redone) <= 3, f"seconds redone, not the notice's lead: {len(redone)} steps"
     assert_nothing_left(slurm_infra, run.cluster, f"{run.cluster}-r1")
-    print(f"\n[spot notice on slurm] replacement asked for {killed - provisioning:.0f}s before the loss; resumed at "
-          f"step {resumed[1]}, {len(redone)} step(s) redone, "
-          f"recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "
-          f"test wall {time.monotonic() - started:.0f}s")
+    print(
+        f"\n[spot notice on slurm] replacement asked for {killed - provisioning:.0f}s before the loss; resumed at "
+        f"step {resumed[1]}, {len(redone)} step(s) redone, "
+        f"recovery {mlflow_run.data.metrics['recovery_seconds']:.0f}s; "
+        f"test wall {time.monotonic() - started:.0f}s"
+    )
     report("spot notice", run, mlflow_run.data.metrics)
 
 

@@ -80,16 +80,19 @@ def test_missing_and_malformed_files(tmp_path):
         load_spec(tmp_path / "list.yaml")
 
 
-@pytest.mark.parametrize("fields, field", [
-    ({"train": {"loop": "experiments.nope:train_loop"}}, "train.loop"),
-    ({"train": {"loop": "experiments.digits:no_such_loop"}}, "train.loop"),
-    ({"data": {"train": "t.parquet", "generate": "experiments.digits:missing"}}, "data.generate"),
-    ({"data": {"train": "/nonexistent/train.parquet"}}, "data.train"),
-    ({"data": {"train": str(REPO / "README.md"), "validation": "/nonexistent/val.parquet"}}, "data.validation"),
-    ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop"),  # a function, but not a loop
-    ({"workdir": "/nonexistent-folder"}, "workdir"),
-    ({"secrets": ["GPUFLOW_TEST_UNSET_TOKEN"]}, "secrets[0]"),
-])
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"train": {"loop": "experiments.nope:train_loop"}}, "train.loop"),
+        ({"train": {"loop": "experiments.digits:no_such_loop"}}, "train.loop"),
+        ({"data": {"train": "t.parquet", "generate": "experiments.digits:missing"}}, "data.generate"),
+        ({"data": {"train": "/nonexistent/train.parquet"}}, "data.train"),
+        ({"data": {"train": str(REPO / "README.md"), "validation": "/nonexistent/val.parquet"}}, "data.validation"),
+        ({"train": {"loop": "experiments.digits:write_parquet"}}, "train.loop"),  # a function, but not a loop
+        ({"workdir": "/nonexistent-folder"}, "workdir"),
+        ({"secrets": ["GPUFLOW_TEST_UNSET_TOKEN"]}, "secrets[0]"),
+    ],
+)
 def test_checks_beyond_the_model(fields, field):
     spec = parse_spec({**A_LOOP, "workdir": str(REPO), **fields})
     problems = check_spec(spec)
@@ -99,7 +102,9 @@ def test_checks_beyond_the_model(fields, field):
 def test_unreadable_data_file_is_refused(tmp_path):
     junk = tmp_path / "train.parquet"
     junk.write_text("not parquet")
-    problems = check_spec(parse_spec({**A_LOOP, "workdir": str(REPO), "data": {"train": str(junk), "validation": None}}))
+    problems = check_spec(
+        parse_spec({**A_LOOP, "workdir": str(REPO), "data": {"train": str(junk), "validation": None}})
+    )
     assert any("data.train" in p and "Parquet" in p for p in problems), problems
 
 
@@ -115,25 +120,37 @@ def test_data_without_rows_is_refused(tmp_path, field):
     for empty, what in ((no_files, "holds no Parquet files"), (no_rows, "holds no rows")):
         data = {"train": str(rows), "validation": str(rows), field: str(empty)}
         problems = check_spec(parse_spec({**A_LOOP, "workdir": str(REPO), "data": data}))
-        assert any(p.startswith(f"data.{field}: {str(empty)!r} {what}; give a Parquet file or folder that holds rows")
-                   for p in problems), problems
+        assert any(
+            p.startswith(f"data.{field}: {str(empty)!r} {what}; give a Parquet file or folder that holds rows")
+            for p in problems
+        ), problems
         assert not any(p.startswith("data.") and str(rows) in p for p in problems), problems
 
 
 def test_skypilot_accepts_remote_stores():
-    spec = ExperimentSpec.model_validate({**A_LOOP,
-        "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},
-        "tracking": {"uri": "https://mlflow.example.com"},
-        "storage": {"checkpoints": "s3://bucket/ckpt"},
-        "data": {"train": "s3://bucket/train.parquet", "validation": None},
-    })
+    spec = ExperimentSpec.model_validate(
+        {
+            **A_LOOP,
+            "compute": {"backend": "skypilot", "accelerators": ["H100:1", "A100:1"], "num_nodes": 2},
+            "tracking": {"uri": "https://mlflow.example.com"},
+            "storage": {"checkpoints": "s3://bucket/ckpt"},
+            "data": {"train": "s3://bucket/train.parquet", "validation": None},
+        }
+    )
     assert spec.compute.use_gpu and spec.compute.num_workers == 4
 
 
 def test_skypilot_refuses_data_only_this_machine_has():
     with pytest.raises(SpecError, match="data.train .* cannot read"):
-        parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "H100:1"}, "data": {"train": "d.parquet"},
-                    "tracking": {"uri": "https://mlflow.example.com"}, "storage": {"checkpoints": "s3://b/c"}})
+        parse_spec(
+            {
+                **A_LOOP,
+                "compute": {"backend": "skypilot", "accelerators": "H100:1"},
+                "data": {"train": "d.parquet"},
+                "tracking": {"uri": "https://mlflow.example.com"},
+                "storage": {"checkpoints": "s3://b/c"},
+            }
+        )
 
 
 def test_the_schema_holds_no_example(tmp_path):
@@ -150,10 +167,18 @@ def test_the_schema_holds_no_example(tmp_path):
     assert ExperimentSpec.model_fields["train"].is_required() and ExperimentSpec.model_fields["data"].default is None
 
 
-@pytest.mark.parametrize("signature, ok", [
-    ("config", True), ("config: dict", True), ("config, extra=1", True), ("*args", True),
-    ("", False), ("config, other", False), ("*, config", False),
-])
+@pytest.mark.parametrize(
+    "signature, ok",
+    [
+        ("config", True),
+        ("config: dict", True),
+        ("config, extra=1", True),
+        ("*args", True),
+        ("", False),
+        ("config, other", False),
+        ("*, config", False),
+    ],
+)
 def test_the_loop_must_take_the_config(tmp_path, signature, ok):
     module = "userloop_" + "".join(c if c.isalnum() else "_" for c in tmp_path.name)  # imported modules are cached
     (tmp_path / f"{module}.py").write_text(f"def train_loop({signature}):\n    pass\n")
@@ -164,13 +189,20 @@ def test_the_loop_must_take_the_config(tmp_path, signature, ok):
 
 
 # -- sweeps -------------------------------------------------------------------------------------------
-A_SWEEP = {"parameters": {"train.lr": {"grid": [0.001, 0.01]}, "train.params.hidden": {"choice": [64, 128]}},
-           "metric": "val_accuracy", "mode": "max", "max_concurrent_trials": 2, "early_stopping": {"grace_epochs": 2}}
+A_SWEEP = {
+    "parameters": {"train.lr": {"grid": [0.001, 0.01]}, "train.params.hidden": {"choice": [64, 128]}},
+    "metric": "val_accuracy",
+    "mode": "max",
+    "max_concurrent_trials": 2,
+    "early_stopping": {"grace_epochs": 2},
+}
 
 
 def sweep_spec(train: dict | None = None, **sweep):
-    return {"train": {"loop": "experiments.digits:train_loop", "epochs": 6, "params": {"hidden": 128}, **(train or {})},
-            "sweep": {**A_SWEEP, **sweep}}
+    return {
+        "train": {"loop": "experiments.digits:train_loop", "epochs": 6, "params": {"hidden": 128}, **(train or {})},
+        "sweep": {**A_SWEEP, **sweep},
+    }
 
 
 BAD_SWEEPS = [
@@ -191,7 +223,11 @@ BAD_SWEEPS = [
     ({"max_concurrent_trials": 3}, "sweep.max_concurrent_trials", "compute.num_workers=2"),
     ({"workers_per_trial": 2}, "sweep.max_concurrent_trials", "need 4 workers"),
     ({"early_stopping": {"grace_epochs": 6}}, "sweep.early_stopping.grace_epochs", "not below"),
-    ({"early_stopping": {"grace_epochs": 2, "reduction_factor": 1}}, "sweep.early_stopping.reduction_factor", "greater than 1"),
+    (
+        {"early_stopping": {"grace_epochs": 2, "reduction_factor": 1}},
+        "sweep.early_stopping.reduction_factor",
+        "greater than 1",
+    ),
     ({"max_trial_minutes": 70}, "sweep.max_trial_minutes", "raise max_runtime_minutes to 70"),
     ({"num_samples": 0}, "sweep.num_samples", "greater than or equal to 1"),
 ]
@@ -207,8 +243,12 @@ def test_a_bad_sweep_names_field_and_fix(sweep, field, fix):
 
 
 def test_a_sweep_counts_its_trials_and_shares_the_cluster():
-    spec = parse_spec(sweep_spec(num_samples=3, parameters={"train.lr": {"grid": [0.001, 0.01, 0.1]},
-                                                            "train.params.hidden": {"choice": [64, 128]}}))
+    spec = parse_spec(
+        sweep_spec(
+            num_samples=3,
+            parameters={"train.lr": {"grid": [0.001, 0.01, 0.1]}, "train.params.hidden": {"choice": [64, 128]}},
+        )
+    )
     assert spec.sweep.num_trials == 9  # the grid, once per sample; a choice is drawn per sample
     assert spec.workers_per_trial == 1  # 2 workers ÷ 2 trials at a time
     assert parse_spec(sweep_spec(max_concurrent_trials=1)).workers_per_trial == 2
@@ -238,9 +278,11 @@ def test_plan_shows_the_trials_and_the_cost_bound(gpuflow_home, capsys):
 def test_checking_a_spec_imports_nothing_of_the_loop_here():
     """The loop's torch and Ray Train are imported by the check's own process, as the job will: not by the one
     checking the spec (`gpuflow run`, a flow run in `gpuflow serve`)."""
-    code = ("import sys; from gpuflow.cluster.spec import check_spec, load_spec; "
-            f"problems = check_spec(load_spec({str(DIGITS)!r})); "
-            "print(problems, sorted(m for m in ('torch', 'ray', 'experiments.digits') if m in sys.modules))")
+    code = (
+        "import sys; from gpuflow.cluster.spec import check_spec, load_spec; "
+        f"problems = check_spec(load_spec({str(DIGITS)!r})); "
+        "print(problems, sorted(m for m in ('torch', 'ray', 'experiments.digits') if m in sys.modules))"
+    )
     shown = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert shown.strip() == "[] []", shown
 
@@ -265,9 +307,11 @@ def test_a_passed_check_is_reused_by_the_next_run_until_the_loop_or_an_install_c
     (libs / "helper.py").write_text("VALUE = 1\n")
     (workdir / "loop.py").write_text("import helper\ndef train_loop(config):\n    pass\n")
     spec = {"train": {"loop": "loop:train_loop"}, "workdir": str(workdir)}
-    code = ("import json, sys; from gpuflow.cluster.spec import check_entrypoints, check_spec, parse_spec; "
-            f"spec = parse_spec({spec!r}); problems = check_spec(spec); "
-            "print(json.dumps([problems, check_entrypoints(spec).process is not None]))")
+    code = (
+        "import json, sys; from gpuflow.cluster.spec import check_entrypoints, check_spec, parse_spec; "
+        f"spec = parse_spec({spec!r}); problems = check_spec(spec); "
+        "print(json.dumps([problems, check_entrypoints(spec).process is not None]))"
+    )
     env = {**os.environ, "GPUFLOW_HOME": str(tmp_path / "home"), "PYTHONPATH": str(libs)}
 
     def a_run() -> tuple[list, bool]:

@@ -51,9 +51,19 @@ def test_an_azure_preempt_event_for_this_vm_is_a_notice():
     def events(*listed):
         return json.dumps({"DocumentIncarnation": 2, "Events": list(listed)}).encode()
 
-    freeze = {"EventId": "1", "EventType": "Freeze", "Resources": ["vm-a"], "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT"}
-    preempt = {"EventId": "2", "EventType": "Preempt", "Resources": ["vm-b"], "EventStatus": "Scheduled",
-               "NotBefore": "Mon, 19 Sep 2016 18:30:17 GMT"}
+    freeze = {
+        "EventId": "1",
+        "EventType": "Freeze",
+        "Resources": ["vm-a"],
+        "NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT",
+    }
+    preempt = {
+        "EventId": "2",
+        "EventType": "Preempt",
+        "Resources": ["vm-b"],
+        "EventStatus": "Scheduled",
+        "NotBefore": "Mon, 19 Sep 2016 18:30:17 GMT",
+    }
     assert azure_notice(200, events(), 0.0) is None
     assert azure_notice(200, events(freeze), 0.0, "vm-a") is None
     assert azure_notice(200, events(preempt), 0.0, "vm-a") is None, "another VM's event"
@@ -90,15 +100,27 @@ def test_a_job_ended_on_a_notice_has_lost_its_cluster_even_where_the_backend_rea
     assert lost_on(backend, "c", JobFailed("the loop's own error", 1)) is None
 
 
-
 def test_a_node_without_a_metadata_service_ends_its_watch_at_once():
     import subprocess
     import sys
 
     started = time.monotonic()
-    watch = subprocess.run([sys.executable, "-m", "gpuflow.cluster.job.spot_watch", "--gcs", "127.0.0.1:1",
-                            "--node-id", "ab" * 28, "--metadata-url", f"http://127.0.0.1:{free_port()}"],
-                           capture_output=True, text=True, timeout=60)
+    watch = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuflow.cluster.job.spot_watch",
+            "--gcs",
+            "127.0.0.1:1",
+            "--node-id",
+            "ab" * 28,
+            "--metadata-url",
+            f"http://127.0.0.1:{free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert watch.returncode == 0 and watch.stdout == "", watch.stderr
     assert time.monotonic() - started < 30
 
@@ -111,10 +133,16 @@ def test_ray_trains_watch_of_drains_is_on_only_where_a_notice_can_come(monkeypat
 
     for name in (PREEMPTION_WATCHER_ENV, PREEMPTION_POLL_ENV, "GPUFLOW_METADATA_URL"):
         monkeypatch.delenv(name, raising=False)
+
     def cloud_spec(**compute):
-        return parse_spec({**A_LOOP, "compute": {"backend": "skypilot", "accelerators": "H100:1", **compute},
-                           "tracking": {"uri": "http://mlflow.example:5000"},
-                           "storage": {"checkpoints": "s3://a-bucket/gpuflow"}})
+        return parse_spec(
+            {
+                **A_LOOP,
+                "compute": {"backend": "skypilot", "accelerators": "H100:1", **compute},
+                "tracking": {"uri": "http://mlflow.example:5000"},
+                "storage": {"checkpoints": "s3://a-bucket/gpuflow"},
+            }
+        )
 
     on_demand = cloud_spec()
     spot_option = cloud_spec(options=[{"infra": "aws/us-east-1"}, {"infra": "gcp", "use_spot": True}])
@@ -148,8 +176,9 @@ def test_the_flow_reads_a_new_notice_on_the_run_and_relaunches_on_it_only_withou
     spec = parse_spec({**A_LOOP, "compute": {"max_recoveries": 2}})
     assert relaunches_on_notice(spec, 0) and relaunches_on_notice(spec, 1)
     assert not relaunches_on_notice(spec, 2), "no relaunch left"
-    ranged = parse_spec({**A_LOOP, "compute": {"max_recoveries": 2, "num_nodes": 2, "workers_per_node": 1,
-                                              "num_workers": [1, 2]}})
+    ranged = parse_spec(
+        {**A_LOOP, "compute": {"max_recoveries": 2, "num_nodes": 2, "workers_per_node": 1, "num_workers": [1, 2]}}
+    )
     assert not relaunches_on_notice(ranged, 0), "an elastic range carries on without the node"
 
 
@@ -218,8 +247,11 @@ def test_the_runs_lost_compute_counts_from_the_checkpoint_it_resumes_from():
     lost.resumed(at=185.0)  # 20 s to the resumed loop's restore
     lost.epoch(at=200.0)
     assert lost.seconds == pytest.approx(2 * (1 + 15) + 2 * 20), "redone from the 164 s checkpoint, not the epoch's"
-    assert lost.metrics() == {"lost_compute_seconds": pytest.approx(72), "redone_seconds": pytest.approx(1),
-                              "recovery_seconds": pytest.approx(35)}
+    assert lost.metrics() == {
+        "lost_compute_seconds": pytest.approx(72),
+        "redone_seconds": pytest.approx(1),
+        "recovery_seconds": pytest.approx(35),
+    }
 
     elastic = LostCompute(workers=2)
     elastic.lost(at=30.0, started_at=10.0, workers_after=1)  # no checkpoint yet: from the job's start
@@ -233,8 +265,9 @@ def test_the_lifecycle_times_a_loss_from_its_first_sight_and_charges_the_replace
     from gpuflow.cluster.run.lifecycle import Lifecycle
     from gpuflow.cluster.run.meter import Meter
 
-    life = Lifecycle("gpuflow-x", down=lambda name: None, meter=Meter(Estimate(3.6, 1.8, 2, True, "catalog")),
-                     workers=2)
+    life = Lifecycle(
+        "gpuflow-x", down=lambda name: None, meter=Meter(Estimate(3.6, 1.8, 2, True, "catalog")), workers=2
+    )
     life.checkpointed()
     life.replacements["gpuflow-x-r1"] = time.time() - 10  # asked for on a notice, 10 s ago
     life.end_lost_job("lost", "a node is gone")  # the loss check's sight of it

@@ -35,8 +35,15 @@ def stack_env(gpuflow_home):
 
 
 def gpuflow(env: dict, *args: str, timeout_s: float = 300) -> str:
-    done = subprocess.run([sys.executable, "-m", "gpuflow.flows.cli", *args], env=env, cwd=REPO, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuflow.flows.cli", *args],
+        env=env,
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout_s,
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     return done.stdout
 
@@ -64,6 +71,7 @@ def flow_runs_in(api_url: str) -> list:
     async def read():
         async with PrefectClient(api_url) as client:
             return await client.read_flow_runs()
+
     return asyncio.run(read())
 
 
@@ -76,8 +84,14 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
 
     # The run's Prefect home is another: had it started an API of its own, the flow run would be stored there.
     run_env = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-run")}
-    out = gpuflow(run_env, "run", str(SPEC), "--set", "train.epochs=2",
-                  *[arg for item in data_of(gpuflow_home) for arg in ("--set", item)])
+    out = gpuflow(
+        run_env,
+        "run",
+        str(SPEC),
+        "--set",
+        "train.epochs=2",
+        *[arg for item in data_of(gpuflow_home) for arg in ("--set", item)],
+    )
     assert "finished in" in out, out
     assert_a_clean_console(out)
 
@@ -89,8 +103,14 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
     assert mlflow_run.info.status == "FINISHED"
 
     # once the run is over, the stack makes the next spare
-    wait_until(lambda: stack_record(gpuflow_home)["spare"] not in (None, stack["spare"])
-               and stack_record(gpuflow_home)["spare_shape"], 120, "a new spare")
+    wait_until(
+        lambda: (
+            stack_record(gpuflow_home)["spare"] not in (None, stack["spare"])
+            and stack_record(gpuflow_home)["spare_shape"]
+        ),
+        120,
+        "a new spare",
+    )
     assert gpuflow(stack_env, "down") == "gpuflow: warm stack stopped\n"
     wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
 
@@ -106,8 +126,13 @@ def assert_a_clean_console(out: str) -> None:
         assert not any(hidden in line for line in out.splitlines() if "metrics      " not in line), hidden
     [finished] = [line for line in out.splitlines() if "training finished in" in line]
     assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
-    for hidden in ("[gpuflow] result ", "{'train_loss'", "INFO worker.py", "Started training worker group",
-                   "Running hook 'notify_end'"):
+    for hidden in (
+        "[gpuflow] result ",
+        "{'train_loss'",
+        "INFO worker.py",
+        "Started training worker group",
+        "Running hook 'notify_end'",
+    ):
         assert hidden not in out, hidden
     log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
     kept = Path(log_file).read_text()
@@ -127,8 +152,15 @@ def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, di
     run.wait()
 
     wait_until(lambda: alive(of_the_run) == [], 60, "the claimed cluster, the job and its workers gone")
-    [mlflow_run] = wait_until(lambda: [r for r in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}")
-                                       .search_runs(["1"]) if r.info.status != "RUNNING"], 60, "the MLflow run closed")
+    [mlflow_run] = wait_until(
+        lambda: [
+            r
+            for r in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+            if r.info.status != "RUNNING"
+        ],
+        60,
+        "the MLflow run closed",
+    )
     assert mlflow_run.info.status == "FAILED" and mlflow_run.data.tags["stopped_by"] == "orphaned"
     assert set(alive(own)) == own, "the stack goes on"
     assert stack_record(gpuflow_home)["api_url"] == stack["api_url"]
@@ -140,8 +172,11 @@ def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes
     out = gpuflow(auto, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
     assert "finished in" in out and "warm stack   up for your next run until 0.5 min idle" in out, out
     assert (gpuflow_home / "prefect" / "prefect.db").exists(), "the cold run started Prefect's API itself"
-    wait_until(lambda: (gpuflow_home / "stack" / "stack.json").exists()
-               and stack_record(gpuflow_home).get("spare_shape"), 120, "the stack's API and spare up once the run ended")
+    wait_until(
+        lambda: (gpuflow_home / "stack" / "stack.json").exists() and stack_record(gpuflow_home).get("spare_shape"),
+        120,
+        "the stack's API and spare up once the run ended",
+    )
     stack = stack_record(gpuflow_home)
     spare = spare_pids(gpuflow_home)
     [waiting_job] = json.loads((gpuflow_home / "clusters" / stack["spare"] / "cluster.json").read_text())["jobs"]

@@ -20,12 +20,18 @@ from tests.test_lifecycle import GpuflowRun, cancel, flow_run_state
 def tunable_sweep(**sweep) -> dict:
     """A 2 × 2 grid of the tunable loop on 1 node × 2 CPUs, two trials at a time, ASHA after the first epoch."""
     return {
-        "name": "tunable", "workdir": str(REPO),
+        "name": "tunable",
+        "workdir": str(REPO),
         "train": {"loop": TUNABLE_LOOP, "epochs": 4, "lr": 0.01, "params": {"hidden": 8, "pace_s": 1.0}},
         "compute": {"backend": "local", "num_nodes": 1, "workers_per_node": 2},
-        "sweep": {"parameters": {"train.lr": {"grid": [0.1, 0.01]}, "train.params.hidden": {"grid": [8, 16]}},
-                  "metric": "score", "mode": "max", "max_concurrent_trials": 2,
-                  "early_stopping": {"grace_epochs": 1, "reduction_factor": 2}, **sweep},
+        "sweep": {
+            "parameters": {"train.lr": {"grid": [0.1, 0.01]}, "train.params.hidden": {"grid": [8, 16]}},
+            "metric": "score",
+            "mode": "max",
+            "max_concurrent_trials": 2,
+            "early_stopping": {"grace_epochs": 1, "reduction_factor": 2},
+            **sweep,
+        },
         "limits": {"max_runtime_minutes": 10},
     }
 
@@ -44,7 +50,11 @@ def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(tracked_sw
     trials = children_of(client, parent)
     assert len(trials) == 4
     assert {(t.data.params["train.lr"], t.data.params["train.params.hidden"]) for t in trials} == {
-        ("0.1", "8"), ("0.1", "16"), ("0.01", "8"), ("0.01", "16")}
+        ("0.1", "8"),
+        ("0.1", "16"),
+        ("0.01", "8"),
+        ("0.01", "16"),
+    }
     assert all(t.info.status == "FINISHED" for t in trials)
     assert all(t.data.tags["prefect.flow_run_id"] == str(state.state_details.flow_run_id) for t in trials)
     stopped = [t for t in trials if t.data.tags.get("stopped_early") == "true"]

@@ -1,6 +1,6 @@
 """The team stack: Prefect and MLflow servers on PostgreSQL, both behind authentication, runs end to end and under load.
 
-    .venv/bin/python -m pytest --full tests/test_team_stack.py -s      # -s prints the load figures
+.venv/bin/python -m pytest --full tests/test_team_stack.py -s      # -s prints the load figures
 """
 
 import base64
@@ -69,28 +69,47 @@ def test_requests_without_the_credentials_are_refused(stack):
 
 
 @contextlib.contextmanager
-def serving(stack: TeamStack, home, limit: int, user: tuple[str, str] | None = None,
-            only: tuple[str, ...] = ("run-experiment",), down_what_is_left: bool = True):
+def serving(
+    stack: TeamStack,
+    home,
+    limit: int,
+    user: tuple[str, str] | None = None,
+    only: tuple[str, ...] = ("run-experiment",),
+    down_what_is_left: bool = True,
+):
     """`gpuflow serve --only run-experiment` as a worker of the team would run it: credentials in its environment
     (the admin's, or `user`'s), the MLflow ones passed on to the cluster as secrets."""
     home.mkdir(parents=True, exist_ok=True)
     from experiments.digits import write_parquet
 
     write_parquet(str(home / "data" / "train.parquet"), str(home / "data" / "validation.parquet"))  # once, not per run
-    overrides = [f"tracking.uri={stack.mlflow_url}", f"workdir={REPO}", f"data.train={home}/data/train.parquet",
-                 f"data.validation={home}/data/validation.parquet", "data.generate=null",
-                 "secrets=[MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD]"]
+    overrides = [
+        f"tracking.uri={stack.mlflow_url}",
+        f"workdir={REPO}",
+        f"data.train={home}/data/train.parquet",
+        f"data.validation={home}/data/validation.parquet",
+        "data.generate=null",
+        "secrets=[MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD]",
+    ]
     credentials = {"MLFLOW_TRACKING_USERNAME": user[0], "MLFLOW_TRACKING_PASSWORD": user[1]} if user else {}
     env = base_env(**{**stack.client_env(), **credentials}, GPUFLOW_HOME=str(home), PREFECT_RUNNER_POLL_FREQUENCY="1")
-    command = [str(BIN / "gpuflow"), "serve", *[f"--only={name}" for name in only], "--limit", str(limit),
-               *[f"--set={item}" for item in overrides]]
+    command = [
+        str(BIN / "gpuflow"),
+        "serve",
+        *[f"--only={name}" for name in only],
+        "--limit",
+        str(limit),
+        *[f"--set={item}" for item in overrides],
+    ]
     try:
         with started(command, home / "serve.log", env) as process:
             deadline = time.monotonic() + READY_TIMEOUT_S
             with stack.prefect_client() as client:
                 while not set(only) <= {d.name for d in client.read_deployments()}:
                     if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"gpuflow serve did not register:\n{(home / 'serve.log').read_text()[-3000:]}")
+                        raise RuntimeError(
+                            f"gpuflow serve did not register:\n{(home / 'serve.log').read_text()[-3000:]}"
+                        )
                     time.sleep(0.5)
             yield process
     finally:
@@ -126,10 +145,18 @@ def users(stack) -> dict[str, str]:
 
 def gpuflow_command(stack: TeamStack, *args: str, user: tuple[str, str]) -> subprocess.CompletedProcess:
     """A gpuflow command on the digits spec as a team member runs it, tracking to the team's server."""
-    env = base_env(**{**stack.client_env(), "MLFLOW_TRACKING_USERNAME": user[0], "MLFLOW_TRACKING_PASSWORD": user[1]},
-                   GPUFLOW_HOME=str(stack.home / f"cli-{user[0]}"))
-    return subprocess.run([str(BIN / "gpuflow"), *args, "experiments/digits.yaml", f"--set=tracking.uri={stack.mlflow_url}"],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    env = base_env(
+        **{**stack.client_env(), "MLFLOW_TRACKING_USERNAME": user[0], "MLFLOW_TRACKING_PASSWORD": user[1]},
+        GPUFLOW_HOME=str(stack.home / f"cli-{user[0]}"),
+    )
+    return subprocess.run(
+        [str(BIN / "gpuflow"), *args, "experiments/digits.yaml", f"--set=tracking.uri={stack.mlflow_url}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
 # The load is on the stack (servers, serve, clusters, tracking), not on training: two tiny epochs of a loop that
@@ -142,11 +169,16 @@ def submit(stack: TeamStack, count: int, train: dict, **sections) -> list:
     with stack.prefect_client() as client:
         deployment = client.read_deployment_by_name("run-experiment/run-experiment")
         spec = deployment.parameters["spec"]
-        spec = {**spec, "train": {**spec["train"], **train}, "compute": {**spec["compute"], "workers_per_node": 1},
-                **sections}
+        spec = {
+            **spec,
+            "train": {**spec["train"], **train},
+            "compute": {**spec["compute"], "workers_per_node": 1},
+            **sections,
+        }
         spec["compute"].pop("num_workers", None)
-        return [client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id
-                for _ in range(count)]
+        return [
+            client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id for _ in range(count)
+        ]
 
 
 def mlflow_runs(stack: TeamStack, flow_run_ids) -> dict:
@@ -155,9 +187,11 @@ def mlflow_runs(stack: TeamStack, flow_run_ids) -> dict:
     with as_user(MLFLOW_ADMIN, stack.mlflow_password):
         client = MlflowClient(stack.mlflow_url)
         experiments = [e.experiment_id for e in client.search_experiments()]
-        return {run.data.tags["prefect.flow_run_id"]: run
-                for run in client.search_runs(experiments, max_results=1000)
-                if run.data.tags.get("prefect.flow_run_id") in ids}
+        return {
+            run.data.tags["prefect.flow_run_id"]: run
+            for run in client.search_runs(experiments, max_results=1000)
+            if run.data.tags.get("prefect.flow_run_id") in ids
+        }
 
 
 @pytest.fixture
@@ -209,8 +243,11 @@ def test_a_wrong_password_is_refused_before_anything_starts(stack, users):
 def test_a_user_without_edit_on_the_experiment_is_refused_naming_the_fix(stack, users, first_run):
     result = gpuflow_command(stack, "validate", user=("carol", users["carol"]))
     assert result.returncode == 2, result.stdout + result.stderr
-    for wanted in ("tracking.experiment: MLflow user 'carol' has READ on experiment 'digits-mlp'",
-                   "name: MLflow user 'carol' has READ on registered model 'digits-mlp'", "gpuflow share SPEC --user carol"):
+    for wanted in (
+        "tracking.experiment: MLflow user 'carol' has READ on experiment 'digits-mlp'",
+        "name: MLflow user 'carol' has READ on registered model 'digits-mlp'",
+        "gpuflow share SPEC --user carol",
+    ):
         assert wanted in result.stderr, result.stderr
 
 
@@ -236,17 +273,31 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
     its owner, the job ends its own run as orphaned, and the reaper another machine serves, run as its schedule runs
     it (default parameters), finds the team's server and marks the flow run Crashed."""
     home = stack.home / "served-stopped"
-    with serving(stack, stack.home / "served-reaper", limit=1, only=("reap-clusters",)), \
-            serving(stack, home, limit=1, down_what_is_left=False) as runner:
-        [flow_run_id] = submit(stack, 1, train={"loop": PACED_LOOP, "epochs": 400, "params": {"hidden": 32, "pace_s": 1.0}},
-                               limits={"max_runtime_minutes": 15, "orphan_grace_minutes": 0.2})
-        wait_until(lambda: [r for r in mlflow_runs(stack, [flow_run_id]).values() if "train_loss" in r.data.metrics],
-                   300, "training", interval_s=1)
+    with (
+        serving(stack, stack.home / "served-reaper", limit=1, only=("reap-clusters",)),
+        serving(stack, home, limit=1, down_what_is_left=False) as runner,
+    ):
+        [flow_run_id] = submit(
+            stack,
+            1,
+            train={"loop": PACED_LOOP, "epochs": 400, "params": {"hidden": 32, "pace_s": 1.0}},
+            limits={"max_runtime_minutes": 15, "orphan_grace_minutes": 0.2},
+        )
+        wait_until(
+            lambda: [r for r in mlflow_runs(stack, [flow_run_id]).values() if "train_loss" in r.data.metrics],
+            300,
+            "training",
+            interval_s=1,
+        )
         runner.send_signal(signal.SIGTERM)
         runner.wait(90)
         try:
-            wait_until(lambda: mlflow_runs(stack, [flow_run_id])[str(flow_run_id)].info.status != "RUNNING", 180,
-                       "the job ending its run", interval_s=1)
+            wait_until(
+                lambda: mlflow_runs(stack, [flow_run_id])[str(flow_run_id)].info.status != "RUNNING",
+                180,
+                "the job ending its run",
+                interval_s=1,
+            )
         except AssertionError as error:  # what the job and its cluster said last
             raise AssertionError(f"{error}\n{cluster_logs(home / 'clusters')}") from None
         with stack.prefect_client() as client:
@@ -277,8 +328,10 @@ def test_runs_submitted_at_once_all_complete(stack, mlflow_credentials):
         flow_runs = wait_until_final(stack, flow_run_ids, timeout_s=3600, log=home / "serve.log")
         wall_s = time.monotonic() - started_at
     states = sorted(run.state_name for run in flow_runs)
-    print(f"\n[load] {LOAD_RUNS} runs, limit {LOAD_LIMIT}: {wall_s:.0f} s wall, "
-          f"{LOAD_RUNS / wall_s * 60:.2f} runs/minute; states {set(states)}")
+    print(
+        f"\n[load] {LOAD_RUNS} runs, limit {LOAD_LIMIT}: {wall_s:.0f} s wall, "
+        f"{LOAD_RUNS / wall_s * 60:.2f} runs/minute; states {set(states)}"
+    )
     assert states == ["Completed"] * LOAD_RUNS, [run.state.message for run in flow_runs if not run.state.is_completed()]
     runs = mlflow_runs(stack, flow_run_ids)
     assert sorted(run.info.status for run in runs.values()) == ["FINISHED"] * LOAD_RUNS

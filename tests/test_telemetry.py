@@ -14,8 +14,14 @@ from gpuflow.cluster.spec import SpecError, load_spec, parse_spec
 from gpuflow.cluster.telemetry import ProfileWindow, StepTimer, model_flops_per_sample, peak_tflops
 from tests.support.repo import A_LOOP, REPO
 
-PERF_KEYS = ("perf/samples_per_s", "perf/step_time_ms", "perf/data_wait_pct", "perf/peak_memory_mb",
-             "perf/epoch_s", "perf/worker_rss_mb")
+PERF_KEYS = (
+    "perf/samples_per_s",
+    "perf/step_time_ms",
+    "perf/data_wait_pct",
+    "perf/peak_memory_mb",
+    "perf/epoch_s",
+    "perf/worker_rss_mb",
+)
 
 
 class SlowData(torch.utils.data.Dataset):
@@ -44,18 +50,21 @@ def train_one_epoch(timer: StepTimer, loader, model, optimizer, compute_s: float
     return steps
 
 
-@pytest.mark.parametrize("name, precision, tf32, expected", [
-    ("NVIDIA H100 80GB HBM3", "bf16", False, 989),
-    ("NVIDIA H100 80GB HBM3", "fp32", False, 67),
-    ("NVIDIA H100 80GB HBM3", "fp32", True, 494),
-    ("NVIDIA H100 PCIe", "bf16", False, 756),
-    ("NVIDIA A100-SXM4-80GB", "bf16", False, 312),
-    ("NVIDIA A10", "fp16", False, 125),
-    ("NVIDIA L4", "bf16", False, 121),
-    ("NVIDIA L40S", "bf16", False, 362),
-    ("NVIDIA A10G", "bf16", False, None),  # not in the table: no MFU rather than a wrong one
-    ("cpu", "fp32", False, None),
-])
+@pytest.mark.parametrize(
+    "name, precision, tf32, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989),
+        ("NVIDIA H100 80GB HBM3", "fp32", False, 67),
+        ("NVIDIA H100 80GB HBM3", "fp32", True, 494),
+        ("NVIDIA H100 PCIe", "bf16", False, 756),
+        ("NVIDIA A100-SXM4-80GB", "bf16", False, 312),
+        ("NVIDIA A10", "fp16", False, 125),
+        ("NVIDIA L4", "bf16", False, 121),
+        ("NVIDIA L40S", "bf16", False, 362),
+        ("NVIDIA A10G", "bf16", False, None),  # not in the table: no MFU rather than a wrong one
+        ("cpu", "fp32", False, None),
+    ],
+)
 def test_peak_table_matches_whole_device_names(name, precision, tf32, expected):
     assert peak_tflops(name, precision, tf32) == expected
 
@@ -78,9 +87,11 @@ def test_timer_measures_throughput_steps_and_data_wait():
     # 40 samples on this worker, ×2 workers, in at most the measured wall time
     assert slow_figures["perf/samples_per_s"] >= 2 * 40 / elapsed
     assert 1000 * elapsed / 10 >= slow_figures["perf/step_time_ms"] >= 40 + 10
+
     # the wait per step, in ms: sleeps only get longer on a busy machine, so these bounds hold under load
     def waited_ms(figures):
         return figures["perf/data_wait_pct"] / 100 * figures["perf/step_time_ms"]
+
     assert waited_ms(slow_figures) >= 40 > 10 > waited_ms(ready_figures)
     assert slow_figures["perf/data_wait_pct"] > ready_figures["perf/data_wait_pct"]
     assert ready_figures["perf/step_time_ms"] >= 10
@@ -93,8 +104,12 @@ def test_mfu_is_model_flops_over_the_peak():
     model = nn.Linear(8, 2)  # 18 parameters: 108 FLOPs per sample
     timer = StepTimer("cpu", flops_per_sample=model_flops_per_sample(model), tokens_per_sample=3)
     timer.peak_flops = 1e6  # a made-up device of 1 MFLOPS
-    train_one_epoch(timer, torch.utils.data.DataLoader(SlowData(16, 0.0), batch_size=4), model,
-                    torch.optim.SGD(model.parameters(), lr=0.1))
+    train_one_epoch(
+        timer,
+        torch.utils.data.DataLoader(SlowData(16, 0.0), batch_size=4),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
     figures = timer.end_epoch()
     assert figures["perf/mfu_pct"] == pytest.approx(100 * 108 * figures["perf/samples_per_s"] / 1e6)
     assert figures["perf/tokens_per_s"] == pytest.approx(3 * figures["perf/samples_per_s"])
@@ -105,8 +120,12 @@ def test_profile_window_writes_a_chrome_trace_and_operator_table(tmp_path):
     model = nn.Linear(8, 2)
     window = ProfileWindow(torch.device("cpu"), steps=3, after=2, on_ready=written.append, folder=tmp_path)
     timer = StepTimer("cpu", profile=window)
-    train_one_epoch(timer, torch.utils.data.DataLoader(SlowData(40, 0.0), batch_size=4), model,
-                    torch.optim.SGD(model.parameters(), lr=0.1))
+    train_one_epoch(
+        timer,
+        torch.utils.data.DataLoader(SlowData(40, 0.0), batch_size=4),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
     timer.close()  # the window closed after step 5 by itself: nothing more is written
     assert written == [tmp_path]
     assert window.recorded_steps == 3
@@ -120,10 +139,15 @@ def test_profile_window_writes_a_chrome_trace_and_operator_table(tmp_path):
 def test_a_run_shorter_than_the_window_writes_what_it_recorded(tmp_path):
     written = []
     model = nn.Linear(8, 2)
-    timer = StepTimer("cpu", profile=ProfileWindow(torch.device("cpu"), steps=20, after=1, on_ready=written.append,
-                                                   folder=tmp_path))
-    train_one_epoch(timer, torch.utils.data.DataLoader(SlowData(16, 0.0), batch_size=4), model,
-                    torch.optim.SGD(model.parameters(), lr=0.1))
+    timer = StepTimer(
+        "cpu", profile=ProfileWindow(torch.device("cpu"), steps=20, after=1, on_ready=written.append, folder=tmp_path)
+    )
+    train_one_epoch(
+        timer,
+        torch.utils.data.DataLoader(SlowData(16, 0.0), batch_size=4),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+    )
     assert written == []
     timer.close()
     assert written == [tmp_path] and timer.profile.recorded_steps == 3
@@ -171,8 +195,11 @@ def test_gpu_benchmark_measures_the_gpu_example():
 def test_summary_shows_the_last_epochs_telemetry():
     from gpuflow.tasks.tracking import telemetry_lines
 
-    lines = "\n".join(telemetry_lines({"val_accuracy": 0.97, "perf/samples_per_s": 1234.5, "perf/mfu_pct": 41.2,
-                                        "perf/data_wait_pct": 3.25}))
+    lines = "\n".join(
+        telemetry_lines(
+            {"val_accuracy": 0.97, "perf/samples_per_s": 1234.5, "perf/mfu_pct": 41.2, "perf/data_wait_pct": 3.25}
+        )
+    )
     assert "| throughput | 1,234.5 samples/s |" in lines and "| MFU | 41.2 % |" in lines
     assert "| waiting for data | 3.2 % of step time |" in lines and "val_accuracy" not in lines
     assert telemetry_lines({"val_accuracy": 0.97}) == []
@@ -188,8 +215,10 @@ def prefect_artifact_of(flow_run_id) -> str:
     async def read():
         async with get_client() as client:
             found = await client.read_artifacts(
-                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
             return "\n".join(str(artifact.data) for artifact in found)
+
     return asyncio.run(read())
 
 

@@ -52,11 +52,23 @@ def started(gpuflow_home):
     def start(*args) -> subprocess.Popen:
         (gpuflow_home / "prefect").mkdir(parents=True)
         env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
-        env.update(GPUFLOW_HOME=str(gpuflow_home), PREFECT_HOME=str(gpuflow_home / "prefect"),
-                   PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        env.update(
+            GPUFLOW_HOME=str(gpuflow_home),
+            PREFECT_HOME=str(gpuflow_home / "prefect"),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        )
         with open(gpuflow_home / "stderr.log", "w") as log:  # a file: a pipe nobody reads would fill up and block it
-            processes.append(subprocess.Popen([sys.executable, "-c", A_FLOW, *args], cwd=REPO, env=env, text=True,
-                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", A_FLOW, *args],
+                    cwd=REPO,
+                    env=env,
+                    text=True,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                )
+            )
         return processes[-1]
 
     yield start
@@ -106,10 +118,15 @@ def all_gone(gpuflow_home, within_s: float = 30) -> bool:  # the watcher's poll,
     return processes_of(gpuflow_home) == []
 
 
-@pytest.mark.parametrize("name, text", [("prefect.toml", "[api]\nurl = 'http://127.0.0.1:4200/api'\n"),
-                                        (".env", "PREFECT_API_URL=http://127.0.0.1:4200/api\n"),
-                                        ("pyproject.toml", "[tool.prefect.api]\nurl = 'http://127.0.0.1:4200/api'\n"),
-                                        ("profiles.toml", "[profiles.team]\nPREFECT_API_URL = 'x'\n")])
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("prefect.toml", "[api]\nurl = 'http://127.0.0.1:4200/api'\n"),
+        (".env", "PREFECT_API_URL=http://127.0.0.1:4200/api\n"),
+        ("pyproject.toml", "[tool.prefect.api]\nurl = 'http://127.0.0.1:4200/api'\n"),
+        ("profiles.toml", "[profiles.team]\nPREFECT_API_URL = 'x'\n"),
+    ],
+)
 def test_a_settings_file_leaves_the_api_to_start_once_prefect_has_read_it(tmp_path, monkeypatch, name, text):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
@@ -127,16 +144,23 @@ def test_a_settings_file_leaves_the_api_to_start_once_prefect_has_read_it(tmp_pa
 def test_a_server_started_before_prefect_is_stopped_when_the_settings_want_none(gpuflow_home, tmp_path):
     """Launched before Prefect's settings are read (none is configured in the environment), it is stopped once they
     say no temporary server may start: nothing is left of it, and the command uses none."""
-    check = ("import psutil\n"
-             "from gpuflow.flows.local_stack.prefect_api import temporary_api_launched\n"
-             "api = temporary_api_launched()\n"
-             "servers = [child for child in psutil.Process().children() if 'uvicorn' in ' '.join(child.cmdline())]\n"
-             "print(api, len(servers))\n")
+    check = (
+        "import psutil\n"
+        "from gpuflow.flows.local_stack.prefect_api import temporary_api_launched\n"
+        "api = temporary_api_launched()\n"
+        "servers = [child for child in psutil.Process().children() if 'uvicorn' in ' '.join(child.cmdline())]\n"
+        "print(api, len(servers))\n"
+    )
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
-    env.update(GPUFLOW_HOME=str(gpuflow_home), PREFECT_HOME=str(gpuflow_home / "prefect"),
-               PREFECT_SERVER_EPHEMERAL_ENABLED="false", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env.update(
+        GPUFLOW_HOME=str(gpuflow_home),
+        PREFECT_HOME=str(gpuflow_home / "prefect"),
+        PREFECT_SERVER_EPHEMERAL_ENABLED="false",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["None", "0"]
     assert all_gone(gpuflow_home)

@@ -27,7 +27,9 @@ def inner(pytester, monkeypatch):
 
     def run(source: str, *args: str) -> tuple[int, str]:
         pytester.makepyfile(test_inner=source)
-        result = pytester.runpytest_subprocess("-p", "tests.support.tiers", "-p", "no:cacheprovider", "-o", "leftover_grace_s=2", "-rs", *args, timeout=300)
+        result = pytester.runpytest_subprocess(
+            "-p", "tests.support.tiers", "-p", "no:cacheprovider", "-o", "leftover_grace_s=2", "-rs", *args, timeout=300
+        )
         return result.ret, result.stdout.str() + result.stderr.str()
 
     return run
@@ -73,7 +75,8 @@ def test_writes_in_the_repo(tmp_path):
 
 @pytest.mark.cluster  # it starts a Ray cluster (in the inner session), on purpose
 def test_a_test_that_starts_a_ray_cluster_without_a_tier_marker_fails_naming_it(inner):
-    returncode, output = inner("""
+    returncode, output = inner(
+        """
 import pytest
 import ray
 
@@ -87,7 +90,9 @@ def test_unmarked_server(mlflow_url):
 @pytest.mark.full
 def test_marked_server(mlflow_url):
     pass
-""", "--full")
+""",
+        "--full",
+    )
     assert returncode == 1, output
     assert re.search(r"test_unmarked_ray starts a Ray cluster but carries no tier marker", output), output
     assert re.search(r"test_unmarked_server starts an MLflow server but carries no tier marker", output), output
@@ -131,8 +136,11 @@ def test_the_whole_matrix_over_its_cpu_budget_fails_naming_the_costliest_files(t
 
     report = tmp_path / "cpu.jsonl"
     monkeypatch.setattr(cpu_report, "REPORT", report)
-    rows = [{"test": f"tests/test_{name}.py::test_{i}", "cpu_s": cpu_s, "wall_s": 1.0}
-            for name, cpu_s in (("cheap", 1.0), ("dear", 30.0), ("middling", 5.0)) for i in range(2)]
+    rows = [
+        {"test": f"tests/test_{name}.py::test_{i}", "cpu_s": cpu_s, "wall_s": 1.0}
+        for name, cpu_s in (("cheap", 1.0), ("dear", 30.0), ("middling", 5.0))
+        for i in range(2)
+    ]
     report.write_text("".join(f"{json.dumps(row)}\n" for row in rows))
 
     within, text = cpu_report.check_budget(rows, budget_s=100)

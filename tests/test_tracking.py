@@ -32,10 +32,15 @@ def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
     env = {"MLFLOW_TRACKING_URI": tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
 
     def spec(loop, **params):
-        return parse_spec({"train": {"loop": f"tests.loops.plain:{loop}", "epochs": params.pop("epochs", 1),
-                                     "params": params}, "workdir": str(REPO), "compute": {"workers_per_node": 2},
-                           # no flow renews these jobs' lease: its grace must outlast a slow start on a busy machine
-                           "limits": {"orphan_grace_minutes": 30}})
+        return parse_spec(
+            {
+                "train": {"loop": f"tests.loops.plain:{loop}", "epochs": params.pop("epochs", 1), "params": params},
+                "workdir": str(REPO),
+                "compute": {"workers_per_node": 2},
+                # no flow renews these jobs' lease: its grace must outlast a slow start on a busy machine
+                "limits": {"orphan_grace_minutes": 30},
+            }
+        )
 
     backend = LocalBackend()
     handle = backend.launch(spec("no_step_given"), NAME)
@@ -43,8 +48,9 @@ def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
         # attempt 1: epochs 0-2; attempt 2 (a resume that repeats epochs 1-2 with other values) goes on to 4
         log = run_job(backend, handle, spec("epochs_with_checkpoints", epochs=3, offset=0.0), "attempt-1", env)
         assert "[gpuflow] epoch 2: loss=2" in log  # the progress line the flow follows, for any loop
-        run_job(backend, handle, spec("epochs_with_checkpoints", epochs=5, offset=100.0, first_epoch=1),
-                "attempt-2", env)
+        run_job(
+            backend, handle, spec("epochs_with_checkpoints", epochs=5, offset=100.0, first_epoch=1), "attempt-2", env
+        )
         history = client.get_metric_history(run_id, "loss")
         assert sorted((m.step, m.value) for m in history) == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 103.0), (4, 104.0)]
         assert [m.step for m in client.get_metric_history(run_id, "eval/accuracy")] == [0, 1, 2, 3, 4]
@@ -61,7 +67,10 @@ def test_every_report_of_a_plain_loop_is_tracked_once(gpuflow_home):
         # a loop that gives no step: the report's index, counted on after what the run already holds
         run_job(backend, handle, spec("no_step_given"), "no-step", env)
         assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))[-3:] == [
-            (5, 3.0), (6, 2.0), (7, 1.0)]
+            (5, 3.0),
+            (6, 2.0),
+            (7, 1.0),
+        ]
     finally:
         backend.down(NAME)
     assert processes_of(gpuflow_home) == []
@@ -71,8 +80,18 @@ def test_what_counts_as_a_metric_and_a_step():
     import numpy as np
     import torch
 
-    assert numbers_of({"a": 1, "b": np.float32(0.5), "c": torch.tensor(2.0), "d": "x", "e": True, "f": [1, 2],
-                       "g": {"h": 3}, "bad key!": 1.0}) == {"a": 1.0, "b": 0.5, "c": 2.0, "g/h": 3.0, "bad key_": 1.0}
+    assert numbers_of(
+        {
+            "a": 1,
+            "b": np.float32(0.5),
+            "c": torch.tensor(2.0),
+            "d": "x",
+            "e": True,
+            "f": [1, 2],
+            "g": {"h": 3},
+            "bad key!": 1.0,
+        }
+    ) == {"a": 1.0, "b": 0.5, "c": 2.0, "g/h": 3.0, "bad key_": 1.0}
     assert step_of({"epoch": 3, "step": 70}) == ("epoch", 3)
     assert step_of({"step": 70.0}) == ("step", 70)
     assert step_of({"epoch": 1.5}) == (None, None) and step_of({}) == (None, None)
@@ -91,17 +110,34 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     run_id = client.create_run(experiment).info.run_id
     for epoch in range(3):  # what the lost attempt got into MLflow: epochs 0-2 of the 5 it checkpointed
         client.log_metric(run_id, "val_accuracy", 0.5 + epoch / 10, step=epoch)
-    results = [{"version": 0, "checkpoint_dir_name": f"checkpoint_{epoch}",
-                "metrics": {"val_accuracy": 0.5 + epoch / 10, "epoch": epoch}} for epoch in range(5)]
-    (tmp_path / SNAPSHOT_FILE).write_text(json.dumps({
-        "ray_version": ray.__version__, "checkpoint_results": results[-2:] + results[:3],  # kept in any order
-        "checkpoint_report_indices": [3, 4, 0, 1, 2], "latest_checkpoint_result": results[-1],
-        "pending_training_results": [], "pending_validation_specs": [], "current_report_index": 5,
-        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
-        "failed_validation_checkpoint_dir_names": []}))
+    results = [
+        {
+            "version": 0,
+            "checkpoint_dir_name": f"checkpoint_{epoch}",
+            "metrics": {"val_accuracy": 0.5 + epoch / 10, "epoch": epoch},
+        }
+        for epoch in range(5)
+    ]
+    (tmp_path / SNAPSHOT_FILE).write_text(
+        json.dumps(
+            {
+                "ray_version": ray.__version__,
+                "checkpoint_results": results[-2:] + results[:3],  # kept in any order
+                "checkpoint_report_indices": [3, 4, 0, 1, 2],
+                "latest_checkpoint_result": results[-1],
+                "pending_training_results": [],
+                "pending_validation_specs": [],
+                "current_report_index": 5,
+                "validated_checkpoint_dir_names": [],
+                "timed_out_validation_checkpoint_dir_names": [],
+                "failed_validation_checkpoint_dir_names": [],
+            }
+        )
+    )
 
-    tracker = MlflowTracker(run_id, f"sqlite:///{tmp_path}/mlflow.db", print_progress=False,
-                            snapshot_uri=str(tmp_path / SNAPSHOT_FILE))
+    tracker = MlflowTracker(
+        run_id, f"sqlite:///{tmp_path}/mlflow.db", print_progress=False, snapshot_uri=str(tmp_path / SNAPSHOT_FILE)
+    )
     tracker.add({"val_accuracy": 1.0, "epoch": 5}, None)  # the resumed attempt's first report
     tracker.finish()
     history = client.get_metric_history(run_id, "val_accuracy")
@@ -129,8 +165,11 @@ def test_a_model_torch_export_cannot_trace_or_given_no_example_is_logged_pickled
     monkeypatch.setattr(loop, "rank", lambda: 0)  # rank 0 of a Ray Train job: the one that logs
     mlflow.set_tracking_uri(tracking_uri)
     formats = []
-    for model, example in [(torch.nn.Linear(2, 2), np.ones((1, 2), np.float32)),
-                           (Branchy(), np.ones((1, 2), np.float32)), (Branchy(), None)]:
+    for model, example in [
+        (torch.nn.Linear(2, 2), np.ones((1, 2), np.float32)),
+        (Branchy(), np.ones((1, 2), np.float32)),
+        (Branchy(), None),
+    ]:
         run_id = client.create_run(experiment).info.run_id
         monkeypatch.setenv("GPUFLOW_MLFLOW_RUN_ID", run_id)
         loop.log_model(model, input_example=example)

@@ -1,6 +1,6 @@
 """gpuflow against a real `mlflow server` with proxied artifacts: the scheduled run's MLflow side, linked both ways.
 
-    .venv/bin/python -m pytest --full tests/test_tracking_server.py
+.venv/bin/python -m pytest --full tests/test_tracking_server.py
 """
 
 import urllib.request
@@ -26,8 +26,9 @@ def test_the_run_is_tracked_on_the_server_with_proxied_artifacts(served, schedul
     assert run.info.status == "FINISHED"
     # a server's own artifact store, not a file path of the flow's machine
     assert experiment.artifact_location.startswith("mlflow-artifacts:")
-    spec_yaml = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="spec.yaml",
-                                                    tracking_uri=served.mlflow_url)
+    spec_yaml = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, artifact_path="spec.yaml", tracking_uri=served.mlflow_url
+    )
     assert yaml.safe_load(open(spec_yaml))["train"]["epochs"] == 2
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert [m.step for m in history] == [0, 1] and history[-1].value > 0.5

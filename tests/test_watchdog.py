@@ -24,20 +24,25 @@ HUNG_MINUTES = 0.75
 
 def long_job(spec, **limits):
     """A job far longer than its limits: one worker, an epoch a second, so that the machine stays usable."""
-    return spec.model_copy(update={
-        "train": spec.train.model_copy(update={"loop": PACED_LOOP, "epochs": 5000,
-                                               "params": {**spec.train.params, "pace_s": 1.0}}),
-        "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
-        "limits": spec.limits.model_copy(update=limits),
-        "tracking": spec.tracking.model_copy(update={"register_model": False}),
-    })
+    return spec.model_copy(
+        update={
+            "train": spec.train.model_copy(
+                update={"loop": PACED_LOOP, "epochs": 5000, "params": {**spec.train.params, "pace_s": 1.0}}
+            ),
+            "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
+            "limits": spec.limits.model_copy(update=limits),
+            "tracking": spec.tracking.model_copy(update={"register_model": False}),
+        }
+    )
 
 
 def stopped_run(spec, state):
     client = MlflowClient(tracking_uri=spec.tracking_uri)
     experiment = client.get_experiment_by_name(spec.experiment_name)
     flow_run_id = str(state.state_details.flow_run_id)
-    [run] = client.search_runs([experiment.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    [run] = client.search_runs(
+        [experiment.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'"
+    )
     return run
 
 
@@ -71,24 +76,40 @@ def stopped_flows(prefect_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("watchdog") / "gpuflow-home"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("GPUFLOW_HOME", str(home))
+
         def digits_spec(name: str):  # data of its own: three flows writing one file would race
-            return load_spec(REPO / "experiments" / "digits.yaml", [
-                f"workdir={REPO}", f"tracking.uri=sqlite:///{home}/mlflow.db",
-                f"data.train={home}/data/{name}/train.parquet", f"data.validation={home}/data/{name}/validation.parquet"])
+            return load_spec(
+                REPO / "experiments" / "digits.yaml",
+                [
+                    f"workdir={REPO}",
+                    f"tracking.uri=sqlite:///{home}/mlflow.db",
+                    f"data.train={home}/data/{name}/train.parquet",
+                    f"data.validation={home}/data/{name}/validation.parquet",
+                ],
+            )
 
         # $2 per second; the budget allows BUDGET_MINUTES of it: the estimate (rate × max runtime) passes, but the
         # bill also counts provisioning, so the budget runs out before the job's own BUDGET_MINUTES do.
         hung = long_job(digits_spec("hung"), hung_minutes=HUNG_MINUTES, max_runtime_minutes=10)
         specs = {
-            "budget": long_job(digits_spec("budget"), hourly_rate_usd=7200.0, max_runtime_minutes=BUDGET_MINUTES,
-                               max_cost_usd=BUDGET_MINUTES * 120).model_copy(update={"notify": NotifySpec(block="budget")}),
+            "budget": long_job(
+                digits_spec("budget"),
+                hourly_rate_usd=7200.0,
+                max_runtime_minutes=BUDGET_MINUTES,
+                max_cost_usd=BUDGET_MINUTES * 120,
+            ).model_copy(update={"notify": NotifySpec(block="budget")}),
             "timeout": long_job(digits_spec("timeout"), max_runtime_minutes=LIMIT_MINUTES),
-            "hung": hung.model_copy(update={"train": hung.train.model_copy(update={
-                "loop": HANGING_LOOP, "params": {"hang_after": 3}})}),
+            "hung": hung.model_copy(
+                update={"train": hung.train.model_copy(update={"loop": HANGING_LOOP, "params": {"hang_after": 3}})}
+            ),
         }
         states = {}
-        flows = [threading.Thread(target=lambda name=name, spec=spec: states.update(
-                    {name: run_experiment(spec, return_state=True)})) for name, spec in specs.items()]
+        flows = [
+            threading.Thread(
+                target=lambda name=name, spec=spec: states.update({name: run_experiment(spec, return_state=True)})
+            )
+            for name, spec in specs.items()
+        ]
         with webhook_receiver() as (url, messages):
             add_webhook("budget", url)
             for flow in flows:
@@ -131,8 +152,9 @@ def test_a_loop_that_stops_reporting_is_stopped_as_hung_with_its_stacks(stopped_
     silent_s = run.info.end_time / 1000 - losses[-1].timestamp / 1000
     # the guard's poll, the stacks' dump (up to 30 s for a worker to run it) and a busy machine's margin
     assert HUNG_MINUTES * 60 <= silent_s <= HUNG_MINUTES * 60 + 120, silent_s
-    stacks = Path(MlflowClient(spec.tracking_uri).download_artifacts(run.info.run_id, "hung/stacks.txt",
-                                                                      str(home / "stacks"))).read_text()
+    stacks = Path(
+        MlflowClient(spec.tracking_uri).download_artifacts(run.info.run_id, "hung/stacks.txt", str(home / "stacks"))
+    ).read_text()
     assert 'loops/hanging.py", line 12 in train_loop' in stacks, stacks[-3000:]
     assert_nothing_left(home)
 

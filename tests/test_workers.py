@@ -37,9 +37,20 @@ def train_loop(config):
 
 
 def git(*args: str, cwd: Path) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True,
-                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()
+    return subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        },
+    ).stdout.strip()
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +71,18 @@ def remote_and_worker_python(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     worker_python = venv / "bin" / "python"
     lend_dependencies(worker_python)
-    subprocess.run([str(worker_python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                    f"git+file://{remote}@{before}"], check=True)
+    subprocess.run(
+        [
+            str(worker_python),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            f"git+file://{remote}@{before}",
+        ],
+        check=True,
+    )
     return remote, checkout, worker_python
 
 
@@ -70,8 +91,12 @@ def lend_dependencies(worker_python: Path) -> None:
     MLflow already there, so the installs (here and the pull step's) fetch and build gpuflow alone, not 3 GB of
     wheels. gpuflow itself is the worker venv's own: its site-packages come first, and this venv's editable
     install of gpuflow is a .pth file that a path added this way does not run."""
-    theirs = subprocess.run([str(worker_python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                            check=True, capture_output=True, text=True).stdout.strip()
+    theirs = subprocess.run(
+        [str(worker_python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     (Path(theirs) / "lent-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
 
 
@@ -79,8 +104,12 @@ def lend_dependencies(worker_python: Path) -> None:
 def worker(api_url: str, worker_python: Path, folder: Path):
     """`prefect worker start --pool gpuflow-process` in an empty folder, with the fresh venv's Python only."""
     folder.mkdir(parents=True)
-    env = base_env(PREFECT_API_URL=api_url, GPUFLOW_HOME=str(folder / ".gpuflow"),
-                   PATH=f"{worker_python.parent}:/usr/bin:/bin", PREFECT_WORKER_QUERY_SECONDS="2")
+    env = base_env(
+        PREFECT_API_URL=api_url,
+        GPUFLOW_HOME=str(folder / ".gpuflow"),
+        PATH=f"{worker_python.parent}:/usr/bin:/bin",
+        PREFECT_WORKER_QUERY_SECONDS="2",
+    )
     env.pop("VIRTUAL_ENV", None)
     env.pop("PYTHONPATH", None)
     command = [str(worker_python), "-m", "prefect", "worker", "start", "--pool", "gpuflow-process"]
@@ -113,22 +142,33 @@ def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(rem
     remote, checkout, worker_python = remote_and_worker_python
     folder = tmp_path / "empty-folder"
     with prefect_server(tmp_path / "prefect") as api_url, temporary_settings({PREFECT_API_URL: api_url}):
-        deployed = subprocess.run([str(BIN / "gpuflow"), "deploy", "--only", "run-experiment"], cwd=checkout,
-                                  env=base_env(PREFECT_API_URL=api_url), capture_output=True, text=True, timeout=300)
+        deployed = subprocess.run(
+            [str(BIN / "gpuflow"), "deploy", "--only", "run-experiment"],
+            cwd=checkout,
+            env=base_env(PREFECT_API_URL=api_url),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         assert f"workers will pull {remote} at {git('rev-parse', 'HEAD', cwd=checkout)[:12]}" in deployed.stderr
         with get_client(sync_client=True) as client, worker(api_url, worker_python, folder):
             deployment = client.read_deployment_by_name("run-experiment/run-experiment")
             spec = {**deployment.parameters["spec"]}
-            spec["train"] = {**spec["train"], "loop": "experiments.marker:train_loop", "epochs": 2,
-                             "params": {"hidden": 32, "pace_s": 0}}
+            spec["train"] = {
+                **spec["train"],
+                "loop": "experiments.marker:train_loop",
+                "epochs": 2,
+                "params": {"hidden": 32, "pace_s": 0},
+            }
             spec["compute"] = {**spec["compute"], "workers_per_node": 1}
             form = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id
             # the scheduled run trains at a walking pace until a cancel from the UI stops it
             long = {**spec, "train": {**spec["train"], "epochs": 400, "params": {"hidden": 32, "pace_s": 1}}}
             soon = datetime.now(timezone.utc) + timedelta(seconds=5)
             scheduled = client.create_flow_run_from_deployment(
-                deployment.id, parameters={"spec": long}, state=Scheduled(scheduled_time=soon)).id
+                deployment.id, parameters={"spec": long}, state=Scheduled(scheduled_time=soon)
+            ).id
             completed = final(client, form, log=folder / "worker.log")
             assert completed.state_name == "Completed", completed.state.message
             deadline = time.monotonic() + 300

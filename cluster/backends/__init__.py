@@ -1,6 +1,6 @@
 """Where Ray clusters come from: the interface (base.py), this machine (local/) and SkyPilot (skypilot/).
 
-    get_backend("local") -> LocalBackend; get_backend("skypilot") -> SkyPilotBackend
+get_backend("local") -> LocalBackend; get_backend("skypilot") -> SkyPilotBackend
 """
 
 from __future__ import annotations
@@ -20,9 +20,21 @@ from gpuflow.cluster.backends.base import (
     train_run_name,
 )
 
-__all__ = ["CLUSTER_PREFIX", "HEAD_NODE_RESOURCES", "TRIAL_DRIVER_RESOURCE", "Backend", "NoCapacity", "ClusterHandle",
-           "ClusterStatus", "Job", "cluster_name_for", "cluster_names_for", "flow_run_id_of", "get_backend",
-           "train_run_name"]
+__all__ = [
+    "CLUSTER_PREFIX",
+    "HEAD_NODE_RESOURCES",
+    "TRIAL_DRIVER_RESOURCE",
+    "Backend",
+    "NoCapacity",
+    "ClusterHandle",
+    "ClusterStatus",
+    "Job",
+    "cluster_name_for",
+    "cluster_names_for",
+    "flow_run_id_of",
+    "get_backend",
+    "train_run_name",
+]
 
 
 def get_backend(name: str) -> Backend:

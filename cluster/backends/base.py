@@ -36,6 +36,7 @@ class ClusterHandle:
 @dataclass
 class Job:
     """The training job a launch may start with its cluster: Ray Train's run name and the job's environment."""
+
     run_name: str
     env: dict[str, str]
 

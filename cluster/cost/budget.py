@@ -48,7 +48,8 @@ def check_run_budget(spec: ExperimentSpec, estimate: Estimate, prediction: Predi
         f"{spec.limits.max_runtime_minutes:g} min of limits.max_runtime_minutes), more than max_cost_usd=${limit:.2f}. "
         f"Lower limits.max_runtime_minutes to {affordable_minutes:.0f} or less, raise limits.max_cost_usd to "
         f"{worst:.2f}, or pick cheaper compute ({estimate.describe()})"
-        f"{prediction.refusal_note(estimate, limit, 'max_cost_usd') if prediction else ''}")
+        f"{prediction.refusal_note(estimate, limit, 'max_cost_usd') if prediction else ''}"
+    )
 
 
 def daily_budget_usd() -> float | None:
@@ -61,8 +62,13 @@ def daily_budget_usd() -> float | None:
         raise BudgetExceeded(f"{DAILY_BUDGET_ENV}={value!r} is not a number of dollars; write e.g. 50") from None
 
 
-def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd: float,
-                       budget_usd: float | None, prediction: Prediction | None = None) -> None:
+def check_daily_budget(
+    spec: ExperimentSpec,
+    estimate: Estimate,
+    spent_today_usd: float,
+    budget_usd: float | None,
+    prediction: Prediction | None = None,
+) -> None:
     """Refuses a run that could take today's spend (runs started since 00:00 UTC) past the daily budget."""
     if budget_usd is None:
         return
@@ -73,7 +79,8 @@ def check_daily_budget(spec: ExperimentSpec, estimate: Estimate, spent_today_usd
         f"{DAILY_BUDGET_ENV}=${budget_usd:.2f}: runs started today (UTC) cost ${spent_today_usd:.2f} and this one "
         f"may cost ${worst:.2f}, ${spent_today_usd + worst:.2f} in all. Lower limits.max_runtime_minutes, "
         f"raise {DAILY_BUDGET_ENV}, or wait until 00:00 UTC"
-        f"{prediction.refusal_note(estimate, budget_usd - spent_today_usd, 'budget left') if prediction else ''}")
+        f"{prediction.refusal_note(estimate, budget_usd - spent_today_usd, 'budget left') if prediction else ''}"
+    )
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,11 @@ class Reservation:
 def reserve(tracking_uri: str, owner: str, amount_usd: float, hold_s: float) -> Reservation:
     """Writes a reservation of `amount_usd` for `owner`, valid for `hold_s` seconds."""
     client = MlflowClient(tracking_uri=tracking_uri)
-    run = client.create_run(reservations_experiment(client), run_name=f"reserved-{owner}",
-                            tags={RESERVED_FOR_TAG: owner, RESERVATION_EXPIRES_TAG: f"{time.time() + hold_s:.0f}"})
+    run = client.create_run(
+        reservations_experiment(client),
+        run_name=f"reserved-{owner}",
+        tags={RESERVED_FOR_TAG: owner, RESERVATION_EXPIRES_TAG: f"{time.time() + hold_s:.0f}"},
+    )
     client.log_metric(run.info.run_id, RESERVED_METRIC, amount_usd, synchronous=True)
     return Reservation(tracking_uri, run.info.run_id, owner, amount_usd)
 
@@ -110,11 +120,21 @@ def active_reservations(tracking_uri: str, since: float, now: float | None = Non
     if not experiment:
         return []
     now = time.time() if now is None else now
-    runs = client.search_runs([experiment.experiment_id], max_results=10_000,
-                              filter_string=f"attributes.status = 'RUNNING' and attributes.start_time >= {int(since * 1000)}")
-    return [Reservation(tracking_uri, run.info.run_id, run.data.tags.get(RESERVED_FOR_TAG, ""),
-                        run.data.metrics.get(RESERVED_METRIC, 0.0))
-            for run in runs if float(run.data.tags.get(RESERVATION_EXPIRES_TAG, 0)) > now]
+    runs = client.search_runs(
+        [experiment.experiment_id],
+        max_results=10_000,
+        filter_string=f"attributes.status = 'RUNNING' and attributes.start_time >= {int(since * 1000)}",
+    )
+    return [
+        Reservation(
+            tracking_uri,
+            run.info.run_id,
+            run.data.tags.get(RESERVED_FOR_TAG, ""),
+            run.data.metrics.get(RESERVED_METRIC, 0.0),
+        )
+        for run in runs
+        if float(run.data.tags.get(RESERVATION_EXPIRES_TAG, 0)) > now
+    ]
 
 
 def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | None = None) -> tuple[float, int]:
@@ -127,8 +147,14 @@ def committed_since_usd(tracking_uri: str, since: float, exclude: Reservation | 
     return spent + sum(r.amount_usd for r in reservations), len(reservations)
 
 
-def reserve_within_budget(spec: ExperimentSpec, estimate: Estimate, budget_usd: float, owner: str,
-                          attempts: int = ATTEMPTS, prediction: Prediction | None = None) -> Reservation | None:
+def reserve_within_budget(
+    spec: ExperimentSpec,
+    estimate: Estimate,
+    budget_usd: float,
+    owner: str,
+    attempts: int = ATTEMPTS,
+    prediction: Prediction | None = None,
+) -> Reservation | None:
     """Reserves the run's most (price × max runtime); refuses it (BudgetExceeded) if today's total breaks the budget.
 
     Returns the reservation to release at the run's end (None for a free run: nothing to reserve)."""
@@ -169,8 +195,9 @@ def release_reservations_of(tracking_uri: str, owner: str) -> int:
 
 
 # -- the run's side: checked before launch, settled at its end ---------------------------------------------------
-def check_budget(spec: ExperimentSpec, flow_run_id: str | None = None,
-                 prediction: Prediction | None = None) -> Estimate:
+def check_budget(
+    spec: ExperimentSpec, flow_run_id: str | None = None, prediction: Prediction | None = None
+) -> Estimate:
     """Prices the cluster and refuses the run if it could break limits.max_cost_usd or the daily budget.
 
     With a flow run id the run's most is reserved first (write, then read), so that runs started together

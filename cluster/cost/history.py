@@ -50,8 +50,9 @@ def prediction_for(spec: ExperimentSpec) -> Prediction:
         with at_most_one_try():  # a tracking server that is down: said at once, not after minutes of retries
             runs = past_runs(spec, identity)
     except Exception as exc:  # a prediction is advice: a store that cannot be read never stops a plan or a run
-        return Prediction(spec.train.epochs, why_bound_only=f"history unreadable: {type(exc).__name__}: "
-                                                            f"{str(exc)[:160]}")
+        return Prediction(
+            spec.train.epochs, why_bound_only=f"history unreadable: {type(exc).__name__}: {str(exc)[:160]}"
+        )
     return predict(runs, spec, identity)
 
 
@@ -66,9 +67,14 @@ def past_runs(spec: ExperimentSpec, identity: Identity, limit: int = HISTORY_RUN
     if experiment is None:
         return []
     runs = client.search_runs(
-        [experiment.experiment_id], max_results=limit, order_by=["attributes.start_time DESC"],
-        filter_string=(f"attributes.status = 'FINISHED' and tags.`{LOOP_DIGEST_TAG}` = '{quoted(identity.loop_digest)}'"
-                       f" and tags.`{HARDWARE_TAG}` = '{quoted(identity.hardware)}'"))
+        [experiment.experiment_id],
+        max_results=limit,
+        order_by=["attributes.start_time DESC"],
+        filter_string=(
+            f"attributes.status = 'FINISHED' and tags.`{LOOP_DIGEST_TAG}` = '{quoted(identity.loop_digest)}'"
+            f" and tags.`{HARDWARE_TAG}` = '{quoted(identity.hardware)}'"
+        ),
+    )
     found = [past_run(run, identity, epoch_times(client, run.info.run_id)) for run in runs]
     return [run for run in found if run is not None]
 
@@ -79,12 +85,18 @@ def past_run(run, identity: Identity, epoch_times_s: list[float]) -> PastRun | N
     wall = metrics.get(phase("wall"))
     if wall is None:
         return None
-    return PastRun(run.info.run_id, run.info.run_name or run.info.run_id, identity,
-                   epochs=epochs_of(params.get("train.epochs"), epoch_times_s), wall_s=wall,
-                   provision_s=metrics.get(phase("provision")),
-                   first_epoch_s=metrics.get(phase("first_epoch")) or None,  # 0: the flow saw no epoch
-                   epoch_s=statistics.median(epoch_times_s[1:]) if len(epoch_times_s) > 1 else None,
-                   teardown_s=metrics.get(phase("teardown")), started_at=run.info.start_time / 1000)
+    return PastRun(
+        run.info.run_id,
+        run.info.run_name or run.info.run_id,
+        identity,
+        epochs=epochs_of(params.get("train.epochs"), epoch_times_s),
+        wall_s=wall,
+        provision_s=metrics.get(phase("provision")),
+        first_epoch_s=metrics.get(phase("first_epoch")) or None,  # 0: the flow saw no epoch
+        epoch_s=statistics.median(epoch_times_s[1:]) if len(epoch_times_s) > 1 else None,
+        teardown_s=metrics.get(phase("teardown")),
+        started_at=run.info.start_time / 1000,
+    )
 
 
 def epoch_times(client, run_id: str) -> list[float]:

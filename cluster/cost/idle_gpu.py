@@ -25,20 +25,24 @@ def gpu_utilization(client: MlflowClient, run_id: str) -> list[tuple[float, floa
     return [(timestamp / 1000, sum(values) / len(values)) for timestamp, values in sorted(samples.items())]
 
 
-def idle_verdict(series: list[tuple[float, float]], threshold_percent: float, window_s: float,
-                 now: float) -> str | None:
+def idle_verdict(
+    series: list[tuple[float, float]], threshold_percent: float, window_s: float, now: float
+) -> str | None:
     """Why the GPUs count as idle, or None: a whole window watched, and each sample of the last under the threshold."""
     if not series or series[0][0] > now - window_s:
         return None  # not watched for a whole window yet
     recent = [value for timestamp, value in series if timestamp >= now - window_s]
     if not recent or max(recent) >= threshold_percent:
         return None
-    return (f"stopped by idle GPU: utilisation stayed under {threshold_percent:g}% for {window_s / 60:g} min "
-            f"(highest {max(recent):.0f}% over {len(recent)} samples; limits.min_gpu_utilization)")
+    return (
+        f"stopped by idle GPU: utilisation stayed under {threshold_percent:g}% for {window_s / 60:g} min "
+        f"(highest {max(recent):.0f}% over {len(recent)} samples; limits.min_gpu_utilization)"
+    )
 
 
-def idle_gpu_check(spec: ExperimentSpec, run_id: str,
-                   poll_interval_s: float = IDLE_POLL_S) -> Callable[[], tuple[str, str] | None]:
+def idle_gpu_check(
+    spec: ExperimentSpec, run_id: str, poll_interval_s: float = IDLE_POLL_S
+) -> Callable[[], tuple[str, str] | None]:
     """A watchdog check: fires when GPU use stays under limits.min_gpu_utilization for limits.idle_gpu_minutes."""
     threshold = spec.limits.min_gpu_utilization
     window_s = spec.limits.idle_gpu_minutes * 60
@@ -53,4 +57,3 @@ def idle_gpu_check(spec: ExperimentSpec, run_id: str,
         return ("idle_gpu", detail) if detail else None
 
     return check
-

@@ -96,46 +96,61 @@ class Prediction:
         if not self.known:
             return [f"prediction: no history: bound only ({self.why_bound_only})"]
         names = ", ".join(run.name for run in self.based_on)
-        lines = [f"predicted wall time {span_text(self.wall, duration)} from {len(self.based_on)} past run(s) of this "
-                 f"loop on this hardware: {names}",
-                 "  " + ", ".join(f"{label} {span_text(span, duration)}" for label, span in self.parts() if span)]
+        lines = [
+            f"predicted wall time {span_text(self.wall, duration)} from {len(self.based_on)} past run(s) of this "
+            f"loop on this hardware: {names}",
+            "  " + ", ".join(f"{label} {span_text(span, duration)}" for label, span in self.parts() if span),
+        ]
         if estimate is not None and estimate.hourly_usd > 0:
             lines.append(f"  predicted cost {span_text(self.cost(estimate), dollars)} at ${estimate.hourly_usd:.4g}/h")
         return lines
 
     def parts(self) -> list[tuple[str, Span | None]]:
-        return [("provision", self.provision), ("first epoch", self.first_epoch),
-                (f"{self.epochs - 1} more epoch(s)", self.later_epochs if self.epochs > 1 else None),
-                ("teardown", self.teardown)]
+        return [
+            ("provision", self.provision),
+            ("first epoch", self.first_epoch),
+            (f"{self.epochs - 1} more epoch(s)", self.later_epochs if self.epochs > 1 else None),
+            ("teardown", self.teardown),
+        ]
 
     def refusal_note(self, estimate: Estimate, room_usd: float, room: str) -> str:
         """For a budget refusal: "predicted $41 (from 5 runs), budget left $30"; empty without history."""
         cost = self.cost(estimate)
         if cost is None:
             return ""
-        return (f" (predicted {span_text(cost, dollars)} from {len(self.based_on)} past run(s), {room} "
-                f"${room_usd:.2f}; the refusal is on the bound, which the run's limits enforce)")
+        return (
+            f" (predicted {span_text(cost, dollars)} from {len(self.based_on)} past run(s), {room} "
+            f"${room_usd:.2f}; the refusal is on the bound, which the run's limits enforce)"
+        )
 
 
-def predict(history: list[PastRun], spec: ExperimentSpec, identity: Identity,
-            limit: int = HISTORY_RUNS) -> Prediction:
+def predict(history: list[PastRun], spec: ExperimentSpec, identity: Identity, limit: int = HISTORY_RUNS) -> Prediction:
     """The spec's run predicted from the newest `limit` finished runs of the same loop on the same hardware."""
     epochs = spec.train.epochs
     if spec.sweep is not None:
         return Prediction(epochs, why_bound_only="a sweep's trials are not predicted from past runs")
-    same = sorted((run for run in history if run.identity == identity and run.wall_for(epochs) is not None),
-                  key=lambda run: run.started_at, reverse=True)[:limit]
+    same = sorted(
+        (run for run in history if run.identity == identity and run.wall_for(epochs) is not None),
+        key=lambda run: run.started_at,
+        reverse=True,
+    )[:limit]
     if not same:
-        return Prediction(epochs, why_bound_only=f"no finished run of this loop ({identity.loop_digest}) on this "
-                                                 f"hardware ({identity.hardware})")
+        return Prediction(
+            epochs,
+            why_bound_only=f"no finished run of this loop ({identity.loop_digest}) on this "
+            f"hardware ({identity.hardware})",
+        )
     return Prediction(
-        epochs, tuple(same),
+        epochs,
+        tuple(same),
         wall=Span.of([run.wall_for(epochs) for run in same]),
         provision=Span.of(present(run.provision_s for run in same)),
         first_epoch=Span.of(present(run.first_epoch_s for run in same)),
-        later_epochs=Span.of(present(None if run.per_epoch_s() is None else run.per_epoch_s() * (epochs - 1)
-                                     for run in same)),
-        teardown=Span.of(present(run.teardown_s for run in same)))
+        later_epochs=Span.of(
+            present(None if run.per_epoch_s() is None else run.per_epoch_s() * (epochs - 1) for run in same)
+        ),
+        teardown=Span.of(present(run.teardown_s for run in same)),
+    )
 
 
 def present(values) -> list[float]:

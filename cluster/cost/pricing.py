@@ -60,8 +60,10 @@ class Estimate:
         what = f"{self.num_nodes} × {self.instance_type or 'node'}"
         where = "/".join(filter(None, [self.cloud, self.region]))
         kind = "spot" if self.use_spot else "on-demand"
-        return (f"{what} ({self.accelerators or 'CPU'}, {kind}{', ' + where if where else ''}): "
-                f"${self.per_node_hourly_usd:.4g}/h per node, ${self.hourly_usd:.4g}/h in all [{self.source}]")
+        return (
+            f"{what} ({self.accelerators or 'CPU'}, {kind}{', ' + where if where else ''}): "
+            f"${self.per_node_hourly_usd:.4g}/h per node, ${self.hourly_usd:.4g}/h in all [{self.source}]"
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,38 +99,53 @@ def option_price(spec: ExperimentSpec, option: Option) -> Estimate:
     if rate is None:
         rate, source = spec.limits.hourly_rate_usd, f"limits.{USER_RATE}"
     if rate is not None:
-        return Estimate(rate, rate / nodes, nodes, option.use_spot, source, accelerators=option.accelerators,
-                        gpus_per_node=gpus)
+        return Estimate(
+            rate, rate / nodes, nodes, option.use_spot, source, accelerators=option.accelerators, gpus_per_node=gpus
+        )
     if compute.backend == "local":
         return Estimate(0.0, 0.0, nodes, False, "free")
     cloud, region = cloud_and_region(option)
     if cloud in UNPRICED_INFRA:  # machines the user already has: SkyPilot prices them at 0 and has no catalog
-        return Estimate(0.0, 0.0, nodes, option.use_spot,
-                        f"{cloud} (no price catalog: set {option.field}.{USER_RATE} or limits.{USER_RATE})",
-                        cloud=cloud, region=region, accelerators=option.accelerators, gpus_per_node=gpus)
+        return Estimate(
+            0.0,
+            0.0,
+            nodes,
+            option.use_spot,
+            f"{cloud} (no price catalog: set {option.field}.{USER_RATE} or limits.{USER_RATE})",
+            cloud=cloud,
+            region=region,
+            accelerators=option.accelerators,
+            gpus_per_node=gpus,
+        )
     clouds = [cloud] if cloud else catalog_clouds(option)
     for each in clouds:
         require_catalog(option, each)
     # For one option SkyPilot's optimizer picks the cheapest cloud that offers it.
-    priced = [estimate for estimate in (catalog_price(spec, c, region, option.accelerators, option.use_spot)
-                                        for c in clouds) if estimate]
+    priced = [
+        estimate
+        for estimate in (catalog_price(spec, c, region, option.accelerators, option.use_spot) for c in clouds)
+        if estimate
+    ]
     if not priced:
         raise PriceUnknown(
             f"{'compute.accelerators' if option.field == 'compute' else option.field}: no instance with "
             f"{option.accelerators or 'CPU only'} ({'spot' if option.use_spot else 'on-demand'}) in the SkyPilot "
             f"catalog for {cloud or ', '.join(clouds)}{'/' + region if region else ''}; check the accelerator name "
-            f"and count (`sky show-gpus`), or set {option.field}.{USER_RATE} or limits.{USER_RATE}")
+            f"and count (`sky show-gpus`), or set {option.field}.{USER_RATE} or limits.{USER_RATE}"
+        )
     return min(priced, key=lambda estimate: estimate.hourly_usd)
 
 
 def launched_price(estimate: Estimate, hourly_usd: float) -> Estimate:
     """The estimate with the price of the cluster that actually launched (the optimizer may have fallen back)."""
-    return replace(estimate, hourly_usd=hourly_usd, per_node_hourly_usd=hourly_usd / estimate.num_nodes,
-                   source="launched")
+    return replace(
+        estimate, hourly_usd=hourly_usd, per_node_hourly_usd=hourly_usd / estimate.num_nodes, source="launched"
+    )
 
 
-def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelerator: str | None,
-                  use_spot: bool) -> Estimate | None:
+def catalog_price(
+    spec: ExperimentSpec, cloud: str, region: str | None, accelerator: str | None, use_spot: bool
+) -> Estimate | None:
     """One cloud's cheapest instance for one accelerator option, priced with SkyPilot's own catalog functions."""
     import sky.catalog
     from sky.utils import registry
@@ -140,7 +157,8 @@ def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelera
         if accelerator:
             name, count = split_accelerator(accelerator)
             instance_types, _ = sky.catalog.get_instance_type_for_accelerator(
-                name, count, use_spot=use_spot, region=region, clouds=cloud)
+                name, count, use_spot=use_spot, region=region, clouds=cloud
+            )
             if not instance_types:
                 return None
             instance_type, accelerators = instance_types[0], {name: count}
@@ -154,9 +172,18 @@ def catalog_price(spec: ExperimentSpec, cloud: str, region: str | None, accelera
             per_node += cloud_object.accelerators_to_hourly_cost(accelerators, use_spot, region, None)
     except (ValueError, AssertionError):  # not offered there (e.g. spot on a cloud without spot)
         return None
-    return Estimate(per_node * compute.num_nodes, per_node, compute.num_nodes, use_spot, "catalog",
-                    cloud=cloud, region=region, instance_type=instance_type, accelerators=accelerator,
-                    gpus_per_node=gpus_per_node(accelerator))
+    return Estimate(
+        per_node * compute.num_nodes,
+        per_node,
+        compute.num_nodes,
+        use_spot,
+        "catalog",
+        cloud=cloud,
+        region=region,
+        instance_type=instance_type,
+        accelerators=accelerator,
+        gpus_per_node=gpus_per_node(accelerator),
+    )
 
 
 def catalog_dir() -> Path:
@@ -192,11 +219,13 @@ def require_catalog(option: Option, cloud: str) -> None:
 
 def missing_message(option: Option, missing: list[Path]) -> str:
     rate = f"{option.field}.{USER_RATE} or limits.{USER_RATE}" if option.field != "compute" else f"limits.{USER_RATE}"
-    return (f"{option.field}: {option.describe()} has no price: {rate} is unset and SkyPilot's price catalog is "
-            f"not on this machine ({', '.join(map(str, missing))}). Install the catalog, which SkyPilot also reads "
-            "when it launches (offline it would try to download it then, and fail): run `sky show-gpus` once where "
-            f"the internet is reachable, or copy those files from ~/.sky/catalogs/{catalog_dir().name}/ of a machine "
-            f"that has them to {catalog_dir()}; or set {rate} to price the option yourself")
+    return (
+        f"{option.field}: {option.describe()} has no price: {rate} is unset and SkyPilot's price catalog is "
+        f"not on this machine ({', '.join(map(str, missing))}). Install the catalog, which SkyPilot also reads "
+        "when it launches (offline it would try to download it then, and fail): run `sky show-gpus` once where "
+        f"the internet is reachable, or copy those files from ~/.sky/catalogs/{catalog_dir().name}/ of a machine "
+        f"that has them to {catalog_dir()}; or set {rate} to price the option yourself"
+    )
 
 
 def cloud_and_region(where) -> tuple[str | None, str | None]:
@@ -226,4 +255,3 @@ def split_accelerator(accelerator: str) -> tuple[str, float]:
 def gpus_per_node(accelerators: str | list[str] | None) -> float:
     first = first_accelerator(accelerators)
     return split_accelerator(first)[1] if first else 0
-

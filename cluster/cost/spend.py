@@ -1,6 +1,6 @@
 """What runs have cost, read back from MLflow: the ledger behind `gpuflow cost` and the daily budget.
 
-    gpuflow cost --since 7d                     # every gpuflow run of the tracking URI, and the totals
+gpuflow cost --since 7d                     # every gpuflow run of the tracking URI, and the totals
 """
 
 from __future__ import annotations
@@ -47,8 +47,13 @@ def run_costs(tracking_uri: str, since: float) -> list[RunCost]:
         return []
     rows, token = [], None
     while True:
-        page = client.search_runs(list(experiments), filter_string=f"attributes.start_time >= {int(since * 1000)}",
-                                  max_results=1000, order_by=["attributes.start_time ASC"], page_token=token)
+        page = client.search_runs(
+            list(experiments),
+            filter_string=f"attributes.start_time >= {int(since * 1000)}",
+            max_results=1000,
+            order_by=["attributes.start_time ASC"],
+            page_token=token,
+        )
         rows += [row_of(run, experiments) for run in page if BACKEND_TAG in run.data.tags]
         token = page.token
         if not token:
@@ -62,13 +67,25 @@ def row_of(run, experiments: dict[str, str]) -> RunCost:
     if estimated:
         ended_s = info.end_time / 1000 if info.end_time else time.time()
         since_s = float(tags.get(ATTEMPT_STARTED_TAG, 0)) if SPENT_BEFORE_METRIC in metrics else info.start_time / 1000
-        cost = metrics.get(SPENT_BEFORE_METRIC, 0.0) + metrics.get(HOURLY_METRIC, 0.0) * max(0.0, ended_s - since_s) / 3600
+        cost = (
+            metrics.get(SPENT_BEFORE_METRIC, 0.0) + metrics.get(HOURLY_METRIC, 0.0) * max(0.0, ended_s - since_s) / 3600
+        )
     else:
         cost = metrics["cost_usd"]
-    return RunCost(info.run_id, experiments.get(info.experiment_id, info.experiment_id), info.run_name or "",
-                   info.status, info.start_time / 1000, cost, metrics.get("gpu_hours", 0.0),
-                   metrics.get("cluster_hours", 0.0), tags.get("spot", ""), tags.get(STOPPED_BY_TAG, ""), estimated,
-                   tags.get(FLOW_RUN_TAG, ""))
+    return RunCost(
+        info.run_id,
+        experiments.get(info.experiment_id, info.experiment_id),
+        info.run_name or "",
+        info.status,
+        info.start_time / 1000,
+        cost,
+        metrics.get("gpu_hours", 0.0),
+        metrics.get("cluster_hours", 0.0),
+        tags.get("spot", ""),
+        tags.get(STOPPED_BY_TAG, ""),
+        estimated,
+        tags.get(FLOW_RUN_TAG, ""),
+    )
 
 
 def start_of_today_utc(now: float | None = None) -> float:
@@ -86,17 +103,23 @@ def parse_since(text: str) -> float:
 
 def format_table(rows: list[RunCost]) -> str:
     """The runs one per line, then the totals; a cost still accruing is marked with '~'."""
-    header = f"{'started (UTC)':<17} {'experiment':<18} {'run':<32} {'status':<8} {'stopped_by':<10} {'spot':<5} " \
-             f"{'cluster_h':>9} {'gpu_h':>7} {'cost_usd':>9}"
+    header = (
+        f"{'started (UTC)':<17} {'experiment':<18} {'run':<32} {'status':<8} {'stopped_by':<10} {'spot':<5} "
+        f"{'cluster_h':>9} {'gpu_h':>7} {'cost_usd':>9}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         started = datetime.fromtimestamp(row.started_at, timezone.utc).strftime("%Y-%m-%d %H:%M")
         cost = f"{'~' if row.estimated else ''}{row.cost_usd:.2f}"
-        lines.append(f"{started:<17} {row.experiment[:18]:<18} {row.name[:32]:<32} {row.status[:8]:<8} "
-                     f"{row.stopped_by[:10]:<10} {row.spot[:5]:<5} {row.cluster_hours:>9.3f} {row.gpu_hours:>7.2f} "
-                     f"{cost:>9}")
+        lines.append(
+            f"{started:<17} {row.experiment[:18]:<18} {row.name[:32]:<32} {row.status[:8]:<8} "
+            f"{row.stopped_by[:10]:<10} {row.spot[:5]:<5} {row.cluster_hours:>9.3f} {row.gpu_hours:>7.2f} "
+            f"{cost:>9}"
+        )
     lines.append("-" * len(header))
     total = sum(row.cost_usd for row in rows)
-    lines.append(f"{len(rows)} run(s): ${total:.2f}, {sum(r.cluster_hours for r in rows):.3f} cluster-hours, "
-                 f"{sum(r.gpu_hours for r in rows):.2f} GPU-hours")
+    lines.append(
+        f"{len(rows)} run(s): ${total:.2f}, {sum(r.cluster_hours for r in rows):.3f} cluster-hours, "
+        f"{sum(r.gpu_hours for r in rows):.2f} GPU-hours"
+    )
     return "\n".join(lines)

@@ -124,6 +124,7 @@ def wait_for_handoff(args: argparse.Namespace) -> Path:
 
 def log_lineage_meanwhile(job: JobEnv, uris: dict[str, str | None]) -> threading.Thread:
     """The run's datasets and this environment's packages (cluster/lineage.py), logged while Ray connects."""
+
     def log():
         from gpuflow.cluster.lineage import log_job_lineage
 
@@ -154,10 +155,14 @@ def main(argv=None) -> int:
     parser.add_argument("--spec", help="spec as JSON (ExperimentSpec.model_dump_json)")
     parser.add_argument("--address", help="GCS address of the Ray cluster to run on")
     parser.add_argument("--run-name", help="Ray Train run name: the checkpoint folder under storage")
-    parser.add_argument("--handoff", help="instead of the three above: wait for this JSON file to give them, and the "
-                                          "job's environment")
-    parser.add_argument("--starter", type=int, help="with --handoff: the pid of the process that started this job "
-                                                     "(its parent may be gone already)")
+    parser.add_argument(
+        "--handoff", help="instead of the three above: wait for this JSON file to give them, and the job's environment"
+    )
+    parser.add_argument(
+        "--starter",
+        type=int,
+        help="with --handoff: the pid of the process that started this job (its parent may be gone already)",
+    )
     parser.add_argument("--nodes", type=int, default=1, help="wait for this many Ray nodes before training")
     parser.add_argument("--after", default=None, help="connect to Ray once this file exists (the node starts Ray)")
     args = parser.parse_args(argv)
@@ -190,10 +195,13 @@ def main(argv=None) -> int:
     if args.after:
         wait_for_file(args.after, "Ray to start on this node")
     ray.init(address=args.address, runtime_env={"env_vars": env_vars}, log_to_driver=True)
-    print(f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s) (job pid {os.getpid()})",
-          flush=True)
+    print(
+        f"[gpuflow] connected to Ray at {args.address}: {wait_for_nodes(args.nodes)} node(s) (job pid {os.getpid()})",
+        flush=True,
+    )
     finish_background_imports()  # Ray Train and Tune, loaded while Ray connected: from here on this thread imports
     from gpuflow.cluster.job.elastic import count_nodes
+
     monitor = system_metrics_monitor()  # also what the flow's idle-GPU check reads
     # the local backend's simulated nodes: each watches its own notices (a cloud node's watch starts with its Ray)
     watches = start_local_watches(args.address) if job.local_cluster_session else []

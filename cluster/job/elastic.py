@@ -48,8 +48,11 @@ def failure_budget(compute) -> dict[str, int]:
     no controller retry). An elastic run: one more worker group restart per node it may lose, with or without a
     notice, and one controller retry each for a restart sized on a stale view of the cluster."""
     losses = node_losses_tolerated(compute) if compute.min_workers else 0
-    return {"max_failures": compute.worker_restarts + losses, "max_preemption_failures": losses,
-            "controller_failure_limit": losses}
+    return {
+        "max_failures": compute.worker_restarts + losses,
+        "max_preemption_failures": losses,
+        "controller_failure_limit": losses,
+    }
 
 
 class ElasticRestarts(ControllerCallback):
@@ -72,8 +75,10 @@ class ElasticRestarts(ControllerCallback):
             self.alive = alive_nodes()
             refresh_autoscaling_view()
         except Exception as exc:  # an error here would fail the run: the view's own tick re-reads within 20 s
-            print(f"[gpuflow] warning: could not refresh Ray's view of the cluster: {type(exc).__name__}: {exc}",
-                  flush=True)
+            print(
+                f"[gpuflow] warning: could not refresh Ray's view of the cluster: {type(exc).__name__}: {exc}",
+                flush=True,
+            )
 
 
 class NodeCount(threading.Thread):

@@ -43,8 +43,10 @@ class JobGuard:
         self.notify_json = job.notify_json
         self.started = time.time()
         self._stopping = threading.Lock()
-        checks = [deadline_check(spec.limits.max_runtime_minutes, self.started),
-                  cost_check(spec.limits.max_cost_usd, lambda: self.hourly_usd, self.requested_at)]
+        checks = [
+            deadline_check(spec.limits.max_runtime_minutes, self.started),
+            cost_check(spec.limits.max_cost_usd, lambda: self.hourly_usd, self.requested_at),
+        ]
         if self.run_id:
             lease = LeaseWatch(self.client(), self.run_id, spec.limits.orphan_grace_minutes * 60)
             checks.append(lease.check)
@@ -98,8 +100,13 @@ class JobGuard:
 
         seconds = time.time() - self.requested_at
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
-        close_run(self.client(), self.run_id, STATUS_FOR_STOP.get(reason, "FAILED"), bill,
-                  {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]})
+        close_run(
+            self.client(),
+            self.run_id,
+            STATUS_FOR_STOP.get(reason, "FAILED"),
+            bill,
+            {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]},
+        )
         if reason == "orphaned" and self.notify_json:  # no flow is left to tell anyone
             from gpuflow.cluster.run.webhook import notify_orphaned
 

@@ -21,8 +21,11 @@ NOT_THE_LOOPS = ("system/", PHASE_METRIC_PREFIX)  # MLflow's system metrics and 
 
 def last_report_ms(run) -> int | None:
     """When the loop last reported, by the run's metrics (their report timestamps, in ms), or None before any."""
-    stamps = [metric.timestamp for metric in run.data._metric_objs
-              if metric.key != HOURLY_METRIC and not metric.key.startswith(NOT_THE_LOOPS)]
+    stamps = [
+        metric.timestamp
+        for metric in run.data._metric_objs
+        if metric.key != HOURLY_METRIC and not metric.key.startswith(NOT_THE_LOOPS)
+    ]
     return max(stamps, default=None)
 
 
@@ -51,7 +54,12 @@ class HungWatch:
         silent_s = self.clock() - self.last_s
         if run is None or limit_s is None or silent_s < limit_s:
             return None
-        how = "limits.hung_minutes" if self.limit_s else \
-            f"{DERIVED_FACTOR}x the longest gap between its reports; set limits.hung_minutes to choose"
-        return "hung", (f"stopped: the loop has not reported for {silent_s / 60:.1f} min ({how}: "
-                        f"{limit_s / 60:.3g} min); each worker's stack is in the run's artifacts, hung/stacks.txt")
+        how = (
+            "limits.hung_minutes"
+            if self.limit_s
+            else f"{DERIVED_FACTOR}x the longest gap between its reports; set limits.hung_minutes to choose"
+        )
+        return "hung", (
+            f"stopped: the loop has not reported for {silent_s / 60:.1f} min ({how}: "
+            f"{limit_s / 60:.3g} min); each worker's stack is in the run's artifacts, hung/stacks.txt"
+        )

@@ -22,7 +22,8 @@ class SplitInMemory(ray.train.DataConfig):
             else:
                 streamed[name] = dataset
         if streamed:
-            for rank, iterators in enumerate(super().configure(streamed, world_size, worker_handles, worker_node_ids,
-                                                               **kwargs)):
+            for rank, iterators in enumerate(
+                super().configure(streamed, world_size, worker_handles, worker_node_ids, **kwargs)
+            ):
                 shards[rank].update(iterators)
         return shards

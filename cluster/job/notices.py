@@ -96,10 +96,23 @@ class Cloud:
 
 CLOUDS = {
     "aws": Cloud("aws", "http://169.254.169.254", "/latest/meta-data/spot/instance-action", {}, aws_notice, 120.0),
-    "gcp": Cloud("gcp", "http://metadata.google.internal", "/computeMetadata/v1/instance/preempted",
-                 {"Metadata-Flavor": "Google"}, gcp_notice, GCP_LEAD_S, ("Metadata-Flavor", "Google")),
-    "azure": Cloud("azure", "http://169.254.169.254", "/metadata/scheduledevents?api-version=2020-07-01",
-                   {"Metadata": "true"}, azure_notice, AZURE_LEAD_S),
+    "gcp": Cloud(
+        "gcp",
+        "http://metadata.google.internal",
+        "/computeMetadata/v1/instance/preempted",
+        {"Metadata-Flavor": "Google"},
+        gcp_notice,
+        GCP_LEAD_S,
+        ("Metadata-Flavor", "Google"),
+    ),
+    "azure": Cloud(
+        "azure",
+        "http://169.254.169.254",
+        "/metadata/scheduledevents?api-version=2020-07-01",
+        {"Metadata": "true"},
+        azure_notice,
+        AZURE_LEAD_S,
+    ),
 }
 
 
@@ -147,8 +160,12 @@ class MetadataService:
         return self.cloud.parse(status, body, time.time())
 
     def aws_token(self) -> str:
-        status, body, _ = fetch(f"{self.base}/latest/api/token",
-                                {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)}, self.timeout_s, "PUT")
+        status, body, _ = fetch(
+            f"{self.base}/latest/api/token",
+            {"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)},
+            self.timeout_s,
+            "PUT",
+        )
         if status != 200 or not body:
             raise NotThisCloud(f"aws: no IMDSv2 token ({status})")
         self._token = body.decode().strip()
@@ -166,8 +183,9 @@ class MetadataService:
         return self._vm_name or None
 
 
-def detect(base_url: str | None = None, clouds: tuple[str, ...] = tuple(CLOUDS), timeout_s: float = 2.0
-           ) -> MetadataService | None:
+def detect(
+    base_url: str | None = None, clouds: tuple[str, ...] = tuple(CLOUDS), timeout_s: float = 2.0
+) -> MetadataService | None:
     """The service of the first cloud that answers as itself (its first answer already checked), or None."""
     for name in clouds:
         service = MetadataService(CLOUDS[name], base_url, timeout_s)

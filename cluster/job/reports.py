@@ -35,7 +35,11 @@ def numbers_of(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
             found.update(numbers_of(value, name + "/"))
         elif isinstance(value, bool) or isinstance(value, str):
             continue
-        elif isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0 or getattr(value, "shape", None) == ():
+        elif (
+            isinstance(value, numbers.Number)
+            or getattr(value, "ndim", None) == 0
+            or getattr(value, "shape", None) == ()
+        ):
             try:
                 found[name] = float(value)  # numpy scalars and 0-d tensors too
             except (TypeError, ValueError):
@@ -66,7 +70,9 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
     try:
         import pyarrow.fs as pafs
 
-        filesystem, path = pafs.FileSystem.from_uri(snapshot_uri if "://" in snapshot_uri else Path(snapshot_uri).as_uri())
+        filesystem, path = pafs.FileSystem.from_uri(
+            snapshot_uri if "://" in snapshot_uri else Path(snapshot_uri).as_uri()
+        )
         with filesystem.open_input_stream(path) as stream:
             snapshot = json.loads(stream.read())
     except Exception:  # none yet (a first attempt), or unreadable: nothing to add
@@ -75,5 +81,7 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
     for result in snapshot.get("checkpoint_results", []):
         step_key, step = step_of(result.get("metrics", {}))
         if step is not None:
-            reports.append(Report(-1, step, numbers_of({k: v for k, v in result["metrics"].items() if k != step_key}), None))
+            reports.append(
+                Report(-1, step, numbers_of({k: v for k, v in result["metrics"].items() if k != step_key}), None)
+            )
     return sorted(reports, key=lambda report: report.step)

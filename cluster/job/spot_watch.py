@@ -38,8 +38,10 @@ def utc(epoch_s: float) -> str:
 
 
 def describe(notice: Notice, node_id: str, seen_s: float) -> str:
-    return (f"{notice.cloud} takes node {node_id[:12]} at {utc(notice.deadline_s)} "
-            f"({notice.deadline_s - seen_s:.0f}s after the notice was seen; the cloud said: {notice.said})")
+    return (
+        f"{notice.cloud} takes node {node_id[:12]} at {utc(notice.deadline_s)} "
+        f"({notice.deadline_s - seen_s:.0f}s after the notice was seen; the cloud said: {notice.said})"
+    )
 
 
 def act_on(notice: Notice, gcs: str, node_id: str, seen_s: float) -> None:
@@ -103,8 +105,12 @@ def main(argv=None) -> int:
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--node-id", help="this node's Ray node id (hex)")
     which.add_argument("--ray-temp-dir", help="or the temp dir this node's Ray was started with: its id is looked up")
-    parser.add_argument("--metadata-url", default=metadata_url(), help="ask this service instead of the cloud's own "
-                        "(default: GPUFLOW_METADATA_URL, a test's double; unset: the cloud's own)")
+    parser.add_argument(
+        "--metadata-url",
+        default=metadata_url(),
+        help="ask this service instead of the cloud's own "
+        "(default: GPUFLOW_METADATA_URL, a test's double; unset: the cloud's own)",
+    )
     parser.add_argument("--parent", type=int, default=None, help="exit once this process is no longer the parent")
     args = parser.parse_args(argv)
     service = detect(args.metadata_url)
@@ -122,11 +128,26 @@ def start_watches(gcs: str, nodes: list[str], base_url: str | None = None, out=N
     """One watch per node id, children of this process, writing to `out` (default: this process's stdout). A double
     of the metadata service (`base_url`) stands in for every node's cloud; each node then asks <base_url>/<its node
     id>, its own instance, as on one host the nodes share the service."""
-    return [subprocess.Popen([sys.executable, "-u", "-m", "gpuflow.cluster.job.spot_watch", "--gcs", gcs,
-                              "--node-id", node, "--parent", str(os.getpid()),
-                              *(["--metadata-url", f"{base_url.rstrip('/')}/{node}"] if base_url else [])],
-                             stdout=out, stderr=subprocess.STDOUT if out else None)
-            for node in nodes]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-u",
+                "-m",
+                "gpuflow.cluster.job.spot_watch",
+                "--gcs",
+                gcs,
+                "--node-id",
+                node,
+                "--parent",
+                str(os.getpid()),
+                *(["--metadata-url", f"{base_url.rstrip('/')}/{node}"] if base_url else []),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+        )
+        for node in nodes
+    ]
 
 
 def start_local_watches(gcs: str) -> list[subprocess.Popen]:
@@ -166,8 +187,20 @@ def start_node_watch(gcs: str, ray_temp_dir: str) -> subprocess.Popen | None:
 
     if not notices_possible(job_spec(JobEnv.from_env().spec_json)):
         return None
-    return subprocess.Popen([sys.executable, "-u", "-m", "gpuflow.cluster.job.spot_watch", "--gcs", gcs,
-                             "--ray-temp-dir", ray_temp_dir, "--parent", str(os.getpid())])
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "gpuflow.cluster.job.spot_watch",
+            "--gcs",
+            gcs,
+            "--ray-temp-dir",
+            ray_temp_dir,
+            "--parent",
+            str(os.getpid()),
+        ]
+    )
 
 
 def is_preemption(error: BaseException | None) -> bool:

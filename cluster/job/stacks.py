@@ -84,8 +84,12 @@ def worker_stacks(run_id: str, timeout_s: float = 30.0) -> str:
 
     dump = ray.remote(num_cpus=0)(dump_stacks_here)
     nodes = [node for node in ray.nodes() if node.get("Alive")]
-    pending = {dump.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-               .remote(run_id): node.get("NodeManagerAddress", "?") for node in nodes}
+    pending = {
+        dump.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+            run_id
+        ): node.get("NodeManagerAddress", "?")
+        for node in nodes
+    }
     ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
     sections = []
     for ref in ready:

@@ -47,8 +47,12 @@ INHERITED_TAGS = (FLOW_RUN_TAG, "prefect.flow_run_name", "prefect.flow_run_url",
 
 def search_space(spec: ExperimentSpec) -> dict[str, Any]:
     """Tune's param_space: one entry per swept field, keyed by its dotted path in the spec."""
-    sample = {"grid": tune.grid_search, "choice": tune.choice,
-              "uniform": lambda bounds: tune.uniform(*bounds), "loguniform": lambda bounds: tune.loguniform(*bounds)}
+    sample = {
+        "grid": tune.grid_search,
+        "choice": tune.choice,
+        "uniform": lambda bounds: tune.uniform(*bounds),
+        "loguniform": lambda bounds: tune.loguniform(*bounds),
+    }
     return {path: sample[p.kind](getattr(p, p.kind)) for path, p in spec.sweep.parameters.items()}
 
 
@@ -59,8 +63,10 @@ def trial_spec(spec: ExperimentSpec, values: dict[str, Any]) -> ExperimentSpec:
 
 def trial_name(trial_id: str, values: dict[str, Any]) -> str:
     """E.g. 'trial-00003 lr=0.01 hidden=128': the trial's number and values, as the MLflow runs table shows it."""
-    shown = [f"{path.rsplit('.', 1)[-1]}={value:g}" if isinstance(value, float) else f"{path.rsplit('.', 1)[-1]}={value}"
-             for path, value in values.items()]
+    shown = [
+        f"{path.rsplit('.', 1)[-1]}={value:g}" if isinstance(value, float) else f"{path.rsplit('.', 1)[-1]}={value}"
+        for path, value in values.items()
+    ]
     return " ".join([f"trial-{trial_id.rsplit('_', 1)[-1]}", *shown])
 
 
@@ -69,8 +75,12 @@ def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, 
     """The trial's MLflow run, nested under the flow's: its values as params, the flow run's links as tags."""
     parent = client.get_run(parent_run_id)
     name = trial_name(trial_id, values)
-    tags = {PARENT_RUN_TAG: parent_run_id, TRIAL_ID_TAG: trial_id, "mlflow.runName": name,
-            **{key: parent.data.tags[key] for key in INHERITED_TAGS if key in parent.data.tags}}
+    tags = {
+        PARENT_RUN_TAG: parent_run_id,
+        TRIAL_ID_TAG: trial_id,
+        "mlflow.runName": name,
+        **{key: parent.data.tags[key] for key in INHERITED_TAGS if key in parent.data.tags},
+    }
     run = client.create_run(parent.info.experiment_id, run_name=name, tags=tags)
     for path, value in values.items():
         client.log_param(run.info.run_id, path, value)
@@ -122,8 +132,9 @@ def early_stopping_scheduler(spec: ExperimentSpec):
             return decision
 
     stopping = spec.sweep.early_stopping
-    return EarlyStopping(max_t=max_epochs(spec), grace_period=stopping.grace_epochs,
-                         reduction_factor=stopping.reduction_factor)
+    return EarlyStopping(
+        max_t=max_epochs(spec), grace_period=stopping.grace_epochs, reduction_factor=stopping.reduction_factor
+    )
 
 
 class TrialRuns(tune.Callback):
@@ -157,20 +168,30 @@ class TrialRuns(tune.Callback):
         run = self.child_run(trial.trial_id)
         if run is not None:
             free_placement_group(run.data.tags.get(PLACEMENT_GROUP_TAG))
-            tags = {STOPPED_EARLY_TAG: str(stopped_early).lower(), **({STOPPED_BY_TAG: "max_trial_minutes"}
-                                                                      if timed_out and not stopped_early else {})}
-            close_run(self.client, run.info.run_id, status, tags=tags,
-                      metrics={"trial_seconds": seconds, "cost_usd": self.hourly_usd * self.share * seconds / 3600})
+            tags = {
+                STOPPED_EARLY_TAG: str(stopped_early).lower(),
+                **({STOPPED_BY_TAG: "max_trial_minutes"} if timed_out and not stopped_early else {}),
+            }
+            close_run(
+                self.client,
+                run.info.run_id,
+                status,
+                tags=tags,
+                metrics={"trial_seconds": seconds, "cost_usd": self.hourly_usd * self.share * seconds / 3600},
+            )
         outcome = "stopped early" if stopped_early else "stopped at max_trial_minutes" if timed_out else status.lower()
-        print(trial_line(trial.trial_id, f"{outcome} after {seconds:.1f}s", self.done, self.spec.sweep.num_trials),
-              flush=True)
+        print(
+            trial_line(trial.trial_id, f"{outcome} after {seconds:.1f}s", self.done, self.spec.sweep.num_trials),
+            flush=True,
+        )
 
     def child_run(self, trial_id: str):
         if not self.parent_run_id:
             return None
         experiment = self.client.get_run(self.parent_run_id).info.experiment_id
-        found = self.client.search_runs([experiment], f"tags.`{PARENT_RUN_TAG}` = '{self.parent_run_id}' and "
-                                                      f"tags.`{TRIAL_ID_TAG}` = '{trial_id}'")
+        found = self.client.search_runs(
+            [experiment], f"tags.`{PARENT_RUN_TAG}` = '{self.parent_run_id}' and tags.`{TRIAL_ID_TAG}` = '{trial_id}'"
+        )
         return found[0] if found else None
 
 
@@ -200,15 +221,26 @@ def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
     tuner = tune.Tuner(
         tune.with_resources(trainable, {TRIAL_DRIVER_RESOURCE: 1}),
         param_space=search_space(spec),
-        tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode, num_samples=sweep.num_samples,
-                                    max_concurrent_trials=sweep.max_concurrent_trials, scheduler=scheduler),
-        run_config=tune.RunConfig(name=run_name, storage_path=spec.checkpoint_uri, callbacks=[trial_runs],
-                                  stop={"time_total_s": sweep.max_trial_minutes * 60} if sweep.max_trial_minutes else None,
-                                  verbose=0),
+        tune_config=tune.TuneConfig(
+            metric=sweep.metric,
+            mode=sweep.mode,
+            num_samples=sweep.num_samples,
+            max_concurrent_trials=sweep.max_concurrent_trials,
+            scheduler=scheduler,
+        ),
+        run_config=tune.RunConfig(
+            name=run_name,
+            storage_path=spec.checkpoint_uri,
+            callbacks=[trial_runs],
+            stop={"time_total_s": sweep.max_trial_minutes * 60} if sweep.max_trial_minutes else None,
+            verbose=0,
+        ),
     )
     results = tuner.fit()
     reserved = reserved_placement_groups()
-    best = results.get_best_result() if any(not r.error and sweep.metric in (r.metrics or {}) for r in results) else None
+    best = (
+        results.get_best_result() if any(not r.error and sweep.metric in (r.metrics or {}) for r in results) else None
+    )
     if best is None:
         errors = [str(r.error).splitlines()[0] for r in results if r.error][:3]
         raise RuntimeError(f"no trial of the sweep reported {sweep.metric!r}; first errors: {errors}")
@@ -216,19 +248,36 @@ def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
     outcome = {
         "best_run_id": best_run.info.run_id if best_run else None,
         "best_values": {path: best.config[path] for path in sweep.parameters},
-        "trials": len(results), "failed_trials": sum(1 for r in results if r.error),
-        "stopped_early": len(getattr(scheduler, "stopped_early", ())), "placement_groups_reserved": reserved,
+        "trials": len(results),
+        "failed_trials": sum(1 for r in results if r.error),
+        "stopped_early": len(getattr(scheduler, "stopped_early", ())),
+        "placement_groups_reserved": reserved,
     }
-    metrics = {k: v for k, v in best.metrics.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in TUNE_BOOKKEEPING}
+    metrics = {
+        k: v
+        for k, v in best.metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in TUNE_BOOKKEEPING
+    }
     record_best(trial_runs.client, trial_runs.parent_run_id, sweep.metric, metrics.get(sweep.metric), outcome)
     # the trial's last checkpoint, persisted by its Ray Train run (Tune holds only its path)
-    return {"metrics": metrics, "checkpoint": best.metrics.get(CHECKPOINT_PATH_KEY), "storage": best.path,
-            "sweep": outcome}
+    return {
+        "metrics": metrics,
+        "checkpoint": best.metrics.get(CHECKPOINT_PATH_KEY),
+        "storage": best.path,
+        "sweep": outcome,
+    }
 
 
-TUNE_BOOKKEEPING = {"training_iteration", "time_this_iter_s", "time_total_s", "timestamp", "time_since_restore",
-                    "iterations_since_restore", "pid", "done"}
+TUNE_BOOKKEEPING = {
+    "training_iteration",
+    "time_this_iter_s",
+    "time_total_s",
+    "timestamp",
+    "time_since_restore",
+    "iterations_since_restore",
+    "pid",
+    "done",
+}
 
 
 def record_best(client, parent_run_id: str | None, metric: str, score: float | None, outcome: dict) -> None:
@@ -237,8 +286,13 @@ def record_best(client, parent_run_id: str | None, metric: str, score: float | N
         return
     for path, value in outcome["best_values"].items():
         client.log_param(parent_run_id, f"best.{path}", value)
-    figures = {f"best_{metric}": score, **{f"sweep/{key}": outcome[key] for key in
-                                            ("trials", "failed_trials", "stopped_early", "placement_groups_reserved")}}
+    figures = {
+        f"best_{metric}": score,
+        **{
+            f"sweep/{key}": outcome[key]
+            for key in ("trials", "failed_trials", "stopped_early", "placement_groups_reserved")
+        },
+    }
     for key, value in figures.items():
         if value is not None:
             client.log_metric(parent_run_id, key, float(value))

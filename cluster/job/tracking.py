@@ -64,17 +64,26 @@ class MlflowTracker:
         self.reports_seen += 1
         if self._thread is None:
             self._queue = queue.Queue()
-            for earlier in persisted_reports(self.snapshot_uri):  # a resumed attempt: what the lost one may not have logged
+            for earlier in persisted_reports(
+                self.snapshot_uri
+            ):  # a resumed attempt: what the lost one may not have logged
                 self._queue.put(earlier)
             self._thread = threading.Thread(target=self._drain, name="gpuflow-mlflow", daemon=True)
             self._thread.start()
         self._queue.put(report)
         if self.print_progress:
             shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
-            line = epoch_line(step, shown) if step_key == "epoch" else \
-                f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}"
-            print(*([checkpoint_line(report.index if step is None else step)] if checkpoint else []), line, sep="\n",
-                  flush=True)
+            line = (
+                epoch_line(step, shown)
+                if step_key == "epoch"
+                else f"[gpuflow] report {report.index}" + (f" (step {step})" if step is not None else "") + f": {shown}"
+            )
+            print(
+                *([checkpoint_line(report.index if step is None else step)] if checkpoint else []),
+                line,
+                sep="\n",
+                flush=True,
+            )
         return report
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
@@ -140,12 +149,19 @@ class MlflowTracker:
             metrics, tags = self._pending[0]
             try:
                 for start in range(0, max(len(metrics), 1), MAX_METRICS_PER_CALL):
-                    self.client.log_batch(self.run_id, metrics=metrics[start:start + MAX_METRICS_PER_CALL],
-                                          tags=tags if start == 0 else [], synchronous=True)
+                    self.client.log_batch(
+                        self.run_id,
+                        metrics=metrics[start : start + MAX_METRICS_PER_CALL],
+                        tags=tags if start == 0 else [],
+                        synchronous=True,
+                    )
             except Exception as exc:
                 if not self._unreachable:
-                    print(f"[gpuflow] warning: MLflow unreachable ({type(exc).__name__}); metrics are kept and "
-                          "logged once it is back", flush=True)
+                    print(
+                        f"[gpuflow] warning: MLflow unreachable ({type(exc).__name__}); metrics are kept and "
+                        "logged once it is back",
+                        flush=True,
+                    )
                 self._unreachable = True
                 if deadline is None or time.monotonic() > deadline:
                     return False
@@ -163,7 +179,9 @@ class MlflowTracker:
                 return log()
             except Exception as exc:
                 if attempt == 2:
-                    print(f"[gpuflow] warning: MLflow logging failed, some values are not in the run: {exc}", flush=True)
+                    print(
+                        f"[gpuflow] warning: MLflow logging failed, some values are not in the run: {exc}", flush=True
+                    )
                 else:
                     time.sleep(1 + attempt * 4)
 
@@ -183,16 +201,23 @@ class MlflowTracker:
         if self.checkpoints:
             self._call(lambda: log_text_to(artifacts(), json.dumps(self.checkpoints, indent=1), "checkpoints.json"))
         if succeeded and checkpoint is not None and not self.logged_a_model():
+
             def upload():
                 with checkpoint.as_directory() as folder:
                     artifacts().log_artifacts(folder, "checkpoint")
+
             self._call(upload)
-            print("[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run", flush=True)
+            print(
+                "[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run",
+                flush=True,
+            )
 
     def logged_a_model(self) -> bool:
         try:
             experiment = self._read_run().experiment_id
-            return bool(self.client.search_logged_models([experiment], filter_string=f"source_run_id = '{self.run_id}'"))
+            return bool(
+                self.client.search_logged_models([experiment], filter_string=f"source_run_id = '{self.run_id}'")
+            )
         except Exception:
             return False
 
@@ -204,8 +229,13 @@ class ReportToMlflow(UserCallback):
         self.tracker, self.count_workers = tracker, count_workers
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        self.tracker.add({**(metrics[0] if metrics else {}),  # rank 0's metrics, and how many workers reported
-                          **({"workers": len(metrics)} if self.count_workers else {})}, checkpoint)
+        self.tracker.add(
+            {
+                **(metrics[0] if metrics else {}),  # rank 0's metrics, and how many workers reported
+                **({"workers": len(metrics)} if self.count_workers else {}),
+            },
+            checkpoint,
+        )
 
 
 class FinishTracking(ControllerCallback):
@@ -221,8 +251,9 @@ class FinishTracking(ControllerCallback):
         self.tracker.finish(timeout_s=10)
 
 
-def tracking_callbacks(run_id: str | None, tracking_uri: str | None, run_folder: str | None = None,
-                       count_workers: bool = False) -> list:
+def tracking_callbacks(
+    run_id: str | None, tracking_uri: str | None, run_folder: str | None = None, count_workers: bool = False
+) -> list:
     """Ray Train's callbacks into the run (none without one); `run_folder`: where Ray Train keeps its snapshot."""
     if not run_id or not tracking_uri:
         return []

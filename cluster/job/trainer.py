@@ -104,14 +104,22 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
             # preemptions have budgets of their own): the flow decides about a lost node, unless the run is elastic.
             failure_config=ray.train.FailureConfig(**failure_budget(compute)),
             # every report of any loop reaches the run, from Ray Train's controller
-            callbacks=[*tracking_callbacks(run_id, job.tracking_uri, f"{spec.checkpoint_uri.rstrip('/')}/{run_name}",
-                                           count_workers=bool(compute.min_workers)),
-                       *([ElasticRestarts()] if compute.min_workers else []), *callbacks],
+            callbacks=[
+                *tracking_callbacks(
+                    run_id,
+                    job.tracking_uri,
+                    f"{spec.checkpoint_uri.rstrip('/')}/{run_name}",
+                    count_workers=bool(compute.min_workers),
+                ),
+                *([ElasticRestarts()] if compute.min_workers else []),
+                *callbacks,
+            ],
             # the loop's own MLflow logging (gpuflow.cluster.loop: the model, a profile) goes to the same run. The
             # job's runtime_env names the job's run already; a runtime_env of the workers' own would make Ray start
             # new worker processes (seconds of CPU each) instead of the idle ones it started for the job.
             worker_runtime_env={"env_vars": JobEnv(mlflow_run_id=run_id).to_env()}
-            if run_id and run_id != job.mlflow_run_id else None,
+            if run_id and run_id != job.mlflow_run_id
+            else None,
         ),
     )
 

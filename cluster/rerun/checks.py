@@ -31,8 +31,10 @@ class DataCheck:
 
     def describe(self) -> str:
         if self.now is None:
-            return (f"{self.field} {self.uri}: missing or unreadable now ({self.problem}); the run read digest "
-                    f"{self.recorded}")
+            return (
+                f"{self.field} {self.uri}: missing or unreadable now ({self.problem}); the run read digest "
+                f"{self.recorded}"
+            )
         if self.changed:
             return f"{self.field} {self.uri}: changed since the run: digest {self.recorded} then, {self.now} now"
         return f"{self.field} {self.uri}: unchanged (digest {self.now})"
@@ -76,8 +78,11 @@ def versions(text: str) -> dict[str, tuple[str, str]]:
 def package_differences(recorded: str, here: str | None = None) -> list[tuple[str, str | None, str | None]]:
     """(name, version the run had, version here) for each package that differs; None: not installed there."""
     then, now = versions(recorded), versions(packages_text() if here is None else here)
-    return [((then.get(key) or now[key])[0], then.get(key, (None, None))[1], now.get(key, (None, None))[1])
-            for key in sorted(set(then) | set(now)) if then.get(key, (0, None))[1] != now.get(key, (0, None))[1]]
+    return [
+        ((then.get(key) or now[key])[0], then.get(key, (None, None))[1], now.get(key, (None, None))[1])
+        for key in sorted(set(then) | set(now))
+        if then.get(key, (0, None))[1] != now.get(key, (0, None))[1]
+    ]
 
 
 def recorded_packages(client, source_run) -> str | None:

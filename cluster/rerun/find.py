@@ -59,8 +59,10 @@ def read_spec(client: MlflowClient, run_id: str) -> dict:
     try:
         text = Path(client.download_artifacts(run_id, SPEC_ARTIFACT)).read_text()
     except (MlflowException, OSError):
-        raise RerunRefused(f"run {run_id} has no {SPEC_ARTIFACT} artifact: it was not started by gpuflow run (or its "
-                           "artifacts are gone), so there is no spec to rerun") from None
+        raise RerunRefused(
+            f"run {run_id} has no {SPEC_ARTIFACT} artifact: it was not started by gpuflow run (or its "
+            "artifacts are gone), so there is no spec to rerun"
+        ) from None
     return yaml.safe_load(text) or {}
 
 
@@ -68,8 +70,10 @@ def find_run(ref: str, tracking_uris: Iterable[str]) -> FoundRun:
     """The run `ref` names (an MLflow run id, else a Prefect flow run id: its top-level MLflow run), in the first of
     `tracking_uris` that has it. A local store that does not exist is skipped, never created."""
     if not RUN_ID.match(ref):
-        raise RerunRefused(f"run {ref!r} is not a run id; give an MLflow run id (32 hex digits) or a Prefect flow "
-                           "run id (a UUID), as `gpuflow status` or MLflow's UI shows them")
+        raise RerunRefused(
+            f"run {ref!r} is not a run id; give an MLflow run id (32 hex digits) or a Prefect flow "
+            "run id (a UUID), as `gpuflow status` or MLflow's UI shows them"
+        )
     searched = []
     for uri in tracking_uris:
         searched.append(uri)
@@ -79,9 +83,11 @@ def find_run(ref: str, tracking_uris: Iterable[str]) -> FoundRun:
         run = run_by_id(client, ref) or run_of_flow_run(client, ref)
         if run is not None:
             return found(uri, client, run)
-    raise RerunRefused(f"run {ref!r}: no MLflow run, and no Prefect flow run's MLflow run, has this id in "
-                       f"{', '.join(searched) or 'no tracking store'}; give the store it was tracked in with "
-                       "--tracking-uri URI")
+    raise RerunRefused(
+        f"run {ref!r}: no MLflow run, and no Prefect flow run's MLflow run, has this id in "
+        f"{', '.join(searched) or 'no tracking store'}; give the store it was tracked in with "
+        "--tracking-uri URI"
+    )
 
 
 def run_by_id(client: MlflowClient, ref: str):

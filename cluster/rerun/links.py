@@ -15,9 +15,11 @@ def rerun_tags(client, old_run_id: str) -> dict[str, str]:
     """The new run's tags: which run it reruns, and a description (MLflow's UI shows it) linking that run."""
     old = client.get_run(old_run_id)
     link = f"[{old.info.run_name or old_run_id}](#/experiments/{old.info.experiment_id}/runs/{old_run_id})"
-    return {RERUN_OF_TAG: old_run_id,
-            NOTE_TAG: f"A rerun of MLflow run {link} (`{old_run_id}`): its commit, uncommitted changes and spec "
-                      f"(`gpuflow rerun {old_run_id}`)."}
+    return {
+        RERUN_OF_TAG: old_run_id,
+        NOTE_TAG: f"A rerun of MLflow run {link} (`{old_run_id}`): its commit, uncommitted changes and spec "
+        f"(`gpuflow rerun {old_run_id}`).",
+    }
 
 
 def link_rerun(client, old_run_id: str, new_run_id: str) -> None:
@@ -31,8 +33,12 @@ def link_rerun(client, old_run_id: str, new_run_id: str) -> None:
 def latest_rerun(client, experiment: str, old_run_id: str) -> str | None:
     """The newest run of the experiment (by name) that reran `old_run_id`, or None."""
     found = client.get_experiment_by_name(experiment)
-    runs = found and client.search_runs([found.experiment_id], f"tags.`{RERUN_OF_TAG}` = '{old_run_id}'",
-                                        order_by=["attributes.start_time DESC"], max_results=1)
+    runs = found and client.search_runs(
+        [found.experiment_id],
+        f"tags.`{RERUN_OF_TAG}` = '{old_run_id}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     return runs[0].info.run_id if runs else None
 
 
@@ -63,8 +69,11 @@ def comparison(old_run, new_run) -> list[str]:
 
 def is_bookkeeping(key: str) -> bool:
     """gpuflow's own figures (phases, the meter's hours and dollars, telemetry), not what the loop reported."""
-    return (key in COST_METRICS or key.startswith((PHASE_METRIC_PREFIX, "perf/", "system/"))
-            or key.endswith(("_seconds", "_hours", "_usd")))
+    return (
+        key in COST_METRICS
+        or key.startswith((PHASE_METRIC_PREFIX, "perf/", "system/"))
+        or key.endswith(("_seconds", "_hours", "_usd"))
+    )
 
 
 def shown(value: float | None) -> str:

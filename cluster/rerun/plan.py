@@ -54,18 +54,24 @@ def prepare(ask: Ask, here: Path, cache: Path) -> Rerun:
     found = find_run(ask.run, ask.tracking_uris)
     source = recorded_source(found.client, found.source)
     if source.unrecorded and not ask.allow_unrecorded_changes:
-        raise RerunRefused(f"run {found.source.info.run_id}: {source.unrecorded}, so a rerun cannot reproduce its "
-                           "code exactly; --allow-unrecorded-changes reruns its commit without them")
+        raise RerunRefused(
+            f"run {found.source.info.run_id}: {source.unrecorded}, so a rerun cannot reproduce its "
+            "code exactly; --allow-unrecorded-changes reruns its commit without them"
+        )
     data = data_checks(found.source)
     if any(check.changed for check in data) and not ask.allow_data_change:
-        raise RerunRefused("the run's data changed: " + "; ".join(c.describe() for c in data if c.changed)
-                           + "; restore it, or --allow-data-change reruns on the data as it is now")
+        raise RerunRefused(
+            "the run's data changed: "
+            + "; ".join(c.describe() for c in data if c.changed)
+            + "; restore it, or --allow-data-change reruns on the data as it is now"
+        )
     folder = checkout(repository_here(here), source, cache)
     recorded = found.recorded_spec()
     spec, changes = rerun_spec(recorded, pinned(found, folder / source.workdir), ask)
     packages = recorded_packages(found.client, found.source)
-    return Rerun(found, source, folder, spec, changes, data,
-                 None if packages is None else package_differences(packages))
+    return Rerun(
+        found, source, folder, spec, changes, data, None if packages is None else package_differences(packages)
+    )
 
 
 def pinned(found: FoundRun, workdir: Path) -> dict[str, str]:
@@ -95,8 +101,10 @@ def move_to(compute: dict, on: str) -> None:
     choices = options or (accelerators if isinstance(accelerators, list) else [accelerators])
     if on.isdigit():
         if not 1 <= int(on) <= len(choices):
-            raise RerunRefused(f"--on {on}: the run had {len(choices)} compute option(s) ({describe_choices(choices)}); "
-                               f"give a number from 1 to {len(choices)}, or an accelerator such as 'H100:1'")
+            raise RerunRefused(
+                f"--on {on}: the run had {len(choices)} compute option(s) ({describe_choices(choices)}); "
+                f"give a number from 1 to {len(choices)}, or an accelerator such as 'H100:1'"
+            )
         if options:
             compute["options"] = [options[int(on) - 1]]
         else:
@@ -107,13 +115,17 @@ def move_to(compute: dict, on: str) -> None:
         if not options:
             compute["accelerators"] = on
     else:
-        raise RerunRefused(f"--on {on!r}: give a compute option's number (1 to {len(choices)}: "
-                           f"{describe_choices(choices)}) or an accelerator such as 'H100:1'")
+        raise RerunRefused(
+            f"--on {on!r}: give a compute option's number (1 to {len(choices)}: "
+            f"{describe_choices(choices)}) or an accelerator such as 'H100:1'"
+        )
 
 
 def describe_choices(choices: list) -> str:
-    return ", ".join(f"{i} = {json.dumps(choice) if isinstance(choice, dict) else choice or 'CPU'}"
-                     for i, choice in enumerate(choices, 1))
+    return ", ".join(
+        f"{i} = {json.dumps(choice) if isinstance(choice, dict) else choice or 'CPU'}"
+        for i, choice in enumerate(choices, 1)
+    )
 
 
 def changed_fields(before: dict, after: dict) -> list[tuple[str, object, object]]:
@@ -144,19 +156,24 @@ def describe(rerun: Rerun) -> list[str]:
     if source.unrecorded:
         lines.append(f"             NOT as it ran: {source.unrecorded}")
     lines.append(f"             checked out in {rerun.folder}")
-    lines += [f"spec         {field}: {shown(old)} -> {shown(new)}" for field, old, new in rerun.spec_changes] or \
-        ["spec         as recorded"]
+    lines += [f"spec         {field}: {shown(old)} -> {shown(new)}" for field, old, new in rerun.spec_changes] or [
+        "spec         as recorded"
+    ]
     lines += [f"data         {check.describe()}" for check in rerun.data] or ["data         none recorded"]
     if rerun.packages is None:
         lines.append("packages     the run recorded none")
     elif not rerun.packages:
         lines.append("packages     the same as the run's")
     else:
-        lines += [f"packages     {name}: {then or 'absent'} then, {now or 'absent'} here"
-                  for name, then, now in rerun.packages[:MAX_PACKAGES_SHOWN]]
+        lines += [
+            f"packages     {name}: {then or 'absent'} then, {now or 'absent'} here"
+            for name, then, now in rerun.packages[:MAX_PACKAGES_SHOWN]
+        ]
         more = len(rerun.packages) - MAX_PACKAGES_SHOWN
-        lines.append(f"             ({f'and {more} more; ' if more > 0 else ''}nothing installed: this environment's "
-                     "packages run)")
+        lines.append(
+            f"             ({f'and {more} more; ' if more > 0 else ''}nothing installed: this environment's "
+            "packages run)"
+        )
     return lines
 
 

@@ -36,8 +36,10 @@ def recorded_source(client, source_run) -> Source:
     tags, run_id = source_run.data.tags, source_run.info.run_id
     commit = tags.get(MLFLOW_GIT_COMMIT)
     if not commit:
-        raise RerunRefused(f"run {run_id} recorded no git commit (its workdir was not a git repository): there is "
-                           "no code to check out; run its spec again with gpuflow run")
+        raise RerunRefused(
+            f"run {run_id} recorded no git commit (its workdir was not a git repository): there is "
+            "no code to check out; run its spec again with gpuflow run"
+        )
     diff, unrecorded = b"", None
     if tags.get(MLFLOW_GIT_DIRTY) == "true":
         if DIFF_TOO_LARGE_TAG in tags:
@@ -62,8 +64,10 @@ def checkout(repository: Path, source: Source, cache: Path) -> Path:
     commit, diff = source.commit, source.diff
     if git(repository, "cat-file", "-e", f"{commit}^{{commit}}") is None:
         remote = f" from {source.repo_url}" if source.repo_url else ""
-        raise RerunRefused(f"commit {commit} (the run's code) is not in {repository}: `git fetch`{remote} the branch "
-                           "that has it, then rerun")
+        raise RerunRefused(
+            f"commit {commit} (the run's code) is not in {repository}: `git fetch`{remote} the branch "
+            "that has it, then rerun"
+        )
     folder = cache / f"{commit[:12]}-{hashlib.sha256(diff).hexdigest()[:12]}"
     if (folder / READY).is_file():
         return folder

@@ -47,8 +47,9 @@ class LeaseKeeper(threading.Thread):
         from mlflow.entities import RunTag
 
         try:
-            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in lease_tags(self.grace_s).items()],
-                                  synchronous=True)
+            self.client.log_batch(
+                self.run_id, tags=[RunTag(k, v) for k, v in lease_tags(self.grace_s).items()], synchronous=True
+            )
             return True
         except Exception:
             return False
@@ -89,8 +90,10 @@ class LeaseWatch:
     def check(self):
         """As a watchdog check (cluster/run/limits.py)."""
         if self.expired():
-            return "orphaned", (f"stopped: the flow stopped renewing its lease for {self.grace_s:g} s "
-                                "(flow process killed, frozen or cut off); limits.orphan_grace_minutes")
+            return "orphaned", (
+                f"stopped: the flow stopped renewing its lease for {self.grace_s:g} s "
+                "(flow process killed, frozen or cut off); limits.orphan_grace_minutes"
+            )
         return None
 
 

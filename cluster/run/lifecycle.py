@@ -48,8 +48,14 @@ class Outcome:
 
 
 class Lifecycle:
-    def __init__(self, cluster_name: str, down: Callable[[str], object], meter: Meter,
-                 close: Callable[[Outcome, dict], None] | None = None, workers: int = 1):
+    def __init__(
+        self,
+        cluster_name: str,
+        down: Callable[[str], object],
+        meter: Meter,
+        close: Callable[[Outcome, dict], None] | None = None,
+        workers: int = 1,
+    ):
         self.cluster_name, self.down, self.meter, self.close = cluster_name, down, meter, close
         self._launches: list = []  # (future of a launch in flight, anything with .wait(); its cluster's name or None)
         self.replacements: dict[str, float] = {}  # a cluster asked for on a spot notice, not used yet: its request
@@ -82,7 +88,9 @@ class Lifecycle:
             self.replacements[replacement] = time.time()
         self._launches.append((future, replacement))
 
-    def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
+    def launched(
+        self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None
+    ) -> None:
         """The cluster is up; the meter prices it (Meter.launched)."""
         self.launched_at = self.launched_at or time.time()
         self.meter.launched(hourly_usd, price, option)
@@ -105,7 +113,9 @@ class Lifecycle:
     def nodes_alive(self, alive: int, of: int) -> None:
         """An elastic run's cluster has `alive` of its `of` nodes: billed for those from now (it is not relaunched)."""
         if alive != self.live_nodes:
-            log.warning(f"cluster {self.cluster_name}: {alive} of {of} nodes alive; training goes on, billed for {alive}")
+            log.warning(
+                f"cluster {self.cluster_name}: {alive} of {of} nodes alive; training goes on, billed for {alive}"
+            )
         if alive < (self.live_nodes or of):  # Ray Train restarts the workers from the last checkpoint on the rest
             self.lost.lost(time.time(), self.job_started_at or self.launched_at, self.lost.workers * alive // of)
         self.live_nodes = alive
@@ -117,8 +127,11 @@ class Lifecycle:
         only seconds later)."""
         at = min(t for t in (self._loss_seen_at, job_ended_at, time.time()) if t is not None)
         self._loss_seen_at = None
-        self.lost.lost(at, self.job_started_at or self.launched_at,
-                       replacements_requested=tuple(t for t in self.replacements.values() if t < at))
+        self.lost.lost(
+            at,
+            self.job_started_at or self.launched_at,
+            replacements_requested=tuple(t for t in self.replacements.values() if t < at),
+        )
         self.recoveries += 1
         log.warning(f"cluster {self.cluster_name} lost: {why}")
 
@@ -192,7 +205,8 @@ class Lifecycle:
                     raise TeardownFailed(
                         f"could not tear down cluster {self.cluster_name} after {len(TEARDOWN_DELAYS_S) + 1} tries: "
                         f"{type(exc).__name__}: {exc}. The reaper (flows/reaper.py) downs it on its next pass; "
-                        f"or run `gpuflow down {self.cluster_name}`") from exc
+                        f"or run `gpuflow down {self.cluster_name}`"
+                    ) from exc
                 time.sleep(delay)
         self.teardown_seconds = time.time() - started
         for requested_at in self.replacements.values():

@@ -26,8 +26,10 @@ def deadline_check(max_runtime_minutes: float, started: float | Callable[[], flo
             return None
         elapsed = time.time() - start
         if elapsed >= limit_s:
-            return "timeout", (f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
-                               f"limits.max_runtime_minutes is {max_runtime_minutes:g}")
+            return "timeout", (
+                f"stopped by timeout: the job ran {elapsed / 60:.1f} min, "
+                f"limits.max_runtime_minutes is {max_runtime_minutes:g}"
+            )
         return None
 
     return check
@@ -54,8 +56,13 @@ class Watchdog(threading.Thread):
     """Polls stop checks; the first that fires is handed to `stop(reason, detail)`, once, and the watch ends.
     It runs in the context of the thread that made it: what it logs belongs to that thread's run."""
 
-    def __init__(self, checks: list[Check], stop: Callable[[str, str], object], interval_s: float = 1.0,
-                 name: str = "gpuflow-watchdog"):
+    def __init__(
+        self,
+        checks: list[Check],
+        stop: Callable[[str, str], object],
+        interval_s: float = 1.0,
+        name: str = "gpuflow-watchdog",
+    ):
         super().__init__(daemon=True, name=name)
         self.checks, self.stop, self.interval_s = list(checks), stop, interval_s
         self._done = threading.Event()

@@ -30,19 +30,25 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
     """Why the run is dead (for its Crashed message), or None when it may live or a lease or cluster judges it."""
     if run.waiting:
         if run.state_age_s > stale_s:
-            return (f"its process died while waiting for GPUs (state unstamped for {run.state_age_s:.0f} s): "
-                    "found by the reaper")
+            return (
+                f"its process died while waiting for GPUs (state unstamped for {run.state_age_s:.0f} s): "
+                "found by the reaper"
+            )
         return None
     if run.has_cluster or run.has_mlflow_run is not False:
         return None  # the reaper's cluster and lease checks judge it, or it cannot be told now
     if run.heartbeat_age_s is not None:
         if run.heartbeat_age_s > HEARTBEAT_LATE_S:
-            return (f"its process died before its MLflow run opened (no Prefect heartbeat for "
-                    f"{run.heartbeat_age_s:.0f} s, no cluster): found by the reaper")
+            return (
+                f"its process died before its MLflow run opened (no Prefect heartbeat for "
+                f"{run.heartbeat_age_s:.0f} s, no cluster): found by the reaper"
+            )
         return None
     if run.state_age_s > PROVISION_GRACE_S:
-        return (f"its process died before its MLflow run opened (no cluster nor MLflow run "
-                f"{run.state_age_s / 60:.0f} min after it started): found by the reaper")
+        return (
+            f"its process died before its MLflow run opened (no cluster nor MLflow run "
+            f"{run.state_age_s / 60:.0f} min after it started): found by the reaper"
+        )
     return None
 
 

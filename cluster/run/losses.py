@@ -41,8 +41,13 @@ class LostCompute:
         self.resumed(at)
         self.checkpoint_at = at
 
-    def lost(self, at: float, started_at: float | None, workers_after: int | None = None,
-             replacements_requested: tuple[float, ...] = ()) -> None:
+    def lost(
+        self,
+        at: float,
+        started_at: float | None,
+        workers_after: int | None = None,
+        replacements_requested: tuple[float, ...] = (),
+    ) -> None:
         """A loss at `at`: training since the last checkpoint (or `started_at`) is done again, and a replacement
         asked for before it idled; `workers_after` train on once it is over (default: all)."""
         self.resumed(at)  # a second loss within a recovery: the first's ends here

@@ -1,9 +1,9 @@
 """The run's bill: each cluster it had at its own price, from its provision request to the end of its teardown.
 
-    meter = Meter(hourly_cost(spec))      # priced at the dearest option that may launch, until one does
-    meter.launched(hourly_usd, price, option)
-    meter.resized(live_nodes)             # an elastic run lost nodes and trains on: billed for those left
-    meter.cost()                          # {"cost_usd": ..., "gpu_hours": ..., "cluster_hours": ..., ...}
+meter = Meter(hourly_cost(spec))      # priced at the dearest option that may launch, until one does
+meter.launched(hourly_usd, price, option)
+meter.resized(live_nodes)             # an elastic run lost nodes and trains on: billed for those left
+meter.cost()                          # {"cost_usd": ..., "gpu_hours": ..., "cluster_hours": ..., ...}
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ class Meter:
     def hourly_usd(self) -> float:
         return self.price.hourly_usd
 
-    def launched(self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None) -> None:
+    def launched(
+        self, hourly_usd: float | None = None, price: Estimate | None = None, option: str | None = None
+    ) -> None:
         """Meters the cluster at the price of the option that launched (`price`), or at what the backend says it
         costs, unless the user priced it."""
         self.price, self.option = price or self.price, option or self.option
@@ -78,20 +80,30 @@ class Meter:
 
     def _full_size(self, seconds: float) -> dict:
         price = self.price
-        return {"option": self.option, "hourly_usd": price.hourly_usd, "seconds": seconds,
-                "cost_usd": price.cost_usd(seconds), "gpu_hours": seconds / 3600 * price.gpus_per_node * price.num_nodes}
+        return {
+            "option": self.option,
+            "hourly_usd": price.hourly_usd,
+            "seconds": seconds,
+            "cost_usd": price.cost_usd(seconds),
+            "gpu_hours": seconds / 3600 * price.gpus_per_node * price.num_nodes,
+        }
 
     def _attempt(self, ended: float) -> dict:
         price, attempt = self.price, self._full_size(max(0.0, ended - self._attempt_started))
         if self._resizes:
-            node_seconds = sum(nodes * seconds for seconds, nodes in
-                               seconds_at_sizes(self._attempt_started, ended, price.num_nodes, self._resizes))
-            attempt.update(cost_usd=price.per_node_cost_usd(node_seconds),
-                           gpu_hours=node_seconds / 3600 * price.gpus_per_node)
+            node_seconds = sum(
+                nodes * seconds
+                for seconds, nodes in seconds_at_sizes(self._attempt_started, ended, price.num_nodes, self._resizes)
+            )
+            attempt.update(
+                cost_usd=price.per_node_cost_usd(node_seconds), gpu_hours=node_seconds / 3600 * price.gpus_per_node
+            )
         return attempt
 
 
-def seconds_at_sizes(started: float, ended: float, num_nodes: int, resizes: list[tuple[float, int]]) -> list[tuple[float, int]]:
+def seconds_at_sizes(
+    started: float, ended: float, num_nodes: int, resizes: list[tuple[float, int]]
+) -> list[tuple[float, int]]:
     """(seconds, nodes) of each stretch of a cluster's life from `started` to `ended`: `num_nodes` until the first
     resize, then each resize's node count until the next."""
     stretches, since, nodes = [], started, num_nodes

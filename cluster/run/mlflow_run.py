@@ -16,8 +16,15 @@ from gpuflow.cluster.protocol import FLOW_RUN_TAG
 RETRY_DELAYS_S = (1, 2, 4, 8, 15)  # a tracking server restarting takes seconds: the run must still end
 
 
-def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None = None,
-              tags: dict[str, str] | None = None, overwrite: bool = False, children: bool = True) -> bool:
+def close_run(
+    client,
+    run_id: str,
+    status: str,
+    metrics: dict[str, float] | None = None,
+    tags: dict[str, str] | None = None,
+    overwrite: bool = False,
+    children: bool = True,
+) -> bool:
     """Logs the last metrics and tags and ends the run FINISHED, FAILED or KILLED.
 
     A run that already ended keeps its status unless `overwrite` (the job that stopped itself ended it first,
@@ -32,8 +39,12 @@ def close_run(client, run_id: str, status: str, metrics: dict[str, float] | None
             run = client.get_run(run_id).info
             if metrics or tags:
                 now = int(time.time() * 1000)
-                client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
-                                 tags=[RunTag(k, v) for k, v in (tags or {}).items()], synchronous=True)
+                client.log_batch(
+                    run_id,
+                    metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+                    tags=[RunTag(k, v) for k, v in (tags or {}).items()],
+                    synchronous=True,
+                )
             if children:
                 close_children(client, run_id, status, run.experiment_id)
             if overwrite or run.status == "RUNNING":
@@ -50,8 +61,9 @@ def close_children(client, run_id: str, status: str, experiment: str | None = No
     """Ends the run's child runs (tag mlflow.parentRunId) still RUNNING with `status`: whatever ends a sweep, a
     cancel, a limit, a crash, the reaper, ends its trials too."""
     experiment = experiment or client.get_run(run_id).info.experiment_id
-    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{run_id}' and "
-                                                "attributes.status = 'RUNNING'", max_results=5000)
+    children = client.search_runs(
+        [experiment], f"tags.`mlflow.parentRunId` = '{run_id}' and attributes.status = 'RUNNING'", max_results=5000
+    )
     for child in children:
         client.set_terminated(child.info.run_id, status)
     return [child.info.run_id for child in children]

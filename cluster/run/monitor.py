@@ -22,8 +22,12 @@ JOB_DETAIL = "gpuflow_job_detail"  # set on the log record of a job line that is
 # set on a log record that moves the run on: its fields, for the console (flows/cli/console.py)
 PROGRESS = "gpuflow_progress"
 # Ray Train's own per-report chatter: kept out of the INFO log, still in DEBUG.
-NOISE = ("Reporting training result", "Checkpoint successfully created", "Failed to query Ray Train Controller",
-         CHECKPOINT_PERSISTED)
+NOISE = (
+    "Reporting training result",
+    "Checkpoint successfully created",
+    "Failed to query Ray Train Controller",
+    CHECKPOINT_PERSISTED,
+)
 
 
 def visible(raw: str) -> str:
@@ -49,8 +53,12 @@ class JobFailed(RuntimeError):
     def killed(self) -> bool:
         """Ended by a signal or a broken stream, or by Ray Train on a node's preemption, not by its own error: what a
         lost node looks like at first."""
-        return self.exit_code is None or self.exit_code < 0 or self.exit_code >= 128 or \
-            self.exit_code == PREEMPTED_EXIT_CODE
+        return (
+            self.exit_code is None
+            or self.exit_code < 0
+            or self.exit_code >= 128
+            or self.exit_code == PREEMPTED_EXIT_CODE
+        )
 
 
 class JobReported(Exception):
@@ -130,8 +138,10 @@ def elastic_loss_check(spec: ExperimentSpec, life: Lifecycle) -> Check:
 
     def check():
         if life.live_nodes is not None and life.live_nodes < needed:
-            return "lost", (f"cluster {life.cluster_name}: {life.live_nodes} of {spec.compute.num_nodes} nodes left, "
-                            f"fewer than compute.num_workers' minimum of {spec.compute.min_workers} needs ({needed})")
+            return "lost", (
+                f"cluster {life.cluster_name}: {life.live_nodes} of {spec.compute.num_nodes} nodes left, "
+                f"fewer than compute.num_workers' minimum of {spec.compute.min_workers} needs ({needed})"
+            )
         return None
 
     return check

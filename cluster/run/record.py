@@ -140,14 +140,20 @@ class RunRecord:
         grace_s = self.spec.limits.orphan_grace_minutes * 60
         metrics, tags = price_entries(price)
         metrics.update(prediction_metrics(self.prediction, price))
-        tags[CHECKPOINTS_TAG] = f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
+        tags[CHECKPOINTS_TAG] = (
+            f"{self.spec.checkpoint_uri.rstrip('/')}/{train_run_name(self.spec.name, self.flow_run_id)}"
+        )
         tags.update(lease_tags(grace_s))
         if self.spec.notify:  # how the reaper finds the runs whose end may still be unsaid
             tags[NOTIFY_BLOCK_TAG] = self.spec.notify.block
         now = int(time.time() * 1000)
-        client_for(self.spec).log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-                                        params=[param(k, v) for k, v in flat_params(self.spec).items()],
-                                        tags=[RunTag(k, v) for k, v in tags.items()], synchronous=True)
+        client_for(self.spec).log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+            params=[param(k, v) for k, v in flat_params(self.spec).items()],
+            tags=[RunTag(k, v) for k, v in tags.items()],
+            synchronous=True,
+        )
         self._lease = LeaseKeeper(client_for(self.spec), run_id, grace_s, taken=True)
         self._lease.start()
         return run_id
@@ -156,21 +162,32 @@ class RunRecord:
         """Which option launched (its index and description, where it is) and the price it is metered at."""
         if not self.run_id or "launched" not in info:  # a local cluster, or one SkyPilot did not describe
             return
-        tags = {OPTION_TAG: f"{info['option']}: {info['option_text']}" if info.get("option") else
-                info.get("option_text", "unmatched"), "spot": str(price.use_spot).lower(),
-                PRICE_SOURCE_TAG: price.source,
-                **{f"{LAUNCHED_TAG_PREFIX}{key}": value for key, value in info.get("launched", {}).items()}}
+        tags = {
+            OPTION_TAG: f"{info['option']}: {info['option_text']}"
+            if info.get("option")
+            else info.get("option_text", "unmatched"),
+            "spot": str(price.use_spot).lower(),
+            PRICE_SOURCE_TAG: price.source,
+            **{f"{LAUNCHED_TAG_PREFIX}{key}": value for key, value in info.get("launched", {}).items()},
+        }
         now = int(time.time() * 1000)
-        client_for(self.spec).log_batch(self.run_id, metrics=[Metric(HOURLY_METRIC, price.hourly_usd, now, attempt)],
-                                        tags=[RunTag(k, str(v)) for k, v in tags.items()], synchronous=True)
+        client_for(self.spec).log_batch(
+            self.run_id,
+            metrics=[Metric(HOURLY_METRIC, price.hourly_usd, now, attempt)],
+            tags=[RunTag(k, str(v)) for k, v in tags.items()],
+            synchronous=True,
+        )
 
     def relaunched(self, attempts: list[dict]) -> None:
         """A cluster ended and another is requested: what was spent so far, so a run still going is priced right."""
         if self.run_id:
             now = int(time.time() * 1000)
-            client_for(self.spec).log_batch(self.run_id, metrics=[
-                Metric(SPENT_BEFORE_METRIC, sum(a["cost_usd"] for a in attempts), now, len(attempts))],
-                tags=[RunTag(ATTEMPT_STARTED_TAG, f"{time.time():.3f}")], synchronous=True)
+            client_for(self.spec).log_batch(
+                self.run_id,
+                metrics=[Metric(SPENT_BEFORE_METRIC, sum(a["cost_usd"] for a in attempts), now, len(attempts))],
+                tags=[RunTag(ATTEMPT_STARTED_TAG, f"{time.time():.3f}")],
+                synchronous=True,
+            )
 
     def close(self, outcome: Outcome, bill: dict[str, float], attempts: list[dict] = ()) -> None:
         """Ends the run; the lease stops only after, so the job never sees a live run without one."""
@@ -180,24 +197,34 @@ class RunRecord:
             metrics = {**{f"{PHASE_METRIC_PREFIX}{key}": value for key, value in self.phases.items()}, **bill}
             tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
             # only a sweep's run has child runs (its trials) to end with it: no search for the others
-            if not close_run(client_for(self.spec), self.run_id, outcome.status, metrics, tags,
-                             children=self.spec.sweep is not None):
-                log.warning(f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
-                                         "left RUNNING; the reaper closes it")
+            if not close_run(
+                client_for(self.spec), self.run_id, outcome.status, metrics, tags, children=self.spec.sweep is not None
+            ):
+                log.warning(
+                    f"MLflow at {self.spec.tracking_uri} unreachable: run {self.run_id} "
+                    "left RUNNING; the reaper closes it"
+                )
         else:
             close_runs_of_flow_run(self.spec, self.flow_run_id, outcome.status)
         settle_budget(self.spec, self.flow_run_id)  # the daily-budget reservation gives way to the cost just logged
         if self._lease:
             self._lease.finish()
 
-
     def log_attempts(self, attempts: list[dict]) -> None:
         """Each cluster of the run (attempt 1, 2, ...): its price and cost as metrics by step, its option as a tag."""
         now = int(time.time() * 1000)
-        metrics = [Metric(name, float(attempt[key]), now, number) for number, attempt in enumerate(attempts, 1)
-                   for name, key in (("attempt_cost_usd", "cost_usd"), ("attempt_hourly_usd", "hourly_usd"))]
-        tags = [RunTag(f"{ATTEMPT_TAG_PREFIX}{number}", f"{a['option']}: ${a['hourly_usd']:.4g}/h, {a['seconds']:.0f} s, "
-                       f"${a['cost_usd']:.4f}") for number, a in enumerate(attempts, 1)]
+        metrics = [
+            Metric(name, float(attempt[key]), now, number)
+            for number, attempt in enumerate(attempts, 1)
+            for name, key in (("attempt_cost_usd", "cost_usd"), ("attempt_hourly_usd", "hourly_usd"))
+        ]
+        tags = [
+            RunTag(
+                f"{ATTEMPT_TAG_PREFIX}{number}",
+                f"{a['option']}: ${a['hourly_usd']:.4g}/h, {a['seconds']:.0f} s, ${a['cost_usd']:.4f}",
+            )
+            for number, a in enumerate(attempts, 1)
+        ]
         try:
             client_for(self.spec).log_batch(self.run_id, metrics=metrics, tags=tags, synchronous=True)
         except Exception as exc:  # the close that follows says whether MLflow is reachable

@@ -48,7 +48,7 @@ def short_reason(message: str) -> str:
         return "no reason given"
     raised = [line.split(") ", 1)[-1] for line in lines[1:] if EXCEPTION_LINE.match(line.split(") ", 1)[-1])]
     reason = lines[0].rstrip(":;") + (f" ... {raised[-1]}" if raised else "")
-    return reason if len(reason) <= MAX_REASON_CHARS else reason[:MAX_REASON_CHARS - 3] + "..."
+    return reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
 
 
 @dataclass
@@ -69,8 +69,14 @@ class Event:
     @property
     def body(self) -> str:
         cost = "unknown" if self.cost_usd is None else f"${self.cost_usd:.2f}"
-        return "\n".join([f"reason: {short_reason(self.reason)}", f"cost so far: {cost}",
-                          f"MLflow: {self.mlflow_url or '-'}", f"Prefect: {self.prefect_url or '-'}"])
+        return "\n".join(
+            [
+                f"reason: {short_reason(self.reason)}",
+                f"cost so far: {cost}",
+                f"MLflow: {self.mlflow_url or '-'}",
+                f"Prefect: {self.prefect_url or '-'}",
+            ]
+        )
 
 
 def render(template, values: dict[str, str]):
@@ -86,8 +92,13 @@ def render(template, values: dict[str, str]):
 
 def send(webhook: dict, event: Event) -> str | None:
     """Posts the event to the webhook; returns None, or why it could not (a notification never fails a run)."""
-    values = {**webhook.get("values", {}), **{k: "" if v is None else str(v) for k, v in asdict(event).items()},
-              "subject": event.subject, "body": event.body, "name": webhook.get("name", "")}
+    values = {
+        **webhook.get("values", {}),
+        **{k: "" if v is None else str(v) for k, v in asdict(event).items()},
+        "subject": event.subject,
+        "body": event.body,
+        "name": webhook.get("name", ""),
+    }
     url = render(webhook["url"], values)  # the URL may be one of the block's secrets: "{{webhook_url}}"
     if webhook.get("params"):
         url += ("&" if "?" in url else "?") + urllib.parse.urlencode(render(webhook["params"], values))
@@ -111,8 +122,9 @@ def send(webhook: dict, event: Event) -> str | None:
         left = deadline - time.monotonic()
         if final or left <= 0:
             return f"notification not delivered after {tries} tries: {error}"
-        log.warning(f"notification of {event.run} ({event.event}): try {tries} failed: {error}; "
-                    f"again in {min(delay, left):g} s")
+        log.warning(
+            f"notification of {event.run} ({event.event}): try {tries} failed: {error}; again in {min(delay, left):g} s"
+        )
         time.sleep(min(delay, left))
         delay *= 2
 

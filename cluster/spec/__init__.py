@@ -14,6 +14,23 @@ from gpuflow.cluster.spec.model import ExperimentSpec, TrainSpec, job_secrets
 from gpuflow.cluster.spec.probes import check_entrypoints, check_spec, readable, validate_spec
 from gpuflow.cluster.spec.sweep import billed_sweep_minutes, max_epochs, sweep_rounds, trial_train
 
-__all__ = ["ExperimentSpec", "SpecError", "TrainSpec", "absolute_uri", "apply_override", "billed_sweep_minutes",
-           "check_entrypoints", "check_spec", "is_remote_uri", "job_secrets", "job_spec", "load_spec", "max_epochs",
-           "parse_spec", "readable", "sweep_rounds", "trial_train", "validate_spec"]
+__all__ = [
+    "ExperimentSpec",
+    "SpecError",
+    "TrainSpec",
+    "absolute_uri",
+    "apply_override",
+    "billed_sweep_minutes",
+    "check_entrypoints",
+    "check_spec",
+    "is_remote_uri",
+    "job_secrets",
+    "job_spec",
+    "load_spec",
+    "max_epochs",
+    "parse_spec",
+    "readable",
+    "sweep_rounds",
+    "trial_train",
+    "validate_spec",
+]

@@ -28,8 +28,10 @@ def split_range(compute: ComputeSpec) -> str | None:
     if low < 1:
         return f"num_workers={given}: the minimum must be at least 1 worker; write e.g. [1, {max(high, 2)}]"
     if low > high:
-        return (f"num_workers={given}: the minimum ({low}) is above the maximum ({high}); write [min, max], "
-                f"e.g. [{high}, {low}]")
+        return (
+            f"num_workers={given}: the minimum ({low}) is above the maximum ({high}); write [min, max], "
+            f"e.g. [{high}, {low}]"
+        )
     object.__setattr__(compute, "num_workers", high)
     object.__setattr__(compute, "min_workers", None if low == high else low)
     return None
@@ -44,13 +46,17 @@ def range_problem(compute: ComputeSpec) -> str | None:
     if low > compute.num_workers:
         return f"min_workers={low} is above num_workers={compute.num_workers}; lower it or give num_workers: [min, max]"
     if nodes == 1:
-        return (f"{shown} on one node: a lost node is the whole cluster, nothing is left to train on; set "
-                "num_nodes ≥ 2, or a fixed num_workers")
+        return (
+            f"{shown} on one node: a lost node is the whole cluster, nothing is left to train on; set "
+            "num_nodes ≥ 2, or a fixed num_workers"
+        )
     left = (nodes - 1) * per_node
     if low > left:
-        return (f"{shown}: losing one of the {nodes} nodes ({per_node} worker(s) each) leaves {left} worker(s), "
-                f"below the minimum {low}; lower the minimum to at most {left}, add nodes, or give a fixed "
-                f"num_workers: {compute.num_workers}")
+        return (
+            f"{shown}: losing one of the {nodes} nodes ({per_node} worker(s) each) leaves {left} worker(s), "
+            f"below the minimum {low}; lower the minimum to at most {left}, add nodes, or give a fixed "
+            f"num_workers: {compute.num_workers}"
+        )
     return None
 
 

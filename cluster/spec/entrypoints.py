@@ -64,9 +64,18 @@ class EntrypointCheck:
             self.found, self.files, self.process = [], passed, None
             return
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpuflow.cluster.spec.entrypoints", workdir,
-             *(f"{field}={entrypoint}" for field, entrypoint in entrypoints.items())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "gpuflow.cluster.spec.entrypoints",
+                workdir,
+                *(f"{field}={entrypoint}" for field, entrypoint in entrypoints.items()),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def outdated(self) -> bool:
         if self.found is None:
@@ -85,14 +94,19 @@ class EntrypointCheck:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.communicate()
-            return [f"{field}: importing {entrypoint!r} took more than {IMPORT_TIMEOUT_S:g} s; does the module do "
-                    "work at import time?" for field, entrypoint in self.entrypoints.items()]
+            return [
+                f"{field}: importing {entrypoint!r} took more than {IMPORT_TIMEOUT_S:g} s; does the module do "
+                "work at import time?"
+                for field, entrypoint in self.entrypoints.items()
+            ]
         reports = [line.removeprefix(REPORT) for line in out.splitlines() if line.startswith(REPORT)]
         if not reports:  # the import ended the interpreter: os._exit, a crash in an extension
             self.files = None
-            return [f"{field}: importing {entrypoint!r} from workdir {self.workdir!r} ended the process "
-                    f"(exit code {self.process.returncode}): {err.strip()[-300:]}"
-                    for field, entrypoint in self.entrypoints.items()]
+            return [
+                f"{field}: importing {entrypoint!r} from workdir {self.workdir!r} ended the process "
+                f"(exit code {self.process.returncode}): {err.strip()[-300:]}"
+                for field, entrypoint in self.entrypoints.items()
+            ]
         report = json.loads(reports[-1])
         self.files = report["files"]
         if not report["problems"]:  # a failure is checked anew each time: its message must be today's
@@ -153,8 +167,13 @@ def python_function_problem(function: Callable, what: str) -> str | None:
     method = getattr(type(target), "__call__", None)  # noqa: B004 (the method itself, not whether there is one)
     if not inspect.isclass(target) and inspect.isfunction(method):
         return None
-    kind = "a builtin" if inspect.isbuiltin(target) else "a class" if inspect.isclass(target) else \
-        f"a {type(target).__name__} object"
+    kind = (
+        "a builtin"
+        if inspect.isbuiltin(target)
+        else "a class"
+        if inspect.isclass(target)
+        else f"a {type(target).__name__} object"
+    )
     return f"is {kind}, not a Python function; give 'module:function' of a function in the workdir: {what}"
 
 
@@ -175,8 +194,11 @@ def main(argv: list[str]) -> int:
     workdir, *pairs = argv
     root = Path(workdir).absolute()
     sys.path[0] = str(root)  # where `python -m` put this process's folder: the job imports from its workdir
-    problems = [problem for field, entrypoint in (pair.split("=", 1) for pair in pairs)
-                if (problem := check(workdir, field, entrypoint))]
+    problems = [
+        problem
+        for field, entrypoint in (pair.split("=", 1) for pair in pairs)
+        if (problem := check(workdir, field, entrypoint))
+    ]
     files = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)

@@ -21,16 +21,48 @@ MAX_VALUE_CHARS = 120  # a bad value is quoted up to this length in a message
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Words that make an environment variable a credential: its value must not be logged anywhere.
-CREDENTIAL_WORDS = {"KEY", "KEYS", "APIKEY", "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASS",
-                    "PWD", "CREDENTIAL", "CREDENTIALS", "AUTH", "PRIVATE", "CERT", "SESSION", "SIGNATURE", "DSN"}
+CREDENTIAL_WORDS = {
+    "KEY",
+    "KEYS",
+    "APIKEY",
+    "TOKEN",
+    "TOKENS",
+    "SECRET",
+    "SECRETS",
+    "PASSWORD",
+    "PASSWD",
+    "PASS",
+    "PWD",
+    "CREDENTIAL",
+    "CREDENTIALS",
+    "AUTH",
+    "PRIVATE",
+    "CERT",
+    "SESSION",
+    "SIGNATURE",
+    "DSN",
+}
 # In a hyper-parameter's name some of them mean something else (max_tokens, label_key, forward_pass, private_ratio).
-PARAM_CREDENTIAL_WORDS = (CREDENTIAL_WORDS - {"KEY", "KEYS", "TOKENS", "PASS", "PWD", "AUTH", "PRIVATE", "CERT",
-                                              "SESSION", "SIGNATURE", "DSN"}) | {"ACCESSKEY", "SECRETKEY", "PRIVATEKEY"}
+PARAM_CREDENTIAL_WORDS = (
+    CREDENTIAL_WORDS
+    - {"KEY", "KEYS", "TOKENS", "PASS", "PWD", "AUTH", "PRIVATE", "CERT", "SESSION", "SIGNATURE", "DSN"}
+) | {"ACCESSKEY", "SECRETKEY", "PRIVATEKEY"}
 VOCABULARY_TOKENS = {"PAD", "BOS", "EOS", "UNK", "SEP", "CLS", "MASK", "START", "END", "STOP", "SPECIAL", "EOT"}
 # What gpuflow itself sets for the job: an `envs` entry must not redirect it.
 RESERVED_ENV = re.compile(r"^(GPUFLOW_.*|MLFLOW_TRACKING_URI|MLFLOW_RUN_ID|RAY_AUTH_.*|RAY_ADDRESS|PYTHONPATH)$")
 
-TRACKING_SCHEMES = {"http", "https", "file", "sqlite", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc"}
+TRACKING_SCHEMES = {
+    "http",
+    "https",
+    "file",
+    "sqlite",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "databricks",
+    "databricks-uc",
+    "uc",
+}
 STORAGE_SCHEMES = {"file", "s3", "gs", "gcs", "az", "abfs", "abfss", "hdfs", "r2"}
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
@@ -51,6 +83,7 @@ def shorten(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
 
 # -- the size of what was loaded ------------------------------------------------------------------
 
+
 def size_problem(raw: Any) -> str | None:
     """Refuses a structure too big or too deep to be a spec, without expanding it: the walk stops at the limit.
 
@@ -62,8 +95,10 @@ def size_problem(raw: Any) -> str | None:
         node, depth = stack.pop()
         seen += 1
         if seen > MAX_SPEC_NODES:
-            return (f"spec: more than {MAX_SPEC_NODES} values (YAML aliases count each time they are used); "
-                    "a spec is a short file: write each value once, without nested aliases")
+            return (
+                f"spec: more than {MAX_SPEC_NODES} values (YAML aliases count each time they are used); "
+                "a spec is a short file: write each value once, without nested aliases"
+            )
         if depth > MAX_SPEC_DEPTH:
             return f"spec: nested deeper than {MAX_SPEC_DEPTH} levels (or a recursive alias); flatten it"
         if isinstance(node, dict):
@@ -74,6 +109,7 @@ def size_problem(raw: Any) -> str | None:
 
 
 # -- environment variable names -------------------------------------------------------------------
+
 
 def name_words(name: str) -> list[str]:
     """The words of a name, upper case: WANDB_API_KEY, wandb-api-key and wandbApiKey → [WANDB, API, KEY]."""
@@ -121,7 +157,8 @@ def envs_problems(envs: dict[str, str]) -> list[str]:
             problems.append(
                 f"{name!r} looks like a credential ({looks_like_credential(name)}): its value would be logged with "
                 f"the spec; move it to secrets: remove it from envs, add `secrets: [{name}]` and export {name} "
-                "where the flow runs")
+                "where the flow runs"
+            )
         elif RESERVED_ENV.match(name):
             problems.append(f"{name!r} is set by gpuflow for the job; remove it from envs")
     return problems
@@ -134,15 +171,21 @@ def credential_params(params: dict[str, Any], path: tuple[str, ...] = ()) -> lis
         if param_looks_like_credential(str(key)):
             env = "_".join(name_words(str(key)))
             env = env if ENV_NAME.match(env) else "MY_SECRET"
-            found.append(((*path, key), "a parameter named like a credential is logged to MLflow in clear; "
-                          f"put the value in an environment variable, list its name under secrets: (e.g. secrets: "
-                          f"[{env}]), and read it with os.environ[{env!r}] in the loop"))
+            found.append(
+                (
+                    (*path, key),
+                    "a parameter named like a credential is logged to MLflow in clear; "
+                    f"put the value in an environment variable, list its name under secrets: (e.g. secrets: "
+                    f"[{env}]), and read it with os.environ[{env!r}] in the loop",
+                )
+            )
         elif isinstance(value, dict):
             found += credential_params(value, (*path, key))
     return found
 
 
 # -- URIs -----------------------------------------------------------------------------------------
+
 
 def scheme_of(uri: str) -> str | None:
     match = SCHEME.match(uri)
@@ -156,8 +199,10 @@ def tracking_uri_problem(uri: str) -> str | None:
     if scheme is None:
         return None  # a local folder: MLflow's file store
     if scheme not in TRACKING_SCHEMES:
-        return (f"{shorten(uri)}: MLflow cannot track to a {scheme}:// URI; use http(s)://host:port of an MLflow "
-                "server, sqlite:///path.db, postgresql://..., or leave it unset for the local store")
+        return (
+            f"{shorten(uri)}: MLflow cannot track to a {scheme}:// URI; use http(s)://host:port of an MLflow "
+            "server, sqlite:///path.db, postgresql://..., or leave it unset for the local store"
+        )
     if scheme in ("http", "https"):
         from urllib.parse import urlparse
 
@@ -165,8 +210,10 @@ def tracking_uri_problem(uri: str) -> str | None:
         if not parsed.hostname:
             return f"{shorten(uri)} has no host; write e.g. http://127.0.0.1:5000"
         if parsed.username or parsed.password:
-            return ("credentials in tracking.uri would be logged with the spec; remove them and add "
-                    "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to secrets")
+            return (
+                "credentials in tracking.uri would be logged with the spec; remove them and add "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to secrets"
+            )
     return None
 
 
@@ -174,8 +221,10 @@ def storage_uri_problem(uri: str) -> str | None:
     scheme = scheme_of(uri)
     if scheme is None or scheme in STORAGE_SCHEMES:
         return None
-    return (f"{shorten(uri)}: {scheme}:// is not a storage gpuflow can use; give a folder, or a bucket URI "
-            f"({', '.join(sorted(s + '://' for s in STORAGE_SCHEMES))})")
+    return (
+        f"{shorten(uri)}: {scheme}:// is not a storage gpuflow can use; give a folder, or a bucket URI "
+        f"({', '.join(sorted(s + '://' for s in STORAGE_SCHEMES))})"
+    )
 
 
 def control_character_problem(text: str) -> str | None:
@@ -190,9 +239,8 @@ REMOTE_SCHEMES = ("s3://", "gs://", "gcs://", "az://", "abfs://", "abfss://", "h
 def is_remote_uri(uri: str) -> bool:
     """True for a location a cluster's nodes can reach: a server, a bucket, or a path under GPUFLOW_SHARED_PATH."""
     shared = shared_path()
-    return (
-        uri.startswith(("http://", "https://", "databricks") + REMOTE_SCHEMES)
-        or (bool(shared) and uri.removeprefix("file://").removeprefix("sqlite:///").startswith(shared))
+    return uri.startswith(("http://", "https://", "databricks") + REMOTE_SCHEMES) or (
+        bool(shared) and uri.removeprefix("file://").removeprefix("sqlite:///").startswith(shared)
     )
 
 
@@ -203,11 +251,13 @@ def absolute_uri(uri: str) -> str:
 # -- the field types of the spec's models ------------------------------------------------------------------------
 def no_problem(check):
     """A pydantic AfterValidator from a check that returns a problem (str) or None."""
+
     def validate(value):
         problem = value is not None and check(value)
         if problem:
             raise ValueError(problem)
         return value
+
     return AfterValidator(validate)
 
 

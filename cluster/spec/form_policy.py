@@ -37,16 +37,20 @@ class FormPolicy:
     def problems(self, spec: ExperimentSpec, spec_file: str | None = None) -> list[str]:
         found = []
         if spec_file and not self.allows("spec_file"):
-            found.append(f"spec_file: deployment {self.deployment!r} takes its spec from the form only; "
-                         "leave spec_file empty (its form_policy in prefect.yaml does not allow spec_file)")
+            found.append(
+                f"spec_file: deployment {self.deployment!r} takes its spec from the form only; "
+                "leave spec_file empty (its form_policy in prefect.yaml does not allow spec_file)"
+            )
         baseline = self.baseline.model_dump(mode="json")
         for path in differences(baseline, spec.model_dump(mode="json")):
             if path not in DERIVED and not self.allows(path):
                 where = "in the spec file" if spec_file else "in the form"
-                found.append(f"{path}: deployment {self.deployment!r} fixes this field to "
-                             f"{shorten(value_at(baseline, path), 120)}; give that value {where}, "
-                             f"or add {path} to its form_policy.allow in prefect.yaml (allowed: "
-                             f"{', '.join(self.allow) or 'nothing'})")
+                found.append(
+                    f"{path}: deployment {self.deployment!r} fixes this field to "
+                    f"{shorten(value_at(baseline, path), 120)}; give that value {where}, "
+                    f"or add {path} to its form_policy.allow in prefect.yaml (allowed: "
+                    f"{', '.join(self.allow) or 'nothing'})"
+                )
         generate = spec.data.generate if spec.data else None  # a loop that reads its own data has none
         for path, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
             problem = entrypoint and not_a_project_function(entrypoint, self.baseline.workdir)
@@ -55,8 +59,9 @@ class FormPolicy:
         return found
 
     def allows(self, path: str) -> bool:
-        return any(path == pattern or fnmatchcase(path, pattern) or path.startswith(pattern + ".")
-                   for pattern in self.allow)
+        return any(
+            path == pattern or fnmatchcase(path, pattern) or path.startswith(pattern + ".") for pattern in self.allow
+        )
 
     def enforce(self, spec: ExperimentSpec, spec_file: str | None = None) -> ExperimentSpec:
         problems = self.problems(spec, spec_file)
@@ -72,8 +77,12 @@ def policy_from(deployment: str, entry: dict, baseline_spec: dict) -> FormPolicy
         return None
     allow = declared.get("allow") if isinstance(declared, dict) else None
     if not isinstance(allow, list) or not all(isinstance(item, str) for item in allow):
-        raise SpecError([f"prefect.yaml: deployment {deployment!r} form_policy must be "
-                         "{allow: [field.path, ...]}, e.g. {allow: [train.epochs, train.params.*]}"])
+        raise SpecError(
+            [
+                f"prefect.yaml: deployment {deployment!r} form_policy must be "
+                "{allow: [field.path, ...]}, e.g. {allow: [train.epochs, train.params.*]}"
+            ]
+        )
     return FormPolicy(deployment, parse_spec(baseline_spec), allow)
 
 
@@ -106,9 +115,13 @@ def not_a_project_function(entrypoint: str, workdir: str) -> str | None:
     function = getattr(module, function_name, None)
     source = getattr(module, "__file__", None)
     if not inspect.isfunction(function) or getattr(function, "__module__", None) != module_name:
-        return (f"{shorten(entrypoint)} is not a function defined in module {module_name!r}; a run from the form "
-                "may only name the project's own functions, e.g. 'experiments.digits:train_loop'")
+        return (
+            f"{shorten(entrypoint)} is not a function defined in module {module_name!r}; a run from the form "
+            "may only name the project's own functions, e.g. 'experiments.digits:train_loop'"
+        )
     if not source or not Path(source).resolve().is_relative_to(root):
-        return (f"{shorten(entrypoint)} is defined outside the project folder {str(root)!r}; a run from the form "
-                "may only name the project's own functions")
+        return (
+            f"{shorten(entrypoint)} is defined outside the project folder {str(root)!r}; a run from the form "
+            "may only name the project's own functions"
+        )
     return None

@@ -36,8 +36,10 @@ class DuplicateKey(yaml.YAMLError):
 
     def describe(self, source: str = "") -> str:
         where = f" in {source}" if source else ""
-        return (f"{self.path}: given twice{where} (lines {self.lines[0]} and {self.lines[1]}); keep one of them "
-                "(YAML would silently take the second)")
+        return (
+            f"{self.path}: given twice{where} (lines {self.lines[0]} and {self.lines[1]}); keep one of them "
+            "(YAML would silently take the second)"
+        )
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -79,8 +81,12 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
     path = Path(path)
     try:
         if path.stat().st_size > checks.MAX_SPEC_FILE_BYTES:
-            raise SpecError([f"spec file: {str(path)!r} is {path.stat().st_size} bytes, more than a spec can be "
-                             f"({checks.MAX_SPEC_FILE_BYTES}); give the experiment's YAML spec"])
+            raise SpecError(
+                [
+                    f"spec file: {str(path)!r} is {path.stat().st_size} bytes, more than a spec can be "
+                    f"({checks.MAX_SPEC_FILE_BYTES}); give the experiment's YAML spec"
+                ]
+            )
         raw = safe_load(path.read_text()) or {}
     except (FileNotFoundError, NotADirectoryError):
         raise SpecError([f"spec file: {str(path)!r} does not exist; pass the path of a YAML spec"]) from None
@@ -99,7 +105,9 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
         try:
             apply_override(raw, key.strip(), safe_load(value))
         except yaml.YAMLError as exc:
-            raise SpecError([f"--set {checks.shorten(item)}: the value is not valid YAML: {cut(str(exc), 200)}"]) from None
+            raise SpecError(
+                [f"--set {checks.shorten(item)}: the value is not valid YAML: {cut(str(exc), 200)}"]
+            ) from None
     return parse_spec(raw)
 
 
@@ -135,7 +143,11 @@ REQUIRED_EXAMPLES = {
 def describe(error: dict) -> str:
     """One pydantic error as 'field: problem (got value)' with the fix where pydantic does not give one."""
     # Pydantic adds the union member (e.g. 'constrained-str') to the location: the user knows no such field.
-    parts = [str(part) for part in error["loc"] if not re.match(r"^(constrained-|function-|lax-|strict-)|^(str|int|float|list\[.*\]|dict\[.*\])$", str(part))]
+    parts = [
+        str(part)
+        for part in error["loc"]
+        if not re.match(r"^(constrained-|function-|lax-|strict-)|^(str|int|float|list\[.*\]|dict\[.*\])$", str(part))
+    ]
     field = cut(".".join(parts), 120) or "spec"
     message = cut(error["msg"].removeprefix("Value error, "), 600)
     got = checks.shorten(error.get("input"))

@@ -43,7 +43,9 @@ class TrainSpec(Strict):
     epochs: Count(1, 100_000) = Field(10, description="Passes over the training data.")
     batch_size: Count(1, 10_000_000) = Field(64, description="Examples per worker per step.")
     lr: Amount(le=10) = Field(1e-3, description="Learning rate.")
-    params: dict[str, Any] = Field(default_factory=dict, description="Other hyper-parameters, passed to the loop as-is.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Other hyper-parameters, passed to the loop as-is."
+    )
 
     @field_validator("params")
     @classmethod
@@ -53,9 +55,13 @@ class TrainSpec(Strict):
                 raise ValueError(f"params.{checks.shorten(key)} is {item!r}; give a finite number")
         found = checks.credential_params(value)
         if found:  # one error per key, each at its own field
-            raise ValidationError.from_exception_data("TrainSpec", [
-                {"type": "value_error", "loc": path, "input": None, "ctx": {"error": problem}}
-                for path, problem in found])
+            raise ValidationError.from_exception_data(
+                "TrainSpec",
+                [
+                    {"type": "value_error", "loc": path, "input": None, "ctx": {"error": problem}}
+                    for path, problem in found
+                ],
+            )
         return value
 
     @field_validator("loop")
@@ -89,14 +95,22 @@ class DataSpec(Strict):
 
 
 class TrackingSpec(Strict):
-    experiment: Annotated[Text, Field(max_length=256)] | None = Field(None, description="MLflow experiment; defaults to the spec's name.")
-    uri: Annotated[Text, no_problem(checks.tracking_uri_problem)] | None = Field(None, description="MLflow tracking URI; defaults to a local store under .gpuflow/.")
+    experiment: Annotated[Text, Field(max_length=256)] | None = Field(
+        None, description="MLflow experiment; defaults to the spec's name."
+    )
+    uri: Annotated[Text, no_problem(checks.tracking_uri_problem)] | None = Field(
+        None, description="MLflow tracking URI; defaults to a local store under .gpuflow/."
+    )
     register_model: StrictBool = Field(True, description="Register the trained model under the spec's name.")
 
 
 class StorageSpec(Strict):
-    checkpoints: StorageUri | None = Field(None, description="Checkpoint folder or URI (s3://, gs://, ...); defaults to .gpuflow/checkpoints.")
-    num_to_keep: Count(1, 100_000) | None = Field(None, description="Keep only the newest N checkpoints; all when unset.")
+    checkpoints: StorageUri | None = Field(
+        None, description="Checkpoint folder or URI (s3://, gs://, ...); defaults to .gpuflow/checkpoints."
+    )
+    num_to_keep: Count(1, 100_000) | None = Field(
+        None, description="Keep only the newest N checkpoints; all when unset."
+    )
 
 
 class ExperimentSpec(Strict):
@@ -104,9 +118,13 @@ class ExperimentSpec(Strict):
 
     name: str = Field("digits-mlp", description="Lowercase name: MLflow experiment, registered model and run names.")
     train: TrainSpec = Field(description="What to train: the loop and its hyper-parameters.")
-    data: DataSpec | None = Field(None, description="Parquet data streamed to the loop; none for a loop that reads its own.")
+    data: DataSpec | None = Field(
+        None, description="Parquet data streamed to the loop; none for a loop that reads its own."
+    )
     compute: ComputeSpec = Field(default_factory=ComputeSpec)
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32, or bf16/fp16 mixed precision (autocast).")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32, or bf16/fp16 mixed precision (autocast)."
+    )
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
@@ -125,14 +143,23 @@ class ExperimentSpec(Strict):
         "that has them), e.g. 'uv pip install -r requirements.txt -e .'.",
     )
     sweep: SweepSpec | None = Field(
-        None, description="Run a hyper-parameter sweep (many trials, one cluster, one parent MLflow run) instead of "
-        "one training run. Unset: one run.")
+        None,
+        description="Run a hyper-parameter sweep (many trials, one cluster, one parent MLflow run) instead of "
+        "one training run. Unset: one run.",
+    )
     envs: Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=200)] = Field(
-        default_factory=dict, description="Environment variables for the job (logged with the spec: no credentials; use secrets).")
-    notify: NotifySpec | None = Field(None, description="Message a webhook when a run fails, crashes, is stopped or "
-                                      "recovers (and, if asked, completes). Unset: no messages.")
+        default_factory=dict,
+        description="Environment variables for the job (logged with the spec: no credentials; use secrets).",
+    )
+    notify: NotifySpec | None = Field(
+        None,
+        description="Message a webhook when a run fails, crashes, is stopped or "
+        "recovers (and, if asked, completes). Unset: no messages.",
+    )
     secrets: Annotated[list[EnvName], Field(max_length=100)] = Field(
-        default_factory=list, description="Names of environment variables passed to the job but never printed or logged.")
+        default_factory=list,
+        description="Names of environment variables passed to the job but never printed or logged.",
+    )
 
     @field_validator("envs")
     @classmethod
@@ -146,7 +173,9 @@ class ExperimentSpec(Strict):
     @classmethod
     def _name(cls, value: str) -> str:
         if not NAME.match(value):
-            raise ValueError(f"{value!r}: use 1-40 lowercase letters, digits and '-', starting with a letter, e.g. 'digits-mlp'")
+            raise ValueError(
+                f"{value!r}: use 1-40 lowercase letters, digits and '-', starting with a letter, e.g. 'digits-mlp'"
+            )
         return value
 
     @model_validator(mode="after")
@@ -175,9 +204,13 @@ class ExperimentSpec(Strict):
     def _sweep_fits_the_spec(self):
         problems = sweep_problems(self) if self.sweep is not None else []
         if problems:  # one error per problem, each at its own field
-            raise ValidationError.from_exception_data("ExperimentSpec", [
-                {"type": "value_error", "loc": tuple(field.split(".", 2)), "input": None, "ctx": {"error": problem}}
-                for field, problem in problems])
+            raise ValidationError.from_exception_data(
+                "ExperimentSpec",
+                [
+                    {"type": "value_error", "loc": tuple(field.split(".", 2)), "input": None, "ctx": {"error": problem}}
+                    for field, problem in problems
+                ],
+            )
         return self
 
     @property
@@ -209,12 +242,17 @@ class ExperimentSpec(Strict):
         def located(uri: str | None) -> str | None:
             return uri if uri is None or "://" in uri else str(workdir / Path(uri).expanduser())
 
-        data = self.data and self.data.model_copy(update={
-            "train": located(self.data.train), "validation": located(self.data.validation)})
-        return self.model_copy(update={
-            "workdir": str(workdir), "data": data,
-            "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
-            "storage": self.storage.model_copy(update={"checkpoints": self.checkpoint_uri})})
+        data = self.data and self.data.model_copy(
+            update={"train": located(self.data.train), "validation": located(self.data.validation)}
+        )
+        return self.model_copy(
+            update={
+                "workdir": str(workdir),
+                "data": data,
+                "tracking": self.tracking.model_copy(update={"uri": self.tracking_uri}),
+                "storage": self.storage.model_copy(update={"checkpoints": self.checkpoint_uri}),
+            }
+        )
 
 
 # A team's MLflow server asks for these (its basic-auth app); the cluster logs to the same server.

@@ -12,9 +12,11 @@ BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,99}$")
 
 
 class NotifySpec(Strict):
-    block: str = Field(description="Name of a Prefect Custom Webhook block to message (`gpuflow notify add NAME URL` "
-                       "makes one, in a generic or Slack's format): on Failed, Crashed, every stopped_by and each "
-                       "recovery from a lost cluster.")
+    block: str = Field(
+        description="Name of a Prefect Custom Webhook block to message (`gpuflow notify add NAME URL` "
+        "makes one, in a generic or Slack's format): on Failed, Crashed, every stopped_by and each "
+        "recovery from a lost cluster."
+    )
     completed: StrictBool = Field(False, description="Also message when a run completes.")
 
     @field_validator("block")

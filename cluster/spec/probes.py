@@ -34,8 +34,10 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
         uri = getattr(spec.data, field) if spec.data else None
         unusable = uri and not generate and data_problem(getattr(located, field))
         if unusable:
-            problems.append(f"data.{field}: {uri!r} {unusable}; give a Parquet file or folder that holds rows, "
-                            "or set data.generate to a function that writes it")
+            problems.append(
+                f"data.{field}: {uri!r} {unusable}; give a Parquet file or folder that holds rows, "
+                "or set data.generate to a function that writes it"
+            )
     for field, secret in enumerate(spec.secrets):
         if secret not in os.environ:
             problems.append(f"secrets[{field}]: {secret!r} is not set in this environment; export it before running")
@@ -84,6 +86,7 @@ def data_problem(uri: str) -> str | None:
 
 
 # -- the checkpoint storage takes a write, the tracking server answers ---------------------------------------
+
 
 def folder_write_problem(folder: Path, probe_name: str) -> str | None:
     """Writes and removes a probe file in the folder or, where it is missing, in a probe folder made and removed where
@@ -142,10 +145,13 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
     if status is not None:
         return None
     if why == NOT_HTTP:
-        return (f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, "
-                f"or the scheme")
-    return (f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)} within "
-            f"{timeout_s:g}s); start it, or fix the host and port")
+        return (
+            f"what answers at {shorten(uri)} is not an HTTP server (not MLflow's); fix the host and port, or the scheme"
+        )
+    return (
+        f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)} within "
+        f"{timeout_s:g}s); start it, or fix the host and port"
+    )
 
 
 # -- the tracking user may write ------------------------------------------------------------------------------
@@ -153,6 +159,7 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
 # experiment the run logs to and on the model it registers. MLflow's own client sends the credentials
 # (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, or a token), so what is checked is what the run will send. A
 # server without users (no basic-auth app) has nothing to check.
+
 
 def tracking_access_problems(uri: str, experiment: str, model: str) -> list[str]:
     """Each problem names the variable to fix, or the permission missing and how to get it."""
@@ -166,9 +173,16 @@ def tracking_access_problems(uri: str, experiment: str, model: str) -> list[str]
     me = answer.json()["user"]
     if me["is_admin"]:
         return []
-    resources = [("tracking.experiment", "experiment", experiment, "/api/2.0/mlflow/experiments/get-by-name",
-                  {"experiment_name": experiment}),
-                 ("name", "registered_model", model, "/api/2.0/mlflow/registered-models/get", {"name": model})]
+    resources = [
+        (
+            "tracking.experiment",
+            "experiment",
+            experiment,
+            "/api/2.0/mlflow/experiments/get-by-name",
+            {"experiment_name": experiment},
+        ),
+        ("name", "registered_model", model, "/api/2.0/mlflow/registered-models/get", {"name": model}),
+    ]
     problems = []
     for field, kind, name, endpoint, params in resources:
         found = mlflow_get(uri, endpoint, params)
@@ -176,15 +190,23 @@ def tracking_access_problems(uri: str, experiment: str, model: str) -> list[str]
             continue  # the run creates it, and its creator manages it
         if found.status_code == 200:
             resource_id = found.json()["experiment"]["experiment_id"] if kind == "experiment" else name
-            permission = mlflow_get(uri, USER_PERMISSION, {"username": me["username"], "resource_type": kind,
-                                                           "resource_id": resource_id}).json().get("permission", "none")
+            permission = (
+                mlflow_get(
+                    uri,
+                    USER_PERMISSION,
+                    {"username": me["username"], "resource_type": kind, "resource_id": resource_id},
+                )
+                .json()
+                .get("permission", "none")
+            )
         else:
             permission = f"no access ({found.status_code})"
         if permission not in WRITE:
             problems.append(
                 f"{field}: MLflow user {me['username']!r} has {permission} on {kind.replace('_', ' ')} {shorten(name)} "
                 f"at {uri}; a run needs EDIT: its owner or an admin grants it with `gpuflow share SPEC --user "
-                f"{me['username']}`, or change {field}")
+                f"{me['username']}`, or change {field}"
+            )
     return problems
 
 
@@ -198,8 +220,12 @@ def mlflow_get(uri: str, endpoint: str, params: dict | None = None):
 def unauthenticated(uri: str) -> str:
     user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     if not user:
-        return (f"tracking.uri: the MLflow server at {uri} asks who you are (401); export MLFLOW_TRACKING_USERNAME "
-                "and MLFLOW_TRACKING_PASSWORD (a user its admin created)")
-    return (f"tracking.uri: the MLflow server at {uri} refused user {shorten(user)} (401): no such user, or "
-            "MLFLOW_TRACKING_PASSWORD is not its password; fix MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
-            "or ask the admin to create the user")
+        return (
+            f"tracking.uri: the MLflow server at {uri} asks who you are (401); export MLFLOW_TRACKING_USERNAME "
+            "and MLFLOW_TRACKING_PASSWORD (a user its admin created)"
+        )
+    return (
+        f"tracking.uri: the MLflow server at {uri} refused user {shorten(user)} (401): no such user, or "
+        "MLFLOW_TRACKING_PASSWORD is not its password; fix MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
+        "or ask the admin to create the user"
+    )

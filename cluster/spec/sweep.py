@@ -26,21 +26,27 @@ class SweepParameter(Strict):
     grid: SweepValues | None = Field(None, description="Every value, each in its own trial (× the other grids).")
     choice: SweepValues | None = Field(None, description="One value drawn at random per sample.")
     uniform: Annotated[list[float], Field(min_length=2, max_length=2)] | None = Field(
-        None, description="[low, high]: a number drawn uniformly per sample.")
+        None, description="[low, high]: a number drawn uniformly per sample."
+    )
     loguniform: Annotated[list[float], Field(min_length=2, max_length=2)] | None = Field(
-        None, description="[low, high]: a positive number drawn uniformly on a log scale per sample.")
+        None, description="[low, high]: a positive number drawn uniformly on a log scale per sample."
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self):
         given = [kind for kind in ("grid", "choice", "uniform", "loguniform") if getattr(self, kind) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of grid, choice, uniform, loguniform (got {given or 'none'}), "
-                             "e.g. {grid: [0.001, 0.01]}")
+            raise ValueError(
+                f"give exactly one of grid, choice, uniform, loguniform (got {given or 'none'}), "
+                "e.g. {grid: [0.001, 0.01]}"
+            )
         for kind in ("uniform", "loguniform"):
             low_high = getattr(self, kind)
             if low_high and not (low_high[0] < low_high[1] and (kind == "uniform" or low_high[0] > 0)):
-                raise ValueError(f"{kind} {low_high} must be [low, high] with low < high"
-                                 + (" and low > 0" if kind == "loguniform" else ""))
+                raise ValueError(
+                    f"{kind} {low_high} must be [low, high] with low < high"
+                    + (" and low > 0" if kind == "loguniform" else "")
+                )
         return self
 
     @property
@@ -54,9 +60,11 @@ class SweepParameter(Strict):
 
 class EarlyStoppingSpec(Strict):
     grace_epochs: Count(1, 100_000) = Field(
-        1, description="Epochs every trial runs before ASHA may stop it for trailing the others.")
+        1, description="Epochs every trial runs before ASHA may stop it for trailing the others."
+    )
     reduction_factor: Amount(le=100, gt=1) = Field(
-        3, description="ASHA keeps about 1 in this many trials at each rung (grace_epochs × factor^k epochs).")
+        3, description="ASHA keeps about 1 in this many trials at each rung (grace_epochs × factor^k epochs)."
+    )
 
 
 class SweepSpec(Strict):
@@ -64,19 +72,28 @@ class SweepSpec(Strict):
 
     parameters: Annotated[dict[str, SweepParameter], Field(min_length=1, max_length=50)] = Field(
         description="Spec field → how it varies, e.g. {'train.lr': {grid: [0.001, 0.01]}}; fields: "
-        + ", ".join(SWEEPABLE) + ", train.params.<key>.")
-    num_samples: Count(1, 10_000) = Field(1, description="Times the whole grid is repeated (choices drawn anew each time).")
+        + ", ".join(SWEEPABLE)
+        + ", train.params.<key>."
+    )
+    num_samples: Count(1, 10_000) = Field(
+        1, description="Times the whole grid is repeated (choices drawn anew each time)."
+    )
     metric: Annotated[str, Field(min_length=1, max_length=250)] = Field(
-        description="The reported metric that ranks trials, e.g. val_accuracy.")
+        description="The reported metric that ranks trials, e.g. val_accuracy."
+    )
     mode: Literal["max", "min"] = Field("max", description="Whether a higher (max) or lower (min) metric is better.")
     max_concurrent_trials: Count(1, 1000) = Field(1, description="Trials running at once on the cluster.")
     workers_per_trial: Count(1, 512 * 64) | None = Field(
-        None, description="Ray Train workers of each trial; defaults to compute.num_workers ÷ max_concurrent_trials.")
+        None, description="Ray Train workers of each trial; defaults to compute.num_workers ÷ max_concurrent_trials."
+    )
     max_trial_minutes: Amount(le=43_200) | None = Field(
-        None, description="A trial still reporting after this long is stopped; also what `gpuflow plan` bounds "
-        "the sweep's cost with. Unset: only limits.max_runtime_minutes bounds the sweep.")
+        None,
+        description="A trial still reporting after this long is stopped; also what `gpuflow plan` bounds "
+        "the sweep's cost with. Unset: only limits.max_runtime_minutes bounds the sweep.",
+    )
     early_stopping: EarlyStoppingSpec | None = Field(
-        None, description="Stop trials that trail the others early (ASHA); unset: every trial runs all its epochs.")
+        None, description="Stop trials that trail the others early (ASHA); unset: every trial runs all its epochs."
+    )
 
     @property
     def num_trials(self) -> int:
@@ -91,39 +108,73 @@ def sweep_problems(spec: ExperimentSpec) -> list[tuple[str, str]]:
         field = f"sweep.parameters.{cut(path, 60)}"
         key = path.removeprefix("train.params.")
         if path.startswith("train.params.") and key not in spec.train.params:
-            problems.append((field, f"train.params has no {checks.shorten(key, 60)} (it has "
-                                    f"{', '.join(sorted(spec.train.params)) or 'none'}); give it a default there or "
-                                    "fix the name"))
+            problems.append(
+                (
+                    field,
+                    f"train.params has no {checks.shorten(key, 60)} (it has "
+                    f"{', '.join(sorted(spec.train.params)) or 'none'}); give it a default there or "
+                    "fix the name",
+                )
+            )
         elif not path.startswith("train.params.") and path not in SWEEPABLE:
-            problems.append((field, f"not a field a sweep can vary; use one of {', '.join(SWEEPABLE)} or "
-                                    "train.params.<key>"))
+            problems.append(
+                (field, f"not a field a sweep can vary; use one of {', '.join(SWEEPABLE)} or train.params.<key>")
+            )
         else:
             for value in parameter.edge_values():
                 try:
                     trial_train(spec.train, {path: value})
                 except ValidationError as exc:
-                    problems.append((field, f"{parameter.kind} value {checks.shorten(value, 60)} is not a valid "
-                                            f"{path}: {cut(exc.errors()[0]['msg'], 120)}; fix or remove it"))
+                    problems.append(
+                        (
+                            field,
+                            f"{parameter.kind} value {checks.shorten(value, 60)} is not a valid "
+                            f"{path}: {cut(exc.errors()[0]['msg'], 120)}; fix or remove it",
+                        )
+                    )
                     break
     if spec.compute.min_workers:
-        problems.append(("compute.num_workers", "an elastic range [min, max] is for one training run, not a sweep's "
-                                                f"trials; give a fixed num_workers: {spec.compute.num_workers}"))
+        problems.append(
+            (
+                "compute.num_workers",
+                "an elastic range [min, max] is for one training run, not a sweep's "
+                f"trials; give a fixed num_workers: {spec.compute.num_workers}",
+            )
+        )
     workers = spec.workers_per_trial * sweep.max_concurrent_trials
     if workers > spec.compute.num_workers:
-        problems.append(("sweep.max_concurrent_trials", (
-            f"{sweep.max_concurrent_trials} trials × {spec.workers_per_trial} worker(s) need {workers} "
-            f"workers, the cluster has compute.num_workers={spec.compute.num_workers}; lower "
-            "max_concurrent_trials or workers_per_trial, or add workers")))
+        problems.append(
+            (
+                "sweep.max_concurrent_trials",
+                (
+                    f"{sweep.max_concurrent_trials} trials × {spec.workers_per_trial} worker(s) need {workers} "
+                    f"workers, the cluster has compute.num_workers={spec.compute.num_workers}; lower "
+                    "max_concurrent_trials or workers_per_trial, or add workers"
+                ),
+            )
+        )
     if sweep.max_trial_minutes and sweep_minutes(spec) > spec.limits.max_runtime_minutes:
-        problems.append(("sweep.max_trial_minutes", (
-            f"{sweep.num_trials} trials, {sweep.max_concurrent_trials} at a time, of up to "
-            f"{sweep.max_trial_minutes:g} min each may take {sweep_minutes(spec):g} min, but "
-            f"limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g} stops the sweep before; raise "
-            f"max_runtime_minutes to {sweep_minutes(spec):g} or lower max_trial_minutes")))
+        problems.append(
+            (
+                "sweep.max_trial_minutes",
+                (
+                    f"{sweep.num_trials} trials, {sweep.max_concurrent_trials} at a time, of up to "
+                    f"{sweep.max_trial_minutes:g} min each may take {sweep_minutes(spec):g} min, but "
+                    f"limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g} stops the sweep before; raise "
+                    f"max_runtime_minutes to {sweep_minutes(spec):g} or lower max_trial_minutes"
+                ),
+            )
+        )
     if not problems and sweep.early_stopping and sweep.early_stopping.grace_epochs >= max_epochs(spec):
-        problems.append(("sweep.early_stopping.grace_epochs", (
-            f"{sweep.early_stopping.grace_epochs} is not below the trials' {max_epochs(spec)} epochs, so no "
-            "trial could stop early; lower it or remove early_stopping")))
+        problems.append(
+            (
+                "sweep.early_stopping.grace_epochs",
+                (
+                    f"{sweep.early_stopping.grace_epochs} is not below the trials' {max_epochs(spec)} epochs, so no "
+                    "trial could stop early; lower it or remove early_stopping"
+                ),
+            )
+        )
     return problems
 
 

@@ -102,8 +102,12 @@ def drain_node(gcs_address: str, node_id: str, message: str, deadline_ms: int, t
     from ray.core.generated import autoscaler_pb2
 
     accepted, why = ray._raylet.GcsClient(address=gcs_address).drain_node(
-        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), message, deadline_ms,
-        timeout=timeout_s)
+        node_id,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        message,
+        deadline_ms,
+        timeout=timeout_s,
+    )
     if not accepted:
         raise RuntimeError(f"Ray refused to drain node {node_id}: {why}")
 
@@ -122,9 +126,13 @@ def preempted_nodes(gcs_address: str) -> dict[str, str]:
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     infos = ray._raylet.GcsClient(address=gcs_address).get_all_node_info(
-        timeout=10, state_filter=GcsNodeInfo.GcsNodeState.DEAD)
-    return {info.node_id.hex(): info.death_info.reason_message for info in infos.values()
-            if info.death_info.reason == NodeDeathInfo.Reason.AUTOSCALER_DRAIN_PREEMPTED}
+        timeout=10, state_filter=GcsNodeInfo.GcsNodeState.DEAD
+    )
+    return {
+        info.node_id.hex(): info.death_info.reason_message
+        for info in infos.values()
+        if info.death_info.reason == NodeDeathInfo.Reason.AUTOSCALER_DRAIN_PREEMPTED
+    }
 
 
 def node_with_temp_dir(gcs_address: str, temp_dir: str) -> str | None:
@@ -133,7 +141,8 @@ def node_with_temp_dir(gcs_address: str, temp_dir: str) -> str | None:
     from ray.core.generated.gcs_pb2 import GcsNodeInfo
 
     infos = ray._raylet.GcsClient(address=gcs_address).get_all_node_info(
-        timeout=10, state_filter=GcsNodeInfo.GcsNodeState.ALIVE)
+        timeout=10, state_filter=GcsNodeInfo.GcsNodeState.ALIVE
+    )
     return next((info.node_id.hex() for info in infos.values() if info.temp_dir == temp_dir), None)
 
 

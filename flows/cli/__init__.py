@@ -1,15 +1,15 @@
 """The gpuflow command: run, validate (and plan, deploy, serve, cost) experiment specs.
 
-    gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
-    gpuflow rerun RUN [--dry-run]      # an MLflow (or Prefect flow) run again: its commit, changes, spec, data
-    gpuflow validate my.yaml
-    gpuflow cost --since 7d
-    gpuflow status                     # what is running or waiting now, its cluster, GPUs, cost so far
-    gpuflow quota set aws-h100 8       # the team's runs hold at most 8 of those GPUs at once; the rest wait
-    gpuflow share my.yaml --user bob   # on a tracking server with users: bob may run it and register versions
-    gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
-    gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
-    gpuflow up                    # a warm local stack that the next runs start on at once; gpuflow down stops it
+gpuflow run experiments/digits.yaml --set train.lr=0.01 --set compute.num_workers=4
+gpuflow rerun RUN [--dry-run]      # an MLflow (or Prefect flow) run again: its commit, changes, spec, data
+gpuflow validate my.yaml
+gpuflow cost --since 7d
+gpuflow status                     # what is running or waiting now, its cluster, GPUs, cost so far
+gpuflow quota set aws-h100 8       # the team's runs hold at most 8 of those GPUs at once; the rest wait
+gpuflow share my.yaml --user bob   # on a tracking server with users: bob may run it and register versions
+gpuflow serve                 # serve prefect.yaml's deployments from here; gpuflow deploy for a work pool
+gpuflow init                  # a starter project here: experiment.yaml, train.py, prefect.yaml
+gpuflow up                    # a warm local stack that the next runs start on at once; gpuflow down stops it
 """
 
 from __future__ import annotations
@@ -24,9 +24,20 @@ from gpuflow.cluster.spec import SpecError
 
 # Each command's module, in the order `gpuflow -h` lists them: its add_parser(commands) and run(args) -> exit code.
 COMMANDS = {
-    "run": "run", "rerun": "run", "validate": "check", "plan": "check",
-    "cost": "cost", "share": "share", "notify": "notify", "quota": "quota", "status": "status",
-    "serve": "deployments", "up": "stack", "down": "stack", "deploy": "deployments", "init": "starter",
+    "run": "run",
+    "rerun": "run",
+    "validate": "check",
+    "plan": "check",
+    "cost": "cost",
+    "share": "share",
+    "notify": "notify",
+    "quota": "quota",
+    "status": "status",
+    "serve": "deployments",
+    "up": "stack",
+    "down": "stack",
+    "deploy": "deployments",
+    "init": "starter",
 }
 
 
@@ -37,7 +48,9 @@ def module_of(command: str):
 def command_line(only: str | None = None) -> argparse.ArgumentParser:
     """Every gpuflow command and its arguments; or one command's alone, so that a command does not import the others'
     modules (some load MLflow: a second of CPU before `gpuflow run` starts anything)."""
-    parser = argparse.ArgumentParser(prog="gpuflow", description="Run ML experiments on cloud GPUs as one unit of work.")
+    parser = argparse.ArgumentParser(
+        prog="gpuflow", description="Run ML experiments on cloud GPUs as one unit of work."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for command in [only] if only in COMMANDS else COMMANDS:
         module_of(command).add_parser(commands, command)

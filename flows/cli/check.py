@@ -1,7 +1,7 @@
 """`gpuflow validate` and `gpuflow plan`: what a spec would run and cost, checked before anything starts.
 
-    gpuflow validate experiments/digits.yaml
-    gpuflow plan experiments/digits_h100.yaml    # the SkyPilot task, each option's price; launches nothing
+gpuflow validate experiments/digits.yaml
+gpuflow plan experiments/digits_h100.yaml    # the SkyPilot task, each option's price; launches nothing
 """
 
 from __future__ import annotations
@@ -12,15 +12,23 @@ import sys
 from gpuflow.cluster.backends.skypilot.infra import check_infra
 from gpuflow.cluster.spec import load_spec, validate_spec
 
-HELP = {"validate": "check a spec without running anything",
-        "plan": "show the cluster a spec would launch (SkyPilot task, resources) without launching"}
+HELP = {
+    "validate": "check a spec without running anything",
+    "plan": "show the cluster a spec would launch (SkyPilot task, resources) without launching",
+}
 
 
 def add_parser(commands, name: str) -> None:
     command = commands.add_parser(name, help=HELP[name])
     command.add_argument("spec", help="experiment spec (YAML)")
-    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                         help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a spec field, e.g. --set train.lr=0.01 (repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,32 +65,42 @@ def sweep_lines(spec, price=None) -> list[str]:
     if sweep is None:
         return []
     grids = [f"{len(p.grid)} {path}" for path, p in sweep.parameters.items() if p.grid is not None]
-    lines = [f"sweep: {sweep.num_trials} trials ({' × '.join(grids + [f'{sweep.num_samples} sample(s)'])}), "
-             f"{sweep.max_concurrent_trials} at a time, {spec.workers_per_trial} worker(s) each; the best has the "
-             f"{'highest' if sweep.mode == 'max' else 'lowest'} {sweep.metric}",
-             *[f"  {path}: {p.kind} {getattr(p, p.kind)}" for path, p in sweep.parameters.items()]]
+    lines = [
+        f"sweep: {sweep.num_trials} trials ({' × '.join(grids + [f'{sweep.num_samples} sample(s)'])}), "
+        f"{sweep.max_concurrent_trials} at a time, {spec.workers_per_trial} worker(s) each; the best has the "
+        f"{'highest' if sweep.mode == 'max' else 'lowest'} {sweep.metric}",
+        *[f"  {path}: {p.kind} {getattr(p, p.kind)}" for path, p in sweep.parameters.items()],
+    ]
     if sweep.early_stopping:
-        lines.append(f"  early stopping (ASHA): after {sweep.early_stopping.grace_epochs} epoch(s), about 1 trial in "
-                     f"{sweep.early_stopping.reduction_factor:g} goes on at each rung")
+        lines.append(
+            f"  early stopping (ASHA): after {sweep.early_stopping.grace_epochs} epoch(s), about 1 trial in "
+            f"{sweep.early_stopping.reduction_factor:g} goes on at each rung"
+        )
     if price is not None:
         from gpuflow.cluster.spec import billed_sweep_minutes, sweep_rounds
 
         if sweep.max_trial_minutes:
             rounds = sweep_rounds(spec)
-            how = f"{sweep.num_trials} trials ÷ {sweep.max_concurrent_trials} at a time × {sweep.max_trial_minutes:g} min"
+            how = (
+                f"{sweep.num_trials} trials ÷ {sweep.max_concurrent_trials} at a time × {sweep.max_trial_minutes:g} min"
+            )
         else:
             rounds, how = None, "limits.max_runtime_minutes (set sweep.max_trial_minutes for a tighter bound)"
         minutes = billed_sweep_minutes(spec)
-        lines.append(f"  cost bound: {how} = {minutes:g} min{f' ({rounds} rounds)' if rounds else ''} "
-                     f"× ${price.hourly_usd:.4g}/h = ${price.sweep_cost_usd(spec):.2f}")
+        lines.append(
+            f"  cost bound: {how} = {minutes:g} min{f' ({rounds} rounds)' if rounds else ''} "
+            f"× ${price.hourly_usd:.4g}/h = ${price.sweep_cost_usd(spec):.2f}"
+        )
     return lines
 
 
 def describe(spec) -> str:
     c = spec.compute
     elastic = f" (elastic: trains on down to {c.min_workers})" if c.min_workers else ""
-    return (f"{spec.name}: {c.backend} backend, {c.num_nodes} node(s) × {c.workers_per_node} worker(s){elastic}, "
-            f"{c.accelerators or 'CPU'}, {spec.precision}, {spec.train.epochs} epochs, tracked at {spec.tracking_uri}")
+    return (
+        f"{spec.name}: {c.backend} backend, {c.num_nodes} node(s) × {c.workers_per_node} worker(s){elastic}, "
+        f"{c.accelerators or 'CPU'}, {spec.precision}, {spec.train.epochs} epochs, tracked at {spec.tracking_uri}"
+    )
 
 
 def plan(spec) -> int:
@@ -96,8 +114,11 @@ def plan(spec) -> int:
         price = hourly_cost(spec)
         for line in sweep_lines(spec, price):
             print(f"# {line}")
-        print("# local backend: a Ray cluster on this machine; nothing is billed."
-              if price.hourly_usd == 0 else f"# local backend, priced at {price.describe()}")
+        print(
+            "# local backend: a Ray cluster on this machine; nothing is billed."
+            if price.hourly_usd == 0
+            else f"# local backend, priced at {price.describe()}"
+        )
         print_prediction(spec, price)
         return 0
     from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
@@ -105,19 +126,25 @@ def plan(spec) -> int:
     price = None
     try:
         for option, estimate in option_prices(spec):
-            print(f"# option {option.index}{' (spot fallback)' if option not in compute_options(spec.compute) else ''}"
-                  f": {option.describe()}: {estimate.describe()}")
+            print(
+                f"# option {option.index}{' (spot fallback)' if option not in compute_options(spec.compute) else ''}"
+                f": {option.describe()}: {estimate.describe()}"
+            )
         price = hourly_cost(spec)
-        print(f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
-              f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}")
+        print(
+            f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
+            f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}"
+        )
         print_prediction(spec, price)
     except CatalogMissing as exc:  # not a plan that can launch: SkyPilot would fail at launch, offline
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # a plan is still worth showing without a price
         print(f"# price unknown: {exc}")
-    print(f"# SkyPilot tries the options {'cheapest first (compute.any_of)' if spec.compute.any_of else 'in order'}; "
-          f"with no capacity anywhere the run waits up to limits.max_queue_minutes={spec.limits.max_queue_minutes:g}")
+    print(
+        f"# SkyPilot tries the options {'cheapest first (compute.any_of)' if spec.compute.any_of else 'in order'}; "
+        f"with no capacity anywhere the run waits up to limits.max_queue_minutes={spec.limits.max_queue_minutes:g}"
+    )
     for line in sweep_lines(spec, price):
         print(f"# {line}")
     print(f"# launched with autostop after {spec.limits.idle_minutes_to_autostop} idle min and down=True (autodown)")

@@ -18,9 +18,15 @@ from gpuflow.cluster.run.monitor import JOB_DETAIL, PROGRESS
 from gpuflow.flows.run_logs import LOGGER
 
 # The phase of a record from a task run, by the task's name; the flow's own records say theirs (PROGRESS).
-TASK_PHASES = {"validate": "validating", "stage-data": "provisioning", "open-mlflow-run": "provisioning",
-               "provision": "provisioning", "train": "training", "teardown": "tearing down",
-               "register-model": "registering"}
+TASK_PHASES = {
+    "validate": "validating",
+    "stage-data": "provisioning",
+    "open-mlflow-run": "provisioning",
+    "provision": "provisioning",
+    "train": "training",
+    "teardown": "tearing down",
+    "register-model": "registering",
+}
 SHOWN_METRICS = 3  # of an epoch's metrics, besides perf/*: the line stays short
 CLEAR_LINE = "\r\x1b[K"
 REDRAW_S = 1.0  # the live line's clock: ETA and dollars move between epochs too
@@ -40,8 +46,10 @@ class HideHookNotes(logging.Filter):
         if record.levelno != logging.INFO:
             return True
         message = record.getMessage()
-        return not (message.startswith("Running hook ") or
-                    (message.startswith("Hook ") and message.endswith(" finished running successfully")))
+        return not (
+            message.startswith("Running hook ")
+            or (message.startswith("Hook ") and message.endswith(" finished running successfully"))
+        )
 
 
 def clock(seconds: float) -> str:
@@ -119,9 +127,17 @@ class Progress:
     def epoch_line(self) -> str:
         """An epoch for a log: `epoch 3/10  val_accuracy 0.962  train_loss 0.118  2.4 s/epoch  ETA 0:17  $0.00`."""
         epoch = self.epoch
-        return "  ".join(part for part in (
-            f"epoch {epoch['epoch']}/{epoch['epochs']}", self.metrics_text(), f"{self.seconds_per_epoch():.1f} s/epoch",
-            f"ETA {clock(self.eta_s(epoch['at']))}", f"${epoch['cost_usd']:.2f}") if part)
+        return "  ".join(
+            part
+            for part in (
+                f"epoch {epoch['epoch']}/{epoch['epochs']}",
+                self.metrics_text(),
+                f"{self.seconds_per_epoch():.1f} s/epoch",
+                f"ETA {clock(self.eta_s(epoch['at']))}",
+                f"${epoch['cost_usd']:.2f}",
+            )
+            if part
+        )
 
     def live_line(self, now: float) -> str:
         """Where the run is now: `training  epoch 3/10  ETA 0:17  val_accuracy 0.962  $0.00  [0:41]`."""
@@ -248,15 +264,19 @@ def print_summary(spec, summary: dict, seconds: float, log_file: Path | None) ->
     print("  metrics      " + metrics_line(summary["metrics"]))
     sweep = summary.get("sweep")
     if sweep:
-        print(f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, "
-              f"{sweep['failed_trials']} failed; best: "
-              + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
-              + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)")
+        print(
+            f"  sweep        {sweep['trials']} trials, {sweep['stopped_early']} stopped early, "
+            f"{sweep['failed_trials']} failed; best: "
+            + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
+            + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)"
+        )
     print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")
     if log_file:
         print(f"  full log     {log_file} (or gpuflow run -v)")
     cost = summary.get("cost") or {}
     if "lost_compute_seconds" in cost:
-        print(f"  recovered    {cost.get('recoveries', 0):g} relaunch(es): {cost['lost_compute_seconds']:.0f} worker-s "
-              f"lost (redone, recovering), {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training")
+        print(
+            f"  recovered    {cost.get('recoveries', 0):g} relaunch(es): {cost['lost_compute_seconds']:.0f} worker-s "
+            f"lost (redone, recovering), {cost.get('recovery_seconds', 0):.0f}s from loss to resumed training"
+        )

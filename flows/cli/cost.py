@@ -1,7 +1,7 @@
 """`gpuflow cost`: what gpuflow runs cost (from MLflow), or what one spec would cost before it runs.
 
-    gpuflow cost --since 7d                               # runs of the last 7 days and their totals
-    gpuflow cost --estimate experiments/digits.yaml       # hourly price, most a run may cost, budget verdict
+gpuflow cost --since 7d                               # runs of the last 7 days and their totals
+gpuflow cost --estimate experiments/digits.yaml       # hourly price, most a run may cost, budget verdict
 """
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ def add_parser(commands, name: str) -> None:
     command.add_argument("--since", default="7d", help="how far back: 30m, 12h, 7d, 2w (default 7d)")
     command.add_argument("--tracking-uri", help="MLflow tracking URI (default: the local store under GPUFLOW_HOME)")
     command.add_argument("--estimate", metavar="SPEC", help="price this spec instead of listing runs")
-    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                         help="override a field of the --estimate spec (repeatable)")
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the --estimate spec (repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +68,8 @@ def estimate(args: argparse.Namespace) -> int:
     if price is None:
         return 2
     print(f"{args.estimate}: {price.describe()}")
-    print(f"  at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes="
-          f"{spec.limits.max_runtime_minutes:g}; max_cost_usd={spec.limits.max_cost_usd}")
+    print(
+        f"  at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes="
+        f"{spec.limits.max_runtime_minutes:g}; max_cost_usd={spec.limits.max_cost_usd}"
+    )
     return 0

@@ -1,7 +1,7 @@
 """`gpuflow notify add`: a webhook for the team's run messages, saved once as a Prefect Custom Webhook block.
 
-    gpuflow notify add team-alerts https://hooks.slack.com/services/T/B/X --format slack
-    # then in a spec:  notify: {block: team-alerts}
+gpuflow notify add team-alerts https://hooks.slack.com/services/T/B/X --format slack
+# then in a spec:  notify: {block: team-alerts}
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ def add_parser(commands, name: str) -> None:
     add = actions.add_parser("add", help="save (or replace) a webhook block")
     add.add_argument("name", help="the block's name, which specs give as notify.block")
     add.add_argument("url", help="the webhook URL (kept encrypted by Prefect; never logged)")
-    add.add_argument("--format", choices=sorted(FORMATS), default="json",
-                     help="json: the event's fields and text; slack: Slack's incoming-webhook message")
+    add.add_argument(
+        "--format",
+        choices=sorted(FORMATS),
+        default="json",
+        help="json: the event's fields and text; slack: Slack's incoming-webhook message",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,9 @@
 """`gpuflow quota`: the team's GPU quotas, on the Prefect server every run and worker talks to.
 
-    gpuflow quota set aws-h100 8      # the team's runs hold at most 8 GPUs of pool aws-h100 at once
-    gpuflow quota set local 2         # on the local backend the unit is the worker
-    gpuflow quota list                # each quota: size, held now, runs waiting; gives back leaked slots
-    gpuflow quota remove aws-h100     # runs of that pool no longer wait
+gpuflow quota set aws-h100 8      # the team's runs hold at most 8 GPUs of pool aws-h100 at once
+gpuflow quota set local 2         # on the local backend the unit is the worker
+gpuflow quota list                # each quota: size, held now, runs waiting; gives back leaked slots
+gpuflow quota remove aws-h100     # runs of that pool no longer wait
 """
 
 from __future__ import annotations
@@ -46,15 +46,26 @@ def run(args: argparse.Namespace) -> int:
         from gpuflow.flows.reconcile.quota_recount import recount
 
         counts = recount()  # held: what the runs truly hold, once a leak is given back
-        rows = [(found.pool, found.size, found.counted - found.freed, len(quota_hold.waiting_runs(found.pool)))
-                for found in counts]
-        print("no quotas: runs never wait (gpuflow quota set POOL SIZE)" if not rows else
-              "\n".join([f"{'quota':<24} {'size':>5} {'held':>5} {'waiting runs':>13}",
-                         *[f"{name:<24} {size:>5} {held:>5} {waiting:>13}" for name, size, held, waiting in rows]]))
+        rows = [
+            (found.pool, found.size, found.counted - found.freed, len(quota_hold.waiting_runs(found.pool)))
+            for found in counts
+        ]
+        print(
+            "no quotas: runs never wait (gpuflow quota set POOL SIZE)"
+            if not rows
+            else "\n".join(
+                [
+                    f"{'quota':<24} {'size':>5} {'held':>5} {'waiting runs':>13}",
+                    *[f"{name:<24} {size:>5} {held:>5} {waiting:>13}" for name, size, held, waiting in rows],
+                ]
+            )
+        )
         for found in counts:
             if found.freed:
-                print(f"quota {found.pool}: gave back {found.freed} leaked slot(s): Prefect counted {found.counted} "
-                      f"held, the runs hold {found.held} (a lease the Prefect server forgot)")
+                print(
+                    f"quota {found.pool}: gave back {found.freed} leaked slot(s): Prefect counted {found.counted} "
+                    f"held, the runs hold {found.held} (a lease the Prefect server forgot)"
+                )
             elif found.note:
                 print(f"quota {found.pool}: {found.note}")
     return 0

@@ -28,28 +28,60 @@ def add_parser(commands, name: str) -> None:
         return add_rerun_parser(commands, name)
     command = commands.add_parser(name, help="run an experiment: provision, train, track, tear down")
     command.add_argument("spec", nargs="?", help="experiment spec (YAML)")
-    command.add_argument("--deployment", metavar="FLOW/NAME",
-                         help="instead: start a run of this deployment (served elsewhere), tagged with your MLflow user")
-    command.add_argument("-v", "--verbose", action="store_true",
-                         help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress")
-    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                         help="override a spec field, e.g. --set train.lr=0.01 (repeatable)")
+    command.add_argument(
+        "--deployment",
+        metavar="FLOW/NAME",
+        help="instead: start a run of this deployment (served elsewhere), tagged with your MLflow user",
+    )
+    command.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress",
+    )
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a spec field, e.g. --set train.lr=0.01 (repeatable)",
+    )
 
 
 def add_rerun_parser(commands, name: str) -> None:
-    command = commands.add_parser(name, help="run a run again as it ran: its commit and uncommitted changes, its spec, "
-                                  "its data checked by digest; linked to it in MLflow")
+    command = commands.add_parser(
+        name,
+        help="run a run again as it ran: its commit and uncommitted changes, its spec, "
+        "its data checked by digest; linked to it in MLflow",
+    )
     command.add_argument("run", help="the MLflow run id, or the Prefect flow run id, of the run to rerun")
-    command.add_argument("--tracking-uri", help="where the run is tracked (default: the local store under "
-                         "GPUFLOW_HOME, then the tracking servers the Prefect API knows)")
-    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                         help="override a field of the run's spec, as gpuflow run does (repeatable)")
-    command.add_argument("--on", metavar="N|GPU:COUNT", help="other hardware: compute option N alone (as gpuflow "
-                         "plan numbers them), or every option on this accelerator, e.g. H100:1")
+    command.add_argument(
+        "--tracking-uri",
+        help="where the run is tracked (default: the local store under "
+        "GPUFLOW_HOME, then the tracking servers the Prefect API knows)",
+    )
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a field of the run's spec, as gpuflow run does (repeatable)",
+    )
+    command.add_argument(
+        "--on",
+        metavar="N|GPU:COUNT",
+        help="other hardware: compute option N alone (as gpuflow "
+        "plan numbers them), or every option on this accelerator, e.g. H100:1",
+    )
     command.add_argument("--dry-run", action="store_true", help="say what would run and what differs; launch nothing")
     command.add_argument("--allow-data-change", action="store_true", help="rerun on the data as it is now")
-    command.add_argument("--allow-unrecorded-changes", action="store_true",
-                         help="rerun the commit alone when the run's uncommitted changes were not recorded")
+    command.add_argument(
+        "--allow-unrecorded-changes",
+        action="store_true",
+        help="rerun the commit alone when the run's uncommitted changes were not recorded",
+    )
     command.add_argument("-v", "--verbose", action="store_true", help="show the job's every line here")
 
 
@@ -70,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 def interrupt_on_sigterm() -> None:
     """SIGTERM (a scheduler, `kill`) ends the run like Ctrl-C: teardown runs before the process exits. (While the flow
     runs, Prefect's own handler does the same, raising TerminationSignal.)"""
+
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -120,10 +153,12 @@ def exit_without_prefect(spec, outcome: str, log_file, interrupted: bool = False
     from prefect.settings import PREFECT_API_URL
 
     lost = f"{'interrupted and ' * interrupted}lost Prefect's API ({PREFECT_API_URL.value()} stopped answering)"
-    print(f"\ngpuflow: {spec.name} {lost}: {outcome}\n"
-          f"  its cluster was torn down and its MLflow run closed here: experiment {spec.experiment_name!r} in "
-          f"{spec.tracking_uri} says how training ended; Prefect's record of the run stops where its API went",
-          file=sys.stderr)
+    print(
+        f"\ngpuflow: {spec.name} {lost}: {outcome}\n"
+        f"  its cluster was torn down and its MLflow run closed here: experiment {spec.experiment_name!r} in "
+        f"{spec.tracking_uri} says how training ended; Prefect's record of the run stops where its API went",
+        file=sys.stderr,
+    )
     if log_file:
         print(f"  full log     {log_file}", file=sys.stderr)
     sys.stdout.flush()
@@ -170,8 +205,10 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
     if lost_api or (interrupted and not prefect_api_answers(timeout_s=1)):  # else Prefect's workers retry it at exit
         exit_without_prefect(spec, lost_api or "stopped by a signal or Ctrl-C", log_file, interrupted)
     if interrupted:
-        print(f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
-              file=sys.stderr)
+        print(
+            f"\ngpuflow: {spec.name} interrupted; its cluster was torn down and its MLflow run marked KILLED",
+            file=sys.stderr,
+        )
         return 130
     if not state.is_completed() and not prefect_api_answers():
         exit_without_prefect(spec, f"{state.name}: {state.message or ''}", log_file)
@@ -210,8 +247,14 @@ def rerun(args: argparse.Namespace) -> int:
     from gpuflow.cluster.rerun.plan import Ask, describe, prepare
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # spec.yaml, the diff: no bars on stderr
-    ask = Ask(args.run, tracking_uris(args.tracking_uri), tuple(args.overrides), args.on, args.allow_data_change,
-              args.allow_unrecorded_changes)
+    ask = Ask(
+        args.run,
+        tracking_uris(args.tracking_uri),
+        tuple(args.overrides),
+        args.on,
+        args.allow_data_change,
+        args.allow_unrecorded_changes,
+    )
     try:
         planned = prepare(ask, Path.cwd(), state_dir() / "reruns")
     except RerunRefused as exc:

@@ -20,10 +20,20 @@ def add_parser(commands, name: str) -> None:
     command = commands.add_parser(name, help="let MLflow users run a spec: EDIT on its experiment and model")
     command.add_argument("spec", help="experiment spec (YAML); its tracking.uri is the server")
     command.add_argument("--user", dest="users", action="append", required=True, help="an MLflow user (repeatable)")
-    command.add_argument("--permission", default="EDIT", choices=["READ", "EDIT", "MANAGE"],
-                         help="what they may do (default EDIT: run and register versions)")
-    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                         help="override a spec field (repeatable)")
+    command.add_argument(
+        "--permission",
+        default="EDIT",
+        choices=["READ", "EDIT", "MANAGE"],
+        help="what they may do (default EDIT: run and register versions)",
+    )
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a spec field (repeatable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,8 +41,12 @@ def run(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.spec, args.overrides)
     if not spec.tracking_uri.startswith(("http://", "https://")):
-        raise SpecError([f"tracking.uri: {spec.tracking_uri!r} is this machine's own store; sharing needs a tracking "
-                         "server with users (see the README, For a team)"])
+        raise SpecError(
+            [
+                f"tracking.uri: {spec.tracking_uri!r} is this machine's own store; sharing needs a tracking "
+                "server with users (see the README, For a team)"
+            ]
+        )
     try:
         for line in share(spec, args.users, args.permission):
             print(line)
@@ -60,5 +74,8 @@ def share(spec, users: list[str], permission: str = "EDIT") -> list[str]:
     for user in users:
         auth.grant_user_permission(user, "experiment", experiment, permission)
         auth.grant_user_permission(user, "registered_model", spec.name, permission)
-    return [f"{user}: {permission} on experiment {spec.experiment_name!r} and registered model {spec.name!r} "
-            f"at {spec.tracking_uri}" for user in users]
+    return [
+        f"{user}: {permission} on experiment {spec.experiment_name!r} and registered model {spec.name!r} "
+        f"at {spec.tracking_uri}"
+        for user in users
+    ]

@@ -15,15 +15,24 @@ from gpuflow.cluster.spec import SpecError, load_spec, validate_spec
 
 def add_parser(commands, name: str) -> None:
     if name == "up":
-        up = commands.add_parser("up", help="keep a warm local stack (Prefect API, a spare Ray cluster) for the next runs")
+        up = commands.add_parser(
+            "up", help="keep a warm local stack (Prefect API, a spare Ray cluster) for the next runs"
+        )
         up.add_argument("spec", nargs="?", help="shape the spare cluster for this spec (default: as the last run's)")
-        up.add_argument("--idle-minutes", type=float, default=30, help="stop after this long without a run (default 30)")
+        up.add_argument(
+            "--idle-minutes", type=float, default=30, help="stop after this long without a run (default 30)"
+        )
         return
-    down = commands.add_parser("down", help="tear down a gpuflow cluster by name (what the reaper would do), "
-                                            "or without a name the warm stack")
+    down = commands.add_parser(
+        "down", help="tear down a gpuflow cluster by name (what the reaper would do), or without a name the warm stack"
+    )
     down.add_argument("cluster", nargs="?", help="cluster name, gpuflow-<flow run id>")
-    down.add_argument("--backend", choices=["local", "skypilot"], default=None,
-                      help="where it runs (default: local if this machine has it, else skypilot)")
+    down.add_argument(
+        "--backend",
+        choices=["local", "skypilot"],
+        default=None,
+        help="where it runs (default: local if this machine has it, else skypilot)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,15 +61,25 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
         spec = load_spec(spec_path)
         validate_spec(spec)
         if spec.compute.backend != "local":
-            raise SpecError([f"compute.backend: the warm stack's spare is a local cluster, and {spec_path} runs on "
-                             f"{spec.compute.backend!r}; name a local spec, or none (its API serves every run)"])
+            raise SpecError(
+                [
+                    f"compute.backend: the warm stack's spare is a local cluster, and {spec_path} runs on "
+                    f"{spec.compute.backend!r}; name a local spec, or none (its API serves every run)"
+                ]
+            )
         shape = shape_of(spec)
     record = stack.up(idle_minutes, shape)
     spare = record.get("spare_shape")
     print(f"gpuflow: warm stack up (stops after {record['idle_minutes']:g} idle min, or `gpuflow down`)")
     print(f"  Prefect API  {record['api_url']}")
-    print("  spare        " + (f"a local Ray cluster of {spare['num_nodes']} node(s) × {spare['cpus']:g} CPU(s)"
-                                if spare else "none yet: the first run's shape makes the next one"))
+    print(
+        "  spare        "
+        + (
+            f"a local Ray cluster of {spare['num_nodes']} node(s) × {spare['cpus']:g} CPU(s)"
+            if spare
+            else "none yet: the first run's shape makes the next one"
+        )
+    )
     return 0
 
 
@@ -84,4 +103,6 @@ def leave_a_stack(spec) -> str | None:
         stack.start(minutes, shape_of(spec))
     except OSError as exc:
         return f"  warm stack   not left for the next run: {exc}"
-    return f"  warm stack   up for your next run until {minutes:g} min idle (Prefect's API, a spare cluster): gpuflow down"
+    return (
+        f"  warm stack   up for your next run until {minutes:g} min idle (Prefect's API, a spare cluster): gpuflow down"
+    )

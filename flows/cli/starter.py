@@ -1,6 +1,6 @@
 """`gpuflow init`: a starter project in a folder of your own — a spec, a Ray Train loop and prefect.yaml.
 
-    mkdir my-project && cd my-project && gpuflow init && gpuflow validate experiment.yaml && gpuflow run experiment.yaml
+mkdir my-project && cd my-project && gpuflow init && gpuflow validate experiment.yaml && gpuflow run experiment.yaml
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ TEMPLATES = Path(__file__).parent / "templates"  # the loop is plain Ray Train a
 
 
 def add_parser(commands, name: str) -> None:
-    init = commands.add_parser(name, help="write a starter project: experiment.yaml, train.py (a Ray Train loop), "
-                                            "prefect.yaml")
+    init = commands.add_parser(
+        name, help="write a starter project: experiment.yaml, train.py (a Ray Train loop), prefect.yaml"
+    )
     init.add_argument("folder", nargs="?", default=".", help="where to write it (default: here)")
     init.add_argument("--force", action="store_true", help="overwrite those files if they exist")
 
@@ -52,12 +53,15 @@ def init_project(folder: Path, force: bool = False) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     name = project_name(folder)
     spec = Template((TEMPLATES / SPEC_FILE).read_text()).substitute(name=name)
-    spec_block = "".join(f"      {line}\n" for line in yaml.safe_dump(yaml.safe_load(spec), sort_keys=False).splitlines())
+    spec_block = "".join(
+        f"      {line}\n" for line in yaml.safe_dump(yaml.safe_load(spec), sort_keys=False).splitlines()
+    )
     files = {
         folder / LOOP_FILE: (TEMPLATES / LOOP_FILE).read_text(),
         folder / SPEC_FILE: spec,
         folder / PREFECT_FILE: Template((TEMPLATES / PREFECT_FILE).read_text()).safe_substitute(
-            name=name, prefect_version=prefect_version, spec_block=spec_block),
+            name=name, prefect_version=prefect_version, spec_block=spec_block
+        ),
     }
     existing = [path for path in files if path.exists()]
     if existing and not force:

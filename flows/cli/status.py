@@ -95,19 +95,33 @@ def read_status(now: float | None = None) -> list[RunStatus]:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=LIVE_STATES))),
-            limit=200)
-        queues = {pool: [str(run.id) for run in waiting_runs(pool, client)]
-                  for pool in {tag.removeprefix(WAIT_TAG_PREFIX) for run in runs for tag in run.tags
-                               if tag.startswith(WAIT_TAG_PREFIX)}}
-    rows = [RunStatus(run.name, str(run.id), run.state.name if run.state else "?", tag_value(run, "backend:"),
-                      gpus=gpus_of(run.parameters)) for run in runs]
+            limit=200,
+        )
+        queues = {
+            pool: [str(run.id) for run in waiting_runs(pool, client)]
+            for pool in {
+                tag.removeprefix(WAIT_TAG_PREFIX) for run in runs for tag in run.tags if tag.startswith(WAIT_TAG_PREFIX)
+            }
+        }
+    rows = [
+        RunStatus(
+            run.name,
+            str(run.id),
+            run.state.name if run.state else "?",
+            tag_value(run, "backend:"),
+            gpus=gpus_of(run.parameters),
+        )
+        for run in runs
+    ]
     for row in rows:
         for pool, queue in queues.items():
             if row.flow_run_id in queue and row.state == WAITING:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
     add_mlflow_facts(rows, runs, now)
     rows += add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
-    with_cluster = {row.flow_run_id for row in rows if row.cluster and not row.cluster.endswith(("(GONE)", "(ORPHANED)"))}
+    with_cluster = {
+        row.flow_run_id for row in rows if row.cluster and not row.cluster.endswith(("(GONE)", "(ORPHANED)"))
+    }
     dead = dead_without_lease(with_cluster, [default_tracking_uri()], now)
     for row in rows:
         if row.flow_run_id in dead:
@@ -124,8 +138,10 @@ def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
     from gpuflow.flows.run_messages import UNSAID_WITHIN_S
 
     by_id, added = {row.flow_run_id: row for row in rows}, []
-    where = (f"tags.`{NOTIFY_FAILED_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL "
-             f"AND attributes.end_time > {int((now - UNSAID_WITHIN_S) * 1000)}")
+    where = (
+        f"tags.`{NOTIFY_FAILED_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL "
+        f"AND attributes.end_time > {int((now - UNSAID_WITHIN_S) * 1000)}"
+    )
     for uri in tracking_uris_or_local():
         try:
             client = MlflowClient(uri)
@@ -174,8 +190,14 @@ def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:
         try:
             client = MlflowClient(uri)
             experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
-            found = {run.data.tags.get(FLOW_RUN_TAG): run for run in client.search_runs(
-                experiments, "attributes.status = 'RUNNING'", max_results=1000)} if experiments else {}
+            found = (
+                {
+                    run.data.tags.get(FLOW_RUN_TAG): run
+                    for run in client.search_runs(experiments, "attributes.status = 'RUNNING'", max_results=1000)
+                }
+                if experiments
+                else {}
+            )
         except Exception as exc:  # one tracking server down: the others are still shown
             for row in group:
                 row.mlflow = f"unreachable: {type(exc).__name__}"
@@ -190,16 +212,22 @@ def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:
             row.spent_usd = None if hourly is None else round(hourly * age_s(now, started) / 3600, 4)
             if RENEWED_TAG in tags:
                 verdict = "dead" if stale(tags, now, DEFAULT_GRACE_S) else "alive"
-                row.lease = f"{verdict}, {renewed(now, float(tags[RENEWED_TAG]))} " \
-                            f"(grace {float(tags.get(GRACE_TAG, DEFAULT_GRACE_S)):g} s)"
+                row.lease = (
+                    f"{verdict}, {renewed(now, float(tags[RENEWED_TAG]))} "
+                    f"(grace {float(tags.get(GRACE_TAG, DEFAULT_GRACE_S)):g} s)"
+                )
             base = uri if uri.startswith("http") else "http://127.0.0.1:5000"
-            row.mlflow = f"{base.rstrip('/')}/#/experiments/{mlflow_run.info.experiment_id}/runs/{mlflow_run.info.run_id}"
+            row.mlflow = (
+                f"{base.rstrip('/')}/#/experiments/{mlflow_run.info.experiment_id}/runs/{mlflow_run.info.run_id}"
+            )
 
 
 def renewed(now: float, at: float) -> str:
     """The renewal's age; `at` is the flow's clock, which may run ahead of this machine's."""
     ahead = at - now
-    return f"renewed {age_s(now, at):.0f} s ago" + (f" (its clock {ahead:.0f} s ahead of this one)" if ahead >= 1 else "")
+    return f"renewed {age_s(now, at):.0f} s ago" + (
+        f" (its clock {ahead:.0f} s ahead of this one)" if ahead >= 1 else ""
+    )
 
 
 def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:
@@ -229,14 +257,23 @@ def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:
 def table(rows: list[RunStatus]) -> str:
     if not rows:
         return "nothing running or waiting"
-    columns = [("run", lambda r: r.flow_run), ("state", lambda r: r.state), ("cluster", lambda r: r.cluster or "-"),
-               ("GPUs", lambda r: r.gpus or "-"), ("$/h", lambda r: money(r.hourly_usd)),
-               ("spent", lambda r: money(r.spent_usd)), ("lease", lambda r: r.lease or "-"),
-               ("queue", lambda r: r.queue or "-"), ("MLflow", lambda r: r.mlflow or "-"),
-               ("message", lambda r: r.message or "-")]
+    columns = [
+        ("run", lambda r: r.flow_run),
+        ("state", lambda r: r.state),
+        ("cluster", lambda r: r.cluster or "-"),
+        ("GPUs", lambda r: r.gpus or "-"),
+        ("$/h", lambda r: money(r.hourly_usd)),
+        ("spent", lambda r: money(r.spent_usd)),
+        ("lease", lambda r: r.lease or "-"),
+        ("queue", lambda r: r.queue or "-"),
+        ("MLflow", lambda r: r.mlflow or "-"),
+        ("message", lambda r: r.message or "-"),
+    ]
     cells = [[name for name, _ in columns]] + [[value(row) for _, value in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in cells)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() for line in cells
+    )
 
 
 def money(value: float | None) -> str:

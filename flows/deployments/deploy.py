@@ -1,8 +1,8 @@
 """gpuflow's Prefect deployments, read from prefect.yaml: built for `serve`, or registered with a work pool.
 
-    gpuflow deploy                 # = prefect deploy of every deployment whose code is here, pool gpuflow-process
-    gpuflow deploy --pool my-pool  # another work pool (created as a process pool if missing)
-    gpuflow deploy --remote URL    # where workers pull the code from (default: the git remote origin)
+gpuflow deploy                 # = prefect deploy of every deployment whose code is here, pool gpuflow-process
+gpuflow deploy --pool my-pool  # another work pool (created as a process pool if missing)
+gpuflow deploy --remote URL    # where workers pull the code from (default: the git remote origin)
 """
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ def schedules_of(entry: dict) -> list:
 
     made = []
     for schedule in entry.get("schedules") or []:
-        options = {"timezone": schedule.get("timezone"), "active": schedule.get("active", True),
-                   "parameters": schedule.get("parameters")}
+        options = {
+            "timezone": schedule.get("timezone"),
+            "active": schedule.get("active", True),
+            "parameters": schedule.get("parameters"),
+        }
         if "cron" in schedule:
             made.append(Cron(schedule["cron"], **options))
         elif "interval" in schedule:
@@ -103,10 +106,15 @@ def runner_deployments(overrides: list[str] = (), only: list[str] = (), prefect_
     deployments = []
     for entry in entries:
         flow = load_flow_from_entrypoint(entry["entrypoint"])
-        deployments.append(flow.to_deployment(
-            name=entry["name"], description=entry.get("description"), tags=entry.get("tags"),
-            parameters=with_overrides(entry.get("parameters") or {}, overrides), schedules=schedules_of(entry),
-        ))
+        deployments.append(
+            flow.to_deployment(
+                name=entry["name"],
+                description=entry.get("description"),
+                tags=entry.get("tags"),
+                parameters=with_overrides(entry.get("parameters") or {}, overrides),
+                schedules=schedules_of(entry),
+            )
+        )
     return deployments
 
 
@@ -123,8 +131,9 @@ def ensure_process_pool(name: str) -> None:
             print(f"gpuflow: created process work pool {name!r}")
 
 
-def deploy(only: list[str] = (), pool: str = DEFAULT_POOL, prefect_yaml: Path = PREFECT_YAML,
-           remote: str | None = None) -> int:
+def deploy(
+    only: list[str] = (), pool: str = DEFAULT_POOL, prefect_yaml: Path = PREFECT_YAML, remote: str | None = None
+) -> int:
     """Registers the deployments with the Prefect server (PREFECT_API_URL) through `prefect deploy`, their pull
     step at this folder's git commit and remote (origin unless `remote`)."""
     entries, skipped = runnable(declared(prefect_yaml), only)
@@ -132,8 +141,17 @@ def deploy(only: list[str] = (), pool: str = DEFAULT_POOL, prefect_yaml: Path = 
         print(f"gpuflow: skipping deployment {reason}", file=sys.stderr)
     source = git_source(Path(prefect_yaml).absolute().parent, remote)
     ensure_process_pool(pool)
-    command = [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--prefect-file", str(prefect_yaml),
-               "--pool", pool]
+    command = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "--no-prompt",
+        "deploy",
+        "--prefect-file",
+        str(prefect_yaml),
+        "--pool",
+        pool,
+    ]
     for entry in entries:
         command += ["--name", entry["name"]]
     return subprocess.call(command, env={**os.environ, **source})
@@ -141,14 +159,19 @@ def deploy(only: list[str] = (), pool: str = DEFAULT_POOL, prefect_yaml: Path = 
 
 def git_source(folder: Path, remote: str | None = None) -> dict[str, str]:
     """Where workers pull the code from: the remote's URL and this commit, as the pull step's variables."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "HEAD")
     url = remote or git("remote", "get-url", "origin")
     if not commit or not url:
-        raise SpecError([f"gpuflow deploy: workers pull the code from git, and {folder} has "
-                         f"{'no commit' if not commit else 'no remote origin'}; commit and push it, or give --remote"])
+        raise SpecError(
+            [
+                f"gpuflow deploy: workers pull the code from git, and {folder} has "
+                f"{'no commit' if not commit else 'no remote origin'}; commit and push it, or give --remote"
+            ]
+        )
     if git("status", "--porcelain", "--untracked-files=no"):
         print(f"gpuflow: uncommitted changes are not deployed: workers run commit {commit[:12]}", file=sys.stderr)
     print(f"gpuflow: workers will pull {url} at {commit[:12]} (push it there first)", file=sys.stderr)

@@ -33,10 +33,17 @@ def known_tracking_uris(local_uri: str, within_hours: float = 48.0) -> list[str]
     since = datetime.now(timezone.utc) - timedelta(hours=within_hours)
     with get_client(sync_client=True) as client:
         found = [deployment_uri(deployment.parameters) for deployment in client.read_deployments()]
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)),
-                                     sort=FlowRunSort.START_TIME_DESC, limit=RECENT_RUNS)
-        found += [tag.removeprefix(TRACKING_TAG_PREFIX) for run in runs for tag in run.tags
-                  if tag.startswith(TRACKING_TAG_PREFIX)]
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=RECENT_RUNS,
+        )
+        found += [
+            tag.removeprefix(TRACKING_TAG_PREFIX)
+            for run in runs
+            for tag in run.tags
+            if tag.startswith(TRACKING_TAG_PREFIX)
+        ]
     servers = [uri.rstrip("/") for uri in found if uri and uri.startswith(SERVER_SCHEMES)]
     return list(dict.fromkeys([local_uri, *servers]))
 
@@ -50,8 +57,14 @@ def backends_in_use(candidates: list[str]) -> list[str]:
 
     try:
         with get_client(sync_client=True) as client:
-            return [name for name in candidates if name == "local" or client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"backend:{name}"])), limit=1)]
+            return [
+                name
+                for name in candidates
+                if name == "local"
+                or client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"backend:{name}"])), limit=1
+                )
+            ]
     except Exception as exc:  # the Prefect API down: list them all, as before
         log.warning(f"cannot ask Prefect which backends runs used, listing all: {type(exc).__name__}: {exc}")
         return list(candidates)
@@ -76,7 +89,9 @@ def forgetful_server(client) -> str | None:
         return None
     if storage != MEMORY_LEASES:
         return None
-    return ("the Prefect server keeps concurrency leases in memory: a restart forgets the GPU quota's, and their slots "
-            "stay taken until the reaper's next pass gives them back. Start it with "
-            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem (one server; "
-            "several replicas: prefect-redis, docs/team.md)")
+    return (
+        "the Prefect server keeps concurrency leases in memory: a restart forgets the GPU quota's, and their slots "
+        "stay taken until the reaper's next pass gives them back. Start it with "
+        "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=prefect.server.concurrency.lease_storage.filesystem (one server; "
+        "several replicas: prefect-redis, docs/team.md)"
+    )

@@ -62,8 +62,9 @@ def pause_unless_served_elsewhere(names: list[str]) -> list[str]:
     from prefect.settings import PREFECT_RUNNER_POLL_FREQUENCY
 
     wait_s = 2 * PREFECT_RUNNER_POLL_FREQUENCY.value() + SETTLE_S
-    print(f"gpuflow serve: stopped; pausing the schedules no other serve polls (checking for {wait_s:.0f} s)",
-          flush=True)
+    print(
+        f"gpuflow serve: stopped; pausing the schedules no other serve polls (checking for {wait_s:.0f} s)", flush=True
+    )
     with get_client(sync_client=True) as client:
         time.sleep(SETTLE_S)
         before = {name: client.read_deployment_by_name(name).last_polled for name in names}
@@ -75,8 +76,11 @@ def pause_unless_served_elsewhere(names: list[str]) -> list[str]:
                 client.pause_deployment(deployment.id)
                 paused.append(name)
     served = sorted(set(names) - set(paused))
-    print(f"gpuflow serve: paused {', '.join(paused) or 'none'}"
-          + (f"; still served elsewhere: {', '.join(served)}" if served else ""), flush=True)
+    print(
+        f"gpuflow serve: paused {', '.join(paused) or 'none'}"
+        + (f"; still served elsewhere: {', '.join(served)}" if served else ""),
+        flush=True,
+    )
     return paused
 
 

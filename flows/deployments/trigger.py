@@ -25,7 +25,10 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
         deployment = client.read_deployment_by_name(name)
         parameters = with_overrides(deployment.parameters, overrides) if overrides else None
         flow_run = client.create_flow_run_from_deployment(
-            deployment.id, parameters=parameters, tags=[TRIGGERED_BY_PREFECT_TAG_PREFIX + user] if user else [])
-    print(f"gpuflow: started {flow_run.name} ({flow_run.id}) of {name}"
-          + (f", triggered by {user}" if user else "; MLFLOW_TRACKING_USERNAME unset: recorded as nobody's"))
+            deployment.id, parameters=parameters, tags=[TRIGGERED_BY_PREFECT_TAG_PREFIX + user] if user else []
+        )
+    print(
+        f"gpuflow: started {flow_run.name} ({flow_run.id}) of {name}"
+        + (f", triggered by {user}" if user else "; MLFLOW_TRACKING_USERNAME unset: recorded as nobody's")
+    )
     return str(flow_run.id)

@@ -89,8 +89,12 @@ def start(idle_minutes: float, shape: dict | None = None) -> subprocess.Popen | 
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "gpuflow.flows.local_stack.stack", "--idle-minutes", f"{idle_minutes:g}"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env=STARTING_ENVIRONMENT)
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=STARTING_ENVIRONMENT,
+        )
 
 
 def wait_until_ready(shape: dict | None, process: subprocess.Popen | None) -> dict:
@@ -162,8 +166,13 @@ class Stack:
     def record(self) -> dict:
         """What `gpuflow down` and the runs read (stack.json); no API yet as it starts, no spare until one is up."""
         spare = self.backend.record(self.spare) if self.spare else None
-        return {"pid": os.getpid(), "api_url": self.api.api_url if self.api else None, "idle_minutes": self.idle_s / 60,
-                "spare": self.spare, "spare_shape": spare.get("shape") if spare and spare.get("address") else None}
+        return {
+            "pid": os.getpid(),
+            "api_url": self.api.api_url if self.api else None,
+            "idle_minutes": self.idle_s / 60,
+            "spare": self.spare,
+            "spare_shape": spare.get("shape") if spare and spare.get("address") else None,
+        }
 
     def serve(self) -> None:
         write_json(stack_file(), self.record())  # `gpuflow down` finds it from now

@@ -40,8 +40,9 @@ def launch() -> TemporaryApi:
     which overlap whatever this process does meanwhile."""
     from prefect.settings import PREFECT_HOME, get_current_settings
 
-    return TemporaryApi(with_lasting_leases(get_current_settings().to_environment_variables(exclude_unset=True)),
-                        PREFECT_HOME.value())
+    return TemporaryApi(
+        with_lasting_leases(get_current_settings().to_environment_variables(exclude_unset=True)), PREFECT_HOME.value()
+    )
 
 
 def launch_before_prefect() -> TemporaryApi | None:
@@ -57,8 +58,12 @@ def settings_files() -> list[Path]:
     """Where Prefect 3.8 reads settings besides the environment, those that may hold some: its profiles, and this
     folder's prefect.toml, .env and pyproject.toml ([tool.prefect])."""
     profiles = Path(os.environ.get("PREFECT_PROFILES_PATH") or home_from_environment() / "profiles.toml").expanduser()
-    candidates = [(profiles, ""), (Path("prefect.toml"), ""), (Path(".env"), "PREFECT_"),
-                  (Path("pyproject.toml"), "[tool.prefect")]
+    candidates = [
+        (profiles, ""),
+        (Path("prefect.toml"), ""),
+        (Path(".env"), "PREFECT_"),
+        (Path("pyproject.toml"), "[tool.prefect"),
+    ]
     return [path for path, marker in candidates if path.is_file() and marker in path.read_text(errors="replace")]
 
 
@@ -97,8 +102,10 @@ class TemporaryApi:
         deadline = self.started + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
         if not wait_until_healthy(self.server, self.api_url, deadline):
             self.stop()
-            raise RuntimeError(f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
-                               f"{self.server.returncode}); set PREFECT_API_URL to a running server instead")
+            raise RuntimeError(
+                f"Prefect's temporary API server did not answer on {self.api_url} (exit code "
+                f"{self.server.returncode}); set PREFECT_API_URL to a running server instead"
+            )
         use(self.api_url)
         return self.api_url
 
@@ -134,9 +141,21 @@ def answers(api_url: str, timeout_s: float = 5) -> bool:
 
 def watch(server: subprocess.Popen) -> subprocess.Popen:
     """A watcher in a session of its own: the server must not outlive this process, even after a kill -9."""
-    return subprocess.Popen([sys.executable, "-m", "gpuflow.flows.local_stack.outlive", "--owner", str(os.getpid()),
-                             "--kill", str(server.pid)], start_new_session=True,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gpuflow.flows.local_stack.outlive",
+            "--owner",
+            str(os.getpid()),
+            "--kill",
+            str(server.pid),
+        ],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -30,17 +30,27 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))),
-            limit=200)
+            limit=200,
+        )
         dead = {}
         for run in runs:
             run_id, waiting = str(run.id), run.state.name == quota_hold.WAITING
             has_cluster = run_id.replace("-", "") in {found.replace("-", "") for found in cluster_run_ids}
             own = [tag.removeprefix(TRACKING_TAG_PREFIX) for tag in run.tags if tag.startswith(TRACKING_TAG_PREFIX)]
-            mlflow = None if waiting or has_cluster else mlflow_run_exists(
-                [MlflowClient(uri) for uri in dict.fromkeys([*own, *tracking_uris])], run_id)
+            mlflow = (
+                None
+                if waiting or has_cluster
+                else mlflow_run_exists([MlflowClient(uri) for uri in dict.fromkeys([*own, *tracking_uris])], run_id)
+            )
             beat = None if waiting or has_cluster or mlflow is not False else last_heartbeat(client, run_id)
-            live = LiveRun(run_id, waiting, age_s(now, run.state.timestamp.timestamp()),
-                           None if beat is None else age_s(now, beat), has_cluster, mlflow)
+            live = LiveRun(
+                run_id,
+                waiting,
+                age_s(now, run.state.timestamp.timestamp()),
+                None if beat is None else age_s(now, beat),
+                has_cluster,
+                mlflow,
+            )
             if why := silent_death(live, quota_hold.STALE_S):
                 dead[run_id] = why
     return dead
@@ -53,7 +63,12 @@ def last_heartbeat(client, flow_run_id: str) -> float | None:
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
     since = datetime.now(timezone.utc) - timedelta(days=1)
-    page = client.read_events(EventFilter(
-        occurred=EventOccurredFilter(since=since), event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
-        resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"])), limit=1)
+    page = client.read_events(
+        EventFilter(
+            occurred=EventOccurredFilter(since=since),
+            event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+        ),
+        limit=1,
+    )
     return max((event.occurred.timestamp() for event in page.events), default=None)

@@ -44,13 +44,22 @@ class Pass:
 
 
 def down_clusters(run: Pass) -> list[str]:
-    run.verdicts = reap(run.backends, run.ttl_seconds, dry_run=run.dry_run,
-                        records=RunRecords(lease_stale=lease_reader(run.tracking_uris)))
+    run.verdicts = reap(
+        run.backends,
+        run.ttl_seconds,
+        dry_run=run.dry_run,
+        records=RunRecords(lease_stale=lease_reader(run.tracking_uris)),
+    )
     run.dead |= {verdict.flow_run_id for verdict in run.verdicts if DEAD in verdict.reason}
-    run.orphaned = {verdict.flow_run_id for verdict in run.verdicts if ORPHANED in verdict.reason and verdict.flow_run_id}
+    run.orphaned = {
+        verdict.flow_run_id for verdict in run.verdicts if ORPHANED in verdict.reason and verdict.flow_run_id
+    }
     run.dead |= run.orphaned
-    return [f"{v.action} {v.backend} cluster {v.cluster}: {v.reason}" + (" (dry run)" * (run.dry_run and v.action == "down"))
-            for v in run.verdicts]
+    return [
+        f"{v.action} {v.backend} cluster {v.cluster}: {v.reason}"
+        + (" (dry run)" * (run.dry_run and v.action == "down"))
+        for v in run.verdicts
+    ]
 
 
 def close_mlflow_runs(run: Pass) -> list[str]:
@@ -65,8 +74,10 @@ def close_mlflow_runs(run: Pass) -> list[str]:
 def crash_flow_runs(run: Pass) -> list[str]:
     if run.dry_run:
         return []
-    run.crashed = mark_crashed(run.dead - run.orphaned, "its process died: found by the reaper (lease stale); cluster "
-                                                        "downed, MLflow run FAILED (stopped_by=orphaned)")
+    run.crashed = mark_crashed(
+        run.dead - run.orphaned,
+        "its process died: found by the reaper (lease stale); cluster downed, MLflow run FAILED (stopped_by=orphaned)",
+    )
     said = [f"marked flow run {flow_run_id} Crashed: its lease is stale" for flow_run_id in run.crashed]
     orphaned = mark_crashed(run.orphaned, "its process died: found by the reaper (its local cluster stopped with it)")
     run.crashed += orphaned
@@ -99,8 +110,13 @@ def free_slots(run: Pass) -> list[str]:
         run.recounted = [found for found in recount(backend_for, run.dry_run) if found.freed or found.note]
     except Exception as exc:  # the other records are brought to agreement and reported either way
         log.warning(f"reaper: cannot recount the quotas: {type(exc).__name__}: {str(exc)[:300]}")
-    return [f"quota {found.pool}: gave back {found.freed} leaked slot(s) (Prefect counted {found.counted}, the runs "
-            f"hold {found.held})" if found.freed else f"quota {found.pool}: {found.note}" for found in run.recounted]
+    return [
+        f"quota {found.pool}: gave back {found.freed} leaked slot(s) (Prefect counted {found.counted}, the runs "
+        f"hold {found.held})"
+        if found.freed
+        else f"quota {found.pool}: {found.note}"
+        for found in run.recounted
+    ]
 
 
 @dataclass(frozen=True)
@@ -112,16 +128,36 @@ class Invariant:
 
 
 INVARIANTS = (
-    Invariant("cluster", "its flow run is final, missing or dead (its MLflow lease is stale), or it is older than "
-              "the TTL", "down, confirmed by its backend", down_clusters),
-    Invariant("MLflow run", "it is RUNNING and its lease is stale, or its flow run is over or missing",
-              "FAILED (stopped_by=orphaned) or the flow run's end, closed_by=reaper", close_mlflow_runs),
-    Invariant("flow run", "its lease is stale; with no lease, its quota stamp or Prefect's heartbeats stopped",
-              "Crashed, naming why", crash_flow_runs),
-    Invariant("message", "its run ended badly and no message was delivered", "delivered once, recorded on the MLflow "
-              "run", send_unsaid),
-    Invariant("quota slot", "its run is over and its cluster is confirmed gone, or no run holds it (a lease the "
-              "server forgot)", "free", free_slots),
+    Invariant(
+        "cluster",
+        "its flow run is final, missing or dead (its MLflow lease is stale), or it is older than the TTL",
+        "down, confirmed by its backend",
+        down_clusters,
+    ),
+    Invariant(
+        "MLflow run",
+        "it is RUNNING and its lease is stale, or its flow run is over or missing",
+        "FAILED (stopped_by=orphaned) or the flow run's end, closed_by=reaper",
+        close_mlflow_runs,
+    ),
+    Invariant(
+        "flow run",
+        "its lease is stale; with no lease, its quota stamp or Prefect's heartbeats stopped",
+        "Crashed, naming why",
+        crash_flow_runs,
+    ),
+    Invariant(
+        "message",
+        "its run ended badly and no message was delivered",
+        "delivered once, recorded on the MLflow run",
+        send_unsaid,
+    ),
+    Invariant(
+        "quota slot",
+        "its run is over and its cluster is confirmed gone, or no run holds it (a lease the server forgot)",
+        "free",
+        free_slots,
+    ),
 )
 
 

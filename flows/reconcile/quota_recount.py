@@ -94,14 +94,20 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
         FlowRunFilterTags,
     )
 
-    over = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LEASED_TAG]),
-                                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))), limit=PAGE)
+    over = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[LEASED_TAG]), state=FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL))
+        ),
+        limit=PAGE,
+    )
     if not over:
         return []
     given = []
     for run in over:
         lease = next((tag.removeprefix(LEASE_TAG_PREFIX) for tag in run.tags if tag.startswith(LEASE_TAG_PREFIX)), None)
-        clusters = listed(next((tag.removeprefix(BACKEND_TAG) for tag in run.tags if tag.startswith(BACKEND_TAG)), None))
+        clusters = listed(
+            next((tag.removeprefix(BACKEND_TAG) for tag in run.tags if tag.startswith(BACKEND_TAG)), None)
+        )
         if clusters is None:  # cannot tell whether its cluster is gone: its slots stay held
             continue
         up = str(run.id) in clusters
@@ -112,8 +118,12 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
             elif not dry_run:
                 if lease:
                     client.release_concurrency_slots_with_lease(lease)
-                client.update_flow_run(run.id, tags=sorted(tag for tag in run.tags if not tag.startswith(
-                    (LEASED_TAG, LEASE_TAG_PREFIX, TAKING_TAG_PREFIX))))
+                client.update_flow_run(
+                    run.id,
+                    tags=sorted(
+                        tag for tag in run.tags if not tag.startswith((LEASED_TAG, LEASE_TAG_PREFIX, TAKING_TAG_PREFIX))
+                    ),
+                )
                 given.append(str(run.id))
                 log.info(f"quota: gave back the slots of flow run {run.id} ({run.state_name}): its cluster is gone")
         except Exception as exc:  # its lease lapsed meanwhile, or the API blinked: the next pass tries again
@@ -131,8 +141,10 @@ def cluster_lister(backend: Callable[[str], Backend]) -> Callable[[str | None], 
             try:
                 listed[name] = {flow_run_id_of(status.name) for status in backend(name).status()} - {None}
             except Exception as exc:
-                log.warning(f"quota: cannot list the {name} clusters ({type(exc).__name__}: {exc}); the slots of "
-                            "its runs stay held")
+                log.warning(
+                    f"quota: cannot list the {name} clusters ({type(exc).__name__}: {exc}); the slots of "
+                    "its runs stay held"
+                )
                 listed[name] = None
         return listed[name]
 
@@ -169,9 +181,14 @@ def live_runs(client, pool: str) -> list:
 
     found, offset = [], 0
     while True:
-        page = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool, TAKING_TAG_PREFIX + pool]),
-            state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=FINAL))), limit=PAGE, offset=offset)
+        page = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool, TAKING_TAG_PREFIX + pool]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=FINAL)),
+            ),
+            limit=PAGE,
+            offset=offset,
+        )
         found += page
         if len(page) < PAGE:
             return found
@@ -185,8 +202,15 @@ def listed_clusters(listed: Callable[[str | None], set[str] | None], pools: set[
 
     run_ids = set()
     for name in BACKENDS:
-        used = any(client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
-            all_=[HELD_TAG_PREFIX + pool, BACKEND_TAG + name])), limit=1) for pool in pools)
+        used = any(
+            client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    tags=FlowRunFilterTags(all_=[HELD_TAG_PREFIX + pool, BACKEND_TAG + name])
+                ),
+                limit=1,
+            )
+            for pool in pools
+        )
         if not used:
             continue
         if (found := listed(name)) is None:
@@ -195,8 +219,9 @@ def listed_clusters(listed: Callable[[str | None], set[str] | None], pools: set[
     clusters = {pool: [] for pool in pools}
     ids = sorted(run_ids)
     for start in range(0, len(ids), PAGE):
-        for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
-                any_=ids[start:start + PAGE])), limit=PAGE):
+        for run in client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=ids[start : start + PAGE])), limit=PAGE
+        ):
             for pool in pools & {tag.removeprefix(HELD_TAG_PREFIX) for tag in run.tags}:
                 clusters[pool].append(run)
     return clusters
@@ -214,8 +239,10 @@ def free(client, found: Recount, clusters: dict | None, not_now: str | None) -> 
     else:
         client.release_concurrency_slots(names=[LIMIT_PREFIX + found.pool], slots=leaked, occupancy_seconds=None)
         found.freed = leaked
-        log.warning(f"quota {found.pool}: gave back {leaked} slot(s) Prefect counted as held and no run holds "
-                    f"(a lease the server forgot)")
+        log.warning(
+            f"quota {found.pool}: gave back {leaked} slot(s) Prefect counted as held and no run holds "
+            f"(a lease the server forgot)"
+        )
 
 
 class turn:
@@ -230,8 +257,9 @@ class turn:
         from prefect.exceptions import ObjectAlreadyExists
 
         try:
-            self.client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(
-                name=LOCK, limit=1, slot_decay_per_second=1 / LOCK_S))
+            self.client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=LOCK, limit=1, slot_decay_per_second=1 / LOCK_S)
+            )
         except ObjectAlreadyExists:
             pass
         try:

@@ -64,15 +64,19 @@ class RunRecords:
     lease_stale: Callable[[str], bool | None] = lambda flow_run_id: None
 
 
-def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float) -> list[tuple[Backend, Verdict]]:
+def judge(
+    backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float
+) -> list[tuple[Backend, Verdict]]:
     """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
     or it is older than the TTL."""
     states_of, lease_stale = records.states_of, records.lease_stale
     found = [(backend, status) for backend in backends for status in statuses(backend)]
     # what is left of a cluster of ours whose launcher died (the local backend's spare or early cluster): gone anyway
-    verdicts = [(backend, Verdict(status.name, backend.name, None, None, "down", ORPHANED))
-                for backend, status in found if status.status == "ORPHANED" and not flow_run_id_of(status.name)
-                and status.name.startswith(CLUSTER_PREFIX)]
+    verdicts = [
+        (backend, Verdict(status.name, backend.name, None, None, "down", ORPHANED))
+        for backend, status in found
+        if status.status == "ORPHANED" and not flow_run_id_of(status.name) and status.name.startswith(CLUSTER_PREFIX)
+    ]
     ours = [(backend, status, flow_run_id_of(status.name)) for backend, status in found]
     ours = [(backend, status, run_id) for backend, status, run_id in ours if run_id]  # never touch others' clusters
     states = states_of({run_id for _, _, run_id in ours}) if ours else {}
@@ -91,7 +95,9 @@ def judge(backends: list[Backend], records: RunRecords, ttl_seconds: float, now:
             action, reason = "down", f"up {age_s / 3600:.1f} h, over the TTL of {ttl_seconds / 3600:g} h ({state[0]})"
         else:
             action, reason = "keep", f"flow run is {state[0]}"
-        verdicts.append((backend, Verdict(status.name, backend.name, run_id, state[0] if state else None, action, reason)))
+        verdicts.append(
+            (backend, Verdict(status.name, backend.name, run_id, state[0] if state else None, action, reason))
+        )
     return verdicts
 
 
@@ -103,8 +109,9 @@ def statuses(backend: Backend) -> list:
         return []
 
 
-def reap(backends: list[Backend], ttl_seconds: float, dry_run: bool = False,
-         records: RunRecords | None = None) -> list[Verdict]:
+def reap(
+    backends: list[Backend], ttl_seconds: float, dry_run: bool = False, records: RunRecords | None = None
+) -> list[Verdict]:
     """Judges every cluster of the backends and downs the condemned ones (any object with status() and down())."""
     judged = judge(backends, records or RunRecords(), ttl_seconds, time.time())
     for backend, verdict in judged:
@@ -152,9 +159,11 @@ def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     return sorted(flow_run_ids)
 
 
-def close_stale_mlflow_runs(tracking_uri: str,
-                            states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
-                            dead: set[str] | None = None) -> list[str]:
+def close_stale_mlflow_runs(
+    tracking_uri: str,
+    states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
+    dead: set[str] | None = None,
+) -> list[str]:
     """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease stale), in every experiment.
 
     Flow runs found dead are added to `dead` (to be marked Crashed), also those whose job already closed its
@@ -167,8 +176,11 @@ def close_stale_mlflow_runs(tracking_uri: str,
     if not experiment_ids:
         return []
     # MLflow's filter has no `or`: the runs left RUNNING, and those the job closed as orphaned
-    found = {run.info.run_id: run for where in ("attributes.status = 'RUNNING'", f"tags.`{STOPPED_BY_TAG}` = 'orphaned'")
-             for run in client.search_runs(experiment_ids, filter_string=where, max_results=5000)}
+    found = {
+        run.info.run_id: run
+        for where in ("attributes.status = 'RUNNING'", f"tags.`{STOPPED_BY_TAG}` = 'orphaned'")
+        for run in client.search_runs(experiment_ids, filter_string=where, max_results=5000)
+    }
     candidates = [run for run in found.values() if run.data.tags.get(FLOW_RUN_TAG)]
     states = states_of({run.data.tags[FLOW_RUN_TAG] for run in candidates}) if candidates else {}
     closed = []

@@ -14,7 +14,12 @@ def epochs_with_checkpoints(config: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     for epoch in range(config.get("first_epoch", 0), config["epochs"]):
         time.sleep(config.get("pace_s", 0))
-        metrics = {"epoch": epoch, "loss": config["offset"] + epoch, "eval": {"accuracy": 0.5}, "note": "text is skipped"}
+        metrics = {
+            "epoch": epoch,
+            "loss": config["offset"] + epoch,
+            "eval": {"accuracy": 0.5},
+            "note": "text is skipped",
+        }
         if rank == 0:
             with tempfile.TemporaryDirectory() as folder:
                 with open(os.path.join(folder, "state.json"), "w") as f:
@@ -34,9 +39,12 @@ def record_shards(config: dict) -> None:
     """Writes the ids each worker reads of each dataset, per epoch, to config['out']/<rank>-<epoch>.json."""
     rank = ray.train.get_context().get_world_rank()
     for epoch in range(config["epochs"]):
-        seen = {name: sorted(int(i) for batch in ray.train.get_dataset_shard(name).iter_batches(batch_size=16)
-                             for i in batch["id"])
-                for name in config["datasets"]}
+        seen = {
+            name: sorted(
+                int(i) for batch in ray.train.get_dataset_shard(name).iter_batches(batch_size=16) for i in batch["id"]
+            )
+            for name in config["datasets"]
+        }
         with open(os.path.join(config["out"], f"{rank}-{epoch}.json"), "w") as f:
             json.dump(seen, f)
         ray.train.report({"epoch": epoch})

@@ -76,8 +76,16 @@ def pytest_runtest_protocol(item, nextitem):
     used, started = account.used_s(), time.monotonic()
     yield
     with REPORT.open("a") as report:  # one short line per write: appends from the workers do not interleave
-        report.write(json.dumps({"test": item.nodeid, "cpu_s": round(account.used_s() - used, 1),
-                                 "wall_s": round(time.monotonic() - started, 1)}) + "\n")
+        report.write(
+            json.dumps(
+                {
+                    "test": item.nodeid,
+                    "cpu_s": round(account.used_s() - used, 1),
+                    "wall_s": round(time.monotonic() - started, 1),
+                }
+            )
+            + "\n"
+        )
 
 
 def by_file(rows: list[dict]) -> tuple[collections.Counter, collections.Counter]:
@@ -113,8 +121,10 @@ def check_budget(rows: list[dict], budget_s: float | None = None) -> tuple[bool,
     lines = [f"{total:.0f} CPU-seconds in {len(rows)} tests; the budget is {budget_s:.0f}", "the ten costliest files:"]
     lines += [f"{cpu_s:8.0f}  {path}" for path, cpu_s in cpu.most_common(10)]
     if total > budget_s:
-        lines.append(f"OVER BUDGET by {total - budget_s:.0f} CPU-seconds: make the costliest tests cheaper "
-                     "(tests/README.md: how the whole matrix stays inside its time)")
+        lines.append(
+            f"OVER BUDGET by {total - budget_s:.0f} CPU-seconds: make the costliest tests cheaper "
+            "(tests/README.md: how the whole matrix stays inside its time)"
+        )
     return total <= budget_s, "\n".join(lines)
 
 

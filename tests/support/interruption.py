@@ -47,8 +47,11 @@ class Interruption(threading.Thread):
                 if self.double is not None:
                     self.noticed_at = time.time()
                     time.sleep(max(0.0, self.double.notify(worker["node_id"], in_s=self.lead_s) - time.time()))
-                self.others_at_kill = {s.name: {"status": s.status, **(LocalBackend().record(s.name) or {})}
-                                       for s in LocalBackend().status() if RELAUNCHED.search(s.name)}
+                self.others_at_kill = {
+                    s.name: {"status": s.status, **(LocalBackend().record(s.name) or {})}
+                    for s in LocalBackend().status()
+                    if RELAUNCHED.search(s.name)
+                }
                 os.kill(worker["raylet"], signal.SIGKILL)
                 self.killed_at = time.time()
                 self.killed_step = len(steps_done(self.step_log))
@@ -83,8 +86,17 @@ class Interruption(threading.Thread):
         first_resumed = min(at for at, pid in steps if pid != lost_pid and at > self.killed_at)
         redone_s = self.killed_at - (written if written is not None else lost_steps[0])
         recovery_s = first_resumed - self.killed_at
-        replacement_s = sum(max(0.0, self.killed_at - other.get("launched_at", self.killed_at))
-                            for other in self.others_at_kill.values())
-        return {"steps_redone": len(redone), "redone_s": redone_s, "recovery_s": recovery_s,
-                "replacement_before_loss_s": replacement_s, "killed_step": self.killed_step, "resumed_epoch": epoch, "resumed_step": step,
-                "checkpoint_written_at": written}
+        replacement_s = sum(
+            max(0.0, self.killed_at - other.get("launched_at", self.killed_at))
+            for other in self.others_at_kill.values()
+        )
+        return {
+            "steps_redone": len(redone),
+            "redone_s": redone_s,
+            "recovery_s": recovery_s,
+            "replacement_before_loss_s": replacement_s,
+            "killed_step": self.killed_step,
+            "resumed_epoch": epoch,
+            "resumed_step": step,
+            "checkpoint_written_at": written,
+        }

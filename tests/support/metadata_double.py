@@ -74,7 +74,7 @@ class MetadataDouble:
             return 404, {}, b""
         self.polls[node] = self.polls.get(node, 0) + 1
         if node not in self.deadlines:
-            return 404, {"Content-Type": "text/html"}, b"<?xml version=\"1.0\"?>Not Found"
+            return 404, {"Content-Type": "text/html"}, b'<?xml version="1.0"?>Not Found'
         at = datetime.fromtimestamp(self.deadlines[node], timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         return 200, {"Content-Type": "text/plain"}, json.dumps({"action": "terminate", "time": at}).encode()
 

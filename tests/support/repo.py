@@ -4,8 +4,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 A_LOOP = {"train": {"loop": "experiments.digits:train_loop"}}  # the one required field, for specs built in tests
-DIGITS_DATA = {"train": ".gpuflow/data/digits/train.parquet", "validation": ".gpuflow/data/digits/validation.parquet",
-               "generate": "experiments.digits:write_parquet"}
+DIGITS_DATA = {
+    "train": ".gpuflow/data/digits/train.parquet",
+    "validation": ".gpuflow/data/digits/validation.parquet",
+    "generate": "experiments.digits:write_parquet",
+}
 
 
 def with_loop(fields: dict) -> dict:

@@ -15,12 +15,14 @@ def flow_logs(flow_run_id) -> str:
         lines, offset = [], 0
         async with get_client() as client:
             while True:
-                page = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
-                                              limit=200, offset=offset)
+                page = await client.read_logs(
+                    LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=offset
+                )
                 lines += [log.message for log in page]
                 offset += len(page)
                 if len(page) < 200:
                     return "\n".join(lines)
+
     return asyncio.run(read())
 
 
@@ -30,8 +32,14 @@ def progress_bars(flow_run_id) -> list[float]:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
 
     with get_client(sync_client=True) as client:
-        return [artifact.data for artifact in client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"])))]
+        return [
+            artifact.data
+            for artifact in client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"])
+                )
+            )
+        ]
 
 
 def mlflow_runs_of(tracking_uri: str, flow_run_id, experiment: str | None = None):

@@ -1,6 +1,6 @@
 """Real servers for tests, on 127.0.0.1 and free ports: Prefect API + UI, MLflow tracking server, `gpuflow serve`.
 
-    used by the fixtures in tests/conftest.py; each context manager stops its whole process group on exit
+used by the fixtures in tests/conftest.py; each context manager stops its whole process group on exit
 """
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def stop_group(process: subprocess.Popen, grace_s: float = 15) -> None:
 def started(command: list[str], log: Path, env: dict[str, str], cwd: Path = REPO, stop_grace_s: float = 15):
     tiers.started(f"a server ({Path(command[0]).name} {command[1]})")
     with open(log, "ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
+        )
     try:
         yield process
     finally:
@@ -116,13 +117,14 @@ def serving(launch_at, log: Path, health: str, port: int | None = None, tries: i
 
 
 # what an HTTP/2-only server (Ray's gRPC servers) answers to an HTTP/1 request: its SETTINGS, then GOAWAY
-HTTP2_REPLY = bytes.fromhex("000000040000000000" "000008070000000000" "0000000000000001")
+HTTP2_REPLY = bytes.fromhex("0000000400000000000000080700000000000000000000000001")
 
 
 @contextlib.contextmanager
 def not_http_server():
     """A server on a free port of 127.0.0.1 that answers every connection as an HTTP/2-only server does; yields
     its port."""
+
     class Reply(socketserver.BaseRequestHandler):
         def handle(self):
             self.request.settimeout(5)
@@ -142,8 +144,14 @@ def not_http_server():
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-            "RAY_USAGE_STATS_ENABLED": "0", "NO_PROXY": "127.0.0.1,localhost", **extra}
+    return {
+        **os.environ,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "NO_PROXY": "127.0.0.1,localhost",
+        **extra,
+    }
 
 
 @contextlib.contextmanager
@@ -162,7 +170,8 @@ def prefect_server_process(home: Path, port: int | None = None, lease_storage: s
 
     home.mkdir(parents=True, exist_ok=True)
     env = base_env(
-        PREFECT_HOME=str(home), PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
         # the scheduler makes runs of a new schedule within seconds, not within its default minute
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",
     )
@@ -180,9 +189,13 @@ def prefect_server_at(env: dict[str, str]):
 
     def launch_at(port: int) -> tuple[list[str], dict[str, str]]:
         url = f"http://127.0.0.1:{port}"
-        return ([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                with_lasting_leases({**env, "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api",
-                                     "PREFECT_UI_URL": url}))
+        return (
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            with_lasting_leases(
+                {**env, "PREFECT_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api", "PREFECT_UI_URL": url}
+            ),
+        )
+
     return launch_at
 
 
@@ -194,27 +207,60 @@ def mlflow_server(home: Path, port: int | None = None):
     env = base_env(MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
 
     def launch_at(port: int) -> tuple[list[str], dict[str, str]]:
-        return ([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                 "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination",
-                 str(home / "artifacts")], env)
+        return (
+            [
+                str(BIN / "mlflow"),
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{home / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(home / "artifacts"),
+            ],
+            env,
+        )
+
     with serving(launch_at, home / "mlflow.log", "/health", port) as (_, url):
         yield url
 
 
 @contextlib.contextmanager
-def gpuflow_serve(api_url: str, gpuflow_home: Path, overrides: list[str], names: tuple[str, ...], only: bool = False,
-                  limit: int | None = None, stop_grace_s: float = 15, poll_s: float = 1):
+def gpuflow_serve(
+    api_url: str,
+    gpuflow_home: Path,
+    overrides: list[str],
+    names: tuple[str, ...],
+    only: bool = False,
+    limit: int | None = None,
+    stop_grace_s: float = 15,
+    poll_s: float = 1,
+):
     """`gpuflow serve` against the test's Prefect server; yields once every named deployment is registered
     (only: serve only those; limit: its --limit; poll_s: how often it polls for runs)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     gpuflow_home.mkdir(parents=True, exist_ok=True)
-    env = base_env(PREFECT_API_URL=api_url, PREFECT_UI_URL=api_url.removesuffix("/api"), GPUFLOW_HOME=str(gpuflow_home),
-                   PREFECT_RUNNER_POLL_FREQUENCY=f"{poll_s:g}", MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
-                   PYTHONUNBUFFERED="1")
-    command = [str(BIN / "gpuflow"), "serve", *[f"--set={item}" for item in overrides],
-               *[f"--only={name}" for name in (names if only else ())], *([f"--limit={limit}"] if limit else [])]
+    env = base_env(
+        PREFECT_API_URL=api_url,
+        PREFECT_UI_URL=api_url.removesuffix("/api"),
+        GPUFLOW_HOME=str(gpuflow_home),
+        PREFECT_RUNNER_POLL_FREQUENCY=f"{poll_s:g}",
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
+        PYTHONUNBUFFERED="1",
+    )
+    command = [
+        str(BIN / "gpuflow"),
+        "serve",
+        *[f"--set={item}" for item in overrides],
+        *[f"--only={name}" for name in (names if only else ())],
+        *([f"--limit={limit}"] if limit else []),
+    ]
     log = gpuflow_home / "serve.log"
     with contextlib.ExitStack() as stack:
         stack.callback(stop_left_behind, gpuflow_home)  # after serve itself is stopped
@@ -286,8 +332,10 @@ class ServedDeployments:
                 if flow_run.state and flow_run.state.is_final():
                     return flow_run
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"flow run {flow_run_id} still {flow_run.state_name} after {timeout_s}s:\n"
-                                       + (self.home / "serve.log").read_text()[-3000:])
+                    raise TimeoutError(
+                        f"flow run {flow_run_id} still {flow_run.state_name} after {timeout_s}s:\n"
+                        + (self.home / "serve.log").read_text()[-3000:]
+                    )
                 time.sleep(1)
 
 
@@ -306,13 +354,25 @@ def run_on_a_schedule_a_minute_away(served: ServedDeployments, name: str, overri
     at = datetime.now(timezone.utc).replace(second=0, microsecond=0) + timedelta(minutes=2)
     cron = f"{at.minute} {at.hour} {at.day} {at.month} *"  # fires once (a year from now next)
     with served.client() as client:
-        client.create_deployment_schedules(deployment.id, [DeploymentScheduleCreate(
-            schedule=CronSchedule(cron=cron, timezone="UTC"), active=True, parameters={"spec": spec})])
+        client.create_deployment_schedules(
+            deployment.id,
+            [
+                DeploymentScheduleCreate(
+                    schedule=CronSchedule(cron=cron, timezone="UTC"), active=True, parameters={"spec": spec}
+                )
+            ],
+        )
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while True:
-            runs = [run for run in client.read_flow_runs(
-                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
-                if run.auto_scheduled and run.expected_start_time and abs((run.expected_start_time - at).total_seconds()) < 1]
+            runs = [
+                run
+                for run in client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+                )
+                if run.auto_scheduled
+                and run.expected_start_time
+                and abs((run.expected_start_time - at).total_seconds()) < 1
+            ]
             if runs:
                 break
             if time.monotonic() > deadline:
@@ -360,8 +420,9 @@ def webhook_receiver(down_for: int = 0):
 def files_holding(folder: Path, text: str) -> list[Path]:
     """Every file under `folder` whose bytes contain `text` (databases, logs, artifacts alike)."""
     needle = text.encode()
-    return [path for path in folder.rglob("*") if path.is_file() and not path.is_symlink()
-            and needle in path.read_bytes()]
+    return [
+        path for path in folder.rglob("*") if path.is_file() and not path.is_symlink() and needle in path.read_bytes()
+    ]
 
 
 def the_one_message(messages: list[dict], event: str, run_id: str, flow_run_id: str, timeout_s: float = 60) -> dict:
@@ -371,21 +432,30 @@ def the_one_message(messages: list[dict], event: str, run_id: str, flow_run_id: 
     return the_messages(messages, [event], run_id, flow_run_id, timeout_s)[0]
 
 
-def the_messages(messages: list[dict], events: list[str], run_id: str, flow_run_id: str,
-                 timeout_s: float = 60) -> list[dict]:
+def the_messages(
+    messages: list[dict], events: list[str], run_id: str, flow_run_id: str, timeout_s: float = 60
+) -> list[dict]:
     """The messages of a run's events, exactly these and in this order, each checked as the_one_message checks."""
     deadline = time.monotonic() + timeout_s
     while len(messages) < len(events) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1)  # one more message, if one were coming, would come with the others
     assert [message["subject"].split()[-1] for message in messages] == events, messages
-    return [message_fields(message, event, run_id, flow_run_id) for message, event in zip(messages, events, strict=True)]
+    return [
+        message_fields(message, event, run_id, flow_run_id) for message, event in zip(messages, events, strict=True)
+    ]
 
 
 def message_fields(message: dict, event: str, run_id: str, flow_run_id: str) -> dict:
     fields = dict(line.split(": ", 1) for line in message["body"].splitlines())
-    fields = {"event": event, "run": message["subject"].split()[1], "reason": fields["reason"],
-              "cost": fields["cost so far"], "mlflow": fields["MLflow"], "prefect": fields["Prefect"]}
+    fields = {
+        "event": event,
+        "run": message["subject"].split()[1],
+        "reason": fields["reason"],
+        "cost": fields["cost so far"],
+        "mlflow": fields["MLflow"],
+        "prefect": fields["Prefect"],
+    }
     assert fields["reason"] and float(fields["cost"].lstrip("$")) >= 0, message
     assert fields["mlflow"].startswith("http"), message  # Prefect's: its UI's page, or the id (temporary API)
     assert run_id in fields["mlflow"] and flow_run_id in fields["prefect"], message

@@ -1,6 +1,6 @@
 """A Ray Train driver for tests/test_ingest.py: trains tests.loops.plain:record_shards with gpuflow's ingest.
 
-    python -m tests.support.shards_driver ADDRESS OUT_FOLDER STREAMED_PARQUET ROWS
+python -m tests.support.shards_driver ADDRESS OUT_FOLDER STREAMED_PARQUET ROWS
 """
 
 import sys
@@ -17,12 +17,15 @@ from tests.support.repo import REPO
 
 address, out, streamed, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ADDRESS": address}})
-datasets = {"in_memory": ray.data.from_arrow(pa.table({"id": list(range(rows))})),  # materialized, as job.datasets_of
-            "streamed": ray.data.read_parquet(streamed)}  # lazy: Ray Data streams it
+datasets = {
+    "in_memory": ray.data.from_arrow(pa.table({"id": list(range(rows))})),  # materialized, as job.datasets_of
+    "streamed": ray.data.read_parquet(streamed),
+}  # lazy: Ray Data streams it
 TorchTrainer(
     record_shards,
     train_loop_config={"epochs": 2, "out": out, "datasets": list(datasets)},
-    datasets=datasets, dataset_config=SplitInMemory(),
+    datasets=datasets,
+    dataset_config=SplitInMemory(),
     scaling_config=ray.train.ScalingConfig(num_workers=2),
     run_config=ray.train.RunConfig(name="shards", storage_path=f"{out}/storage"),
 ).fit()

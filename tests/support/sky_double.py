@@ -52,8 +52,17 @@ class FakeSky:
     exceptions = sky.exceptions
     StatusRefreshMode = sky.StatusRefreshMode
 
-    def __init__(self, scenario: str = "ok", launch_s: float = 0.5, job_s: float = 0.5, job_log: list[str] = (),
-                 down_failures: int = 0, no_capacity=(), preempt_spot: int = 0, down_s: float = 0.05):
+    def __init__(
+        self,
+        scenario: str = "ok",
+        launch_s: float = 0.5,
+        job_s: float = 0.5,
+        job_log: list[str] = (),
+        down_failures: int = 0,
+        no_capacity=(),
+        preempt_spot: int = 0,
+        down_s: float = 0.05,
+    ):
         self.scenario, self.launch_s, self.job_s, self.down_s = scenario, launch_s, job_s, down_s
         self.down_failures = down_failures  # a cloud API that refuses the next N deletions, as in an outage
         self.job_log = list(job_log) or ["[gpuflow] epoch 0: train_loss=1.0 val_accuracy=0.9"]
@@ -113,8 +122,11 @@ class FakeSky:
         return self._submit("api_cancel", "", lambda r: cancelled, 0)
 
     def api_status(self, cluster_name=None, **_):
-        return [SimpleNamespace(request_id=r.request_id, name=f"sky.{r.name}", status=r.status)
-                for r in self.requests.values() if r.status == "RUNNING" and r.cluster_name == cluster_name]
+        return [
+            SimpleNamespace(request_id=r.request_id, name=f"sky.{r.name}", status=r.status)
+            for r in self.requests.values()
+            if r.status == "RUNNING" and r.cluster_name == cluster_name
+        ]
 
     # -- verbs ------------------------------------------------------------------------------------
     def launch(self, task, cluster_name=None, idle_minutes_to_autostop=None, down=False, **_):
@@ -127,17 +139,25 @@ class FakeSky:
                 request.lines.append("Failed to acquire resources in all zones")
                 raise sky.exceptions.ResourcesUnavailableError(
                     "Failed to provision all possible launchable resources. Relax the task's resource requirements: "
-                    f"{task.num_nodes}x {list(task.resources)}")
+                    f"{task.num_nodes}x {list(task.resources)}"
+                )
             launched = self._first_with_capacity(task, request)
             with self._lock:
-                self.clusters[cluster_name] = {"name": cluster_name, "status": sky.ClusterStatus.UP,
-                                               "launched_at": int(time.time()), "autostop": idle_minutes_to_autostop,
-                                               "to_down": down, "jobs": {}, "spot": bool(launched.use_spot)}
+                self.clusters[cluster_name] = {
+                    "name": cluster_name,
+                    "status": sky.ClusterStatus.UP,
+                    "launched_at": int(time.time()),
+                    "autostop": idle_minutes_to_autostop,
+                    "to_down": down,
+                    "jobs": {},
+                    "spot": bool(launched.use_spot),
+                }
             request.lines.append(f"Cluster {cluster_name} is up")
             job_id = self._add_job(cluster_name, setup=task.setup is not None, run=task.run and task)
             request.lines.append(f"Job submitted, ID: {job_id}")
-            return job_id, SimpleNamespace(cluster_name=cluster_name, launched_resources=launched,
-                                           launched_nodes=task.num_nodes)
+            return job_id, SimpleNamespace(
+                cluster_name=cluster_name, launched_resources=launched, launched_nodes=task.num_nodes
+            )
 
         return self._submit("launch", cluster_name, run, self.launch_s)
 
@@ -146,26 +166,33 @@ class FakeSky:
         for resources in task.resources:
             if resources.use_spot and str(resources.cloud).lower() in NO_SPOT:
                 continue  # the optimizer drops it: never tried, no block
-            words = {str(resources.cloud).lower(), *(k.lower() for k in resources.accelerators or {}),
-                     *(["spot"] if resources.use_spot else [])}
+            words = {
+                str(resources.cloud).lower(),
+                *(k.lower() for k in resources.accelerators or {}),
+                *(["spot"] if resources.use_spot else []),
+            }
             if not words & {word.lower() for word in self.no_capacity}:
                 return resources
             error = sky.exceptions.ResourcesUnavailableError(
                 f"Failed to acquire resources in all zones in {resources.region or 'every region'} for "
-                f"{resources.accelerators}. Try changing resource requirements or use another region.")
+                f"{resources.accelerators}. Try changing resource requirements or use another region."
+            )
             tried[resources], history = error, [*history, error]
             request.lines.append(f"Failed to provision {resources}: trying other potential resources.")
         blocks = "".join(  # SkyPilot's own layout (cloud_vm_ray_backend._format_provision_failure_blocks): the
             # header names the place and GPUs, never spot; the SDK puts its summary (coloured) in front
             f"\u2717 {r.infra.formatted_str()} \u2014 ("
             f"{''.join(f'gpus={k}:{v}, ' for k, v in (r.accelerators or {}).items())}...)\n  {e}\n\n"
-            for r, e in tried.items())
+            for r, e in tried.items()
+        )
         raise sky.exceptions.ResourcesUnavailableError(
             "\x1b[31mFailed to provision all possible launchable resources.\x1b[0m Relax the task's resource "
             f"requirements: {task.num_nodes}x {list(task.resources)[0]}\n"
             "To keep retrying until the cluster is up, use the `--retry-until-up` flag.\n"
             "Reasons for provision failures (for details, please check the log above):\n"
-            f"Provision failures (tried {len(tried)} infra):\n\n{blocks}", failover_history=history)
+            f"Provision failures (tried {len(tried)} infra):\n\n{blocks}",
+            failover_history=history,
+        )
 
     def exec(self, task, cluster_name=None, **_):
         self.calls.append(("exec", cluster_name, task.to_yaml_config()))
@@ -217,8 +244,12 @@ class FakeSky:
         return self._submit("job_status", cluster_name, run, 0)
 
     def status(self, cluster_names=None, **_):
-        return self._submit("status", "", lambda r: [dict(c) for c in self.clusters.values()
-                                                     if cluster_names is None or c["name"] in cluster_names], 0)
+        return self._submit(
+            "status",
+            "",
+            lambda r: [dict(c) for c in self.clusters.values() if cluster_names is None or c["name"] in cluster_names],
+            0,
+        )
 
     def down(self, cluster_name, **_):
         self.calls.append(("down", cluster_name))
@@ -228,8 +259,10 @@ class FakeSky:
                 if self.down_failures > 0 and cluster_name in self.clusters:
                     self.down_failures -= 1
                     request.lines.append("Failed to terminate instances: RequestLimitExceeded")
-                    raise RuntimeError(f"Failed to terminate the cluster {cluster_name}: RequestLimitExceeded "
-                                       "(the cloud's API refused the deletion; try again later)")
+                    raise RuntimeError(
+                        f"Failed to terminate the cluster {cluster_name}: RequestLimitExceeded "
+                        "(the cloud's API refused the deletion; try again later)"
+                    )
                 if self.clusters.pop(cluster_name, None) is None:
                     raise sky.exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
 

@@ -28,12 +28,25 @@ REPO = Path(__file__).resolve().parents[2]
 FULL_MARKERS = ("full", "slurm", "browser", "load", "team")  # these run only in the whole matrix
 TIER_MARKERS = ("cluster", *FULL_MARKERS)
 # Shared servers a test reaches through a fixture (started once, by whichever test asks first).
-HEAVY_FIXTURES = {"prefect_api": "a Prefect server", "mlflow_url": "an MLflow server", "served": "gpuflow serve",
-                  "slurm_infra": "Slurm", "browser": "a browser", "stack": "the team stack (PostgreSQL)"}
+HEAVY_FIXTURES = {
+    "prefect_api": "a Prefect server",
+    "mlflow_url": "an MLflow server",
+    "served": "gpuflow serve",
+    "slurm_infra": "Slurm",
+    "browser": "a browser",
+    "stack": "the team stack (PostgreSQL)",
+}
 # What a started process is, by the name the kernel gives it (psutil's name(): the executable, not its arguments).
-PROCESS_KINDS = {"raylet": "a Ray cluster", "gcs_server": "a Ray cluster", "postgres": "PostgreSQL",
-                 "slurmctld": "Slurm", "slurmd": "Slurm", "chromium": "a browser", "chrome": "a browser",
-                 "headless_shell": "a browser"}
+PROCESS_KINDS = {
+    "raylet": "a Ray cluster",
+    "gcs_server": "a Ray cluster",
+    "postgres": "PostgreSQL",
+    "slurmctld": "Slurm",
+    "slurmd": "Slurm",
+    "chromium": "a browser",
+    "chrome": "a browser",
+    "headless_shell": "a browser",
+}
 SESSION_ENV = "PYTEST_GPUFLOW_SESSION"  # every process the tests start inherits it: how leftovers are found
 _started_now: list[str] = []  # what the running test started, as noted by the test helpers (servers, harnesses)
 
@@ -59,8 +72,11 @@ def require(ok: bool, component: str, how: str) -> None:
 
 # -- the tiers -------------------------------------------------------------------------------------------------------
 def pytest_addoption(parser):
-    parser.addoption("--full", action="store_true",
-                     help="the whole matrix: Slurm, every fault, the team stack, the browser and the load test")
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="the whole matrix: Slurm, every fault, the team stack, the browser and the load test",
+    )
     parser.addini("leftover_grace_s", "how long the session's last processes may take to exit", default="20")
 
 
@@ -155,9 +171,11 @@ def pytest_runtest_makereport(item, call):
     kinds = what_it_starts(item)
     if kinds and tier_of(item) is None:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} starts {', '.join(kinds)} but carries no tier marker: mark it "
-                           "@pytest.mark.full (the whole matrix) or, if it is worth its minutes in the quick tier, "
-                           "@pytest.mark.cluster (tests/README.md, 'Tiers')")
+        report.longrepr = (
+            f"{item.nodeid} starts {', '.join(kinds)} but carries no tier marker: mark it "
+            "@pytest.mark.full (the whole matrix) or, if it is worth its minutes in the quick tier, "
+            "@pytest.mark.cluster (tests/README.md, 'Tiers')"
+        )
 
 
 # -- what a session leaves -------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Headless Chromium (Debian's /usr/bin/chromium) driven by Playwright, offline: every non-loopback request is blocked.
 
-    apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser
+apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser
 """
 
 import shutil
@@ -44,9 +44,21 @@ def browser():
 
     with sync_api.sync_playwright() as playwright:
         context = playwright.chromium.launch_persistent_context(
-            profile, executable_path=str(CHROMIUM), headless=True, viewport={"width": 1400, "height": 1000},
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"])
+            profile,
+            executable_path=str(CHROMIUM),
+            headless=True,
+            viewport={"width": 1400, "height": 1000},
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--disable-dev-shm-usage",
+            ],
+        )
         try:
             context.set_default_timeout(60_000)
             context.add_init_script(MLFLOW_FIRST_VISIT)

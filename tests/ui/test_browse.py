@@ -1,6 +1,6 @@
 """As a person would: start a run from the Prefect UI's form, watch it complete, then find it in the MLflow UI.
 
-    apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser tests/ui   # screenshots: test-artifacts/ui/
+apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser tests/ui   # screenshots: test-artifacts/ui/
 """
 
 import contextlib
@@ -33,8 +33,15 @@ def test_custom_run_from_the_prefect_ui(served, page):
     shot("custom-run-form-epochs-3")
     deployment_id = served.deployment("run-experiment").id
     before = {run.id for run in runs_of(served, deployment_id)}
-    flow_run_id = submit_until_a_run_exists(page, shot, lambda: [
-        run.id for run in sorted(runs_of(served, deployment_id), key=lambda run: run.created) if run.id not in before])
+    flow_run_id = submit_until_a_run_exists(
+        page,
+        shot,
+        lambda: [
+            run.id
+            for run in sorted(runs_of(served, deployment_id), key=lambda run: run.created)
+            if run.id not in before
+        ],
+    )
     try:
         page.get_by_role("link", name="View run").click(timeout=10_000)
     except PlaywrightTimeout:  # the toast is gone (a busy machine renders slowly): open the run the form made
@@ -51,8 +58,12 @@ def test_custom_run_from_the_prefect_ui(served, page):
     # core that the run and the other tests need. The page is opened again once the run has ended.
     page.goto("about:blank")
     with served.client() as client:
-        wait_until(lambda: client.read_flow_run(flow_run_id).state.is_final(), RUN_TIMEOUT_MS / 1000,
-                   f"flow run {flow_run_id} over (see {served.home / 'serve.log'})", interval_s=2)
+        wait_until(
+            lambda: client.read_flow_run(flow_run_id).state.is_final(),
+            RUN_TIMEOUT_MS / 1000,
+            f"flow run {flow_run_id} over (see {served.home / 'serve.log'})",
+            interval_s=2,
+        )
     page.goto(run_page)
     page.get_by_role("tab", name="Job Variables").wait_for(timeout=PAGE_LOAD_MS)  # the whole UI loads again
     # The run's tags are badges too (experiment:..., backend:...): look for the one that holds a final state.
@@ -117,8 +128,10 @@ def test_the_run_in_the_mlflow_ui(served, page):
     page.get_by_text(re.compile(r"Metrics \(\d+\)")).first.wait_for()
     shot("run-overview")
     # Its lineage: the Overview's Datasets section shows one ("+1" folds the other); clicked, it lists both.
-    shown = {i.dataset.name: f"{i.dataset.name} ({i.dataset.digest})"
-             for i in client.get_run(run.info.run_id).inputs.dataset_inputs}
+    shown = {
+        i.dataset.name: f"{i.dataset.name} ({i.dataset.digest})"
+        for i in client.get_run(run.info.run_id).inputs.dataset_inputs
+    }
     assert set(shown) == {"train", "validation"}
     page.get_by_text(re.compile("|".join(re.escape(text) for text in shown.values()))).first.click()
     for text in shown.values():

@@ -1,6 +1,6 @@
 """As a person would: open a sweep's parent run in the MLflow UI's runs table, expand it, and find its trials.
 
-    apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser tests/ui/test_sweep_in_mlflow.py
+apt-get install -y chromium && .venv/bin/python -m pytest --full -m browser tests/ui/test_sweep_in_mlflow.py
 """
 
 import re

@@ -70,14 +70,40 @@ class LocalBackend(WarmClusters):
         temp_dir = tempfile.mkdtemp(prefix="gf-ray-", dir="/tmp")
         with open(folder / "ray.log", "wb") as log:
             process = subprocess.Popen(
-                [sys.executable, "-m", "gpuflow.cluster.backends.local.supervisor", "--nodes", str(shape["num_nodes"]),
-                 "--cpus-per-node", str(shape["cpus"]), "--temp-dir", temp_dir, "--address-file", f"{temp_dir}/address",
-                 "--owner-pid", str(owner_pid), "--worker-slots", str(shape.get("worker_slots", 0))],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ray_env(),
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuflow.cluster.backends.local.supervisor",
+                    "--nodes",
+                    str(shape["num_nodes"]),
+                    "--cpus-per-node",
+                    str(shape["cpus"]),
+                    "--temp-dir",
+                    temp_dir,
+                    "--address-file",
+                    f"{temp_dir}/address",
+                    "--owner-pid",
+                    str(owner_pid),
+                    "--worker-slots",
+                    str(shape.get("worker_slots", 0)),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=ray_env(),
             )
         self._children[f"cluster:{process.pid}"] = process
-        self._write(cluster_name, {"session": process.pid, "temp_dir": temp_dir, "launched_at": time.time(),
-                                   "jobs": {}, "shape": shape, "owner": owner_pid})
+        self._write(
+            cluster_name,
+            {
+                "session": process.pid,
+                "temp_dir": temp_dir,
+                "launched_at": time.time(),
+                "jobs": {},
+                "shape": shape,
+                "owner": owner_pid,
+            },
+        )
 
     def wait_until_up(self, cluster_name: str) -> str:
         record = self.record(cluster_name)
@@ -107,17 +133,36 @@ class LocalBackend(WarmClusters):
             [pid] = waiting
             record["jobs"][pid] = {"log": str(folder / "job.log"), "run_name": run_name}
             self._write(handle.name, record)
-            early_job.hand_over(record["temp_dir"], {
-                "spec": str(spec_file), "address": handle.address, "run_name": run_name,
-                "cwd": str(Path(spec.workdir).absolute()),
-                "env": {**env, **JobEnv(local_cluster_session=record["session"]).to_env()}})
+            early_job.hand_over(
+                record["temp_dir"],
+                {
+                    "spec": str(spec_file),
+                    "address": handle.address,
+                    "run_name": run_name,
+                    "cwd": str(Path(spec.workdir).absolute()),
+                    "env": {**env, **JobEnv(local_cluster_session=record["session"]).to_env()},
+                },
+            )
             return pid
         log = folder / f"{run_name}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
-                 "--address", handle.address, "--run-name", run_name],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=spec.workdir,
+                [
+                    sys.executable,
+                    "-u",
+                    "-m",
+                    "gpuflow.cluster.job",
+                    "--spec",
+                    str(spec_file),
+                    "--address",
+                    handle.address,
+                    "--run-name",
+                    run_name,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=spec.workdir,
                 env={**ray_env(), **env, **JobEnv(local_cluster_session=record["session"]).to_env()},
             )
         record["jobs"][str(process.pid)] = {"log": str(log), "run_name": run_name}

@@ -50,8 +50,21 @@ LEAN_RAY = {
 # What a process reads of its environment as it starts and imports (Python's path, Ray's settings, the loader's, CUDA's,
 # the threads): an early job started with other values than the run's would be cannot be taken over. The rest of its
 # environment is replaced by the run's at the hand-over (`handoff_environment`).
-READ_AT_START = ("PYTHON", "RAY_", "LD_", "CUDA", "NVIDIA", "OMP_", "MKL_", "TORCH", "PATH", "VIRTUAL_ENV", "HOME",
-                 "TMPDIR", "GPUFLOW_HOME")
+READ_AT_START = (
+    "PYTHON",
+    "RAY_",
+    "LD_",
+    "CUDA",
+    "NVIDIA",
+    "OMP_",
+    "MKL_",
+    "TORCH",
+    "PATH",
+    "VIRTUAL_ENV",
+    "HOME",
+    "TMPDIR",
+    "GPUFLOW_HOME",
+)
 
 
 def job_environment() -> dict[str, str]:
@@ -80,9 +93,20 @@ def start(cluster_folder: Path, temp_dir: str, session: int, cwd: str) -> subpro
     """Starts the early job of a cluster (its log: job.log in the cluster's folder)."""
     with open(cluster_folder / "job.log", "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-u", "-m", "gpuflow.cluster.job", "--handoff", str(Path(temp_dir) / HANDOFF_FILE),
-             "--starter", str(os.getpid())],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd,
+            [
+                sys.executable,
+                "-u",
+                "-m",
+                "gpuflow.cluster.job",
+                "--handoff",
+                str(Path(temp_dir) / HANDOFF_FILE),
+                "--starter",
+                str(os.getpid()),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=cwd,
             env={**job_environment(), **JobEnv(local_cluster_session=session).to_env()},
         )
 

@@ -50,18 +50,23 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.owner_pid is not None:  # from the start: an owner killed while Ray starts must not leave it behind
-        threading.Thread(target=watch_owner, args=(args.owner_pid, Path(args.temp_dir) / OWNER_FILE), daemon=True,
-                         name="owner-watch").start()
+        threading.Thread(
+            target=watch_owner, args=(args.owner_pid, Path(args.temp_dir) / OWNER_FILE), daemon=True, name="owner-watch"
+        ).start()
     slots = node_resources(args.worker_slots) if args.worker_slots else {}
     node_args = {"num_cpus": args.cpus_per_node, "object_store_memory": 200 * 1024**2, "resources": slots}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={**node_args, "temp_dir": args.temp_dir, "include_dashboard": False,
-                        # the autoscaler's monitor: a local cluster's nodes are fixed (GPUFLOW_LOCAL_RAY=full keeps it)
-                        "no_monitor": local_ray_mode() == "lean",
-                        "resources": {**HEAD_NODE_RESOURCES, **slots},
-                        # a lost node is dead to Ray within ~3 s (default ~15 s): an elastic run restarts without it
-                        "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}},
+        head_node_args={
+            **node_args,
+            "temp_dir": args.temp_dir,
+            "include_dashboard": False,
+            # the autoscaler's monitor: a local cluster's nodes are fixed (GPUFLOW_LOCAL_RAY=full keeps it)
+            "no_monitor": local_ray_mode() == "lean",
+            "resources": {**HEAD_NODE_RESOURCES, **slots},
+            # a lost node is dead to Ray within ~3 s (default ~15 s): an elastic run restarts without it
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3},
+        },
     )
     for _ in range(args.nodes - 1):
         cluster.add_node(**node_args)
@@ -74,8 +79,15 @@ def main() -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     folder = Path(args.temp_dir)
-    write_atomically(folder / NODES_FILE, json.dumps([{"head": node is cluster.head_node, "raylet": raylet_pid(node),
-                                                       "node_id": node_id_of(node)} for node in cluster.list_all_nodes()]))
+    write_atomically(
+        folder / NODES_FILE,
+        json.dumps(
+            [
+                {"head": node is cluster.head_node, "raylet": raylet_pid(node), "node_id": node_id_of(node)}
+                for node in cluster.list_all_nodes()
+            ]
+        ),
+    )
     write_atomically(Path(args.address_file), cluster.address)
     print(f"ray cluster up at {cluster.address} with {args.nodes} node(s)", flush=True)
     lost = None
@@ -106,8 +118,11 @@ OWNER_POLL_S = 1.0
 
 def lost_nodes(cluster) -> str | None:
     """Says which node processes died (a lost node), or None while every node is whole."""
-    dead = [f"{'head' if node is cluster.head_node else 'worker'} node's {kind} (pid {process.pid})"
-            for node in cluster.list_all_nodes() for kind, process in dead_processes(node)]
+    dead = [
+        f"{'head' if node is cluster.head_node else 'worker'} node's {kind} (pid {process.pid})"
+        for node in cluster.list_all_nodes()
+        for kind, process in dead_processes(node)
+    ]
     return ", ".join(dead) or None
 
 
@@ -122,8 +137,11 @@ def release_orphan() -> None:
 
     from gpuflow.cluster.protocol import OWNER_DIED, JobEnv
 
-    jobs = [process.pid for process in psutil.process_iter(["environ"])
-            if JobEnv.from_env(process.info["environ"] or {}).local_cluster_session == os.getpid()]
+    jobs = [
+        process.pid
+        for process in psutil.process_iter(["environ"])
+        if JobEnv.from_env(process.info["environ"] or {}).local_cluster_session == os.getpid()
+    ]
     for pid in jobs:
         try:
             os.kill(pid, OWNER_DIED)

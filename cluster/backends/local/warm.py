@@ -45,8 +45,11 @@ class WarmClusters:
         """The cluster's job process, started now to wait for its run (cluster/backends/local/early_job.py)."""
         record = self.record(cluster_name)
         process = early_job.start(self.root / cluster_name, record["temp_dir"], record["session"], cwd)
-        record["jobs"][str(process.pid)] = {"log": "job.log", "run_name": None,
-                                            "environment": early_job.environment_digest()}
+        record["jobs"][str(process.pid)] = {
+            "log": "job.log",
+            "run_name": None,
+            "environment": early_job.environment_digest(),
+        }
         self._write(cluster_name, record)
         self._children[str(process.pid)] = process
 

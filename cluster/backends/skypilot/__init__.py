@@ -50,8 +50,14 @@ def job_envs(spec: ExperimentSpec, run_name: str, env: dict[str, str]) -> dict[s
     return {**spec.envs, **env, **JobEnv(spec_json=spec.model_dump_json(), run_name=run_name).to_env()}
 
 
-def build_task(spec: ExperimentSpec, *, run_name: str | None = None, env: dict[str, str] | None = None,
-               with_setup: bool = True, with_run: bool = True):
+def build_task(
+    spec: ExperimentSpec,
+    *,
+    run_name: str | None = None,
+    env: dict[str, str] | None = None,
+    with_setup: bool = True,
+    with_run: bool = True,
+):
     """The sky.Task of an experiment: setup installs the project, run starts Ray and the job on rank 0."""
     import sky
 
@@ -178,32 +184,46 @@ class SkyPilotBackend:
         """Provisions, then runs setup and the job as one SkyPilot job; autostop + down=True make the cluster
         delete itself if we die. Without a job, runs setup alone and waits for it."""
         started = time.time()
-        task = with_ray_token(build_task(spec, run_name=job.run_name, env=job.env)) if job else \
-            build_task(spec, with_run=False)
-        request_id = self.sky.launch(task, cluster_name=cluster_name,
-                                     idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True)
+        task = (
+            with_ray_token(build_task(spec, run_name=job.run_name, env=job.env))
+            if job
+            else build_task(spec, with_run=False)
+        )
+        request_id = self.sky.launch(
+            task, cluster_name=cluster_name, idle_minutes_to_autostop=spec.limits.idle_minutes_to_autostop, down=True
+        )
         try:
             job_id, launched = self._wait(request_id)
         except self.sky.exceptions.ResourcesUnavailableError as exc:  # SkyPilot tried every option
             raise no_capacity(spec, exc) from exc
-        info = {"request_id": str(request_id), "hourly_cost_usd": launched_hourly_usd(launched),
-                **launched_facts(spec, getattr(launched, "launched_resources", None))}
+        info = {
+            "request_id": str(request_id),
+            "hourly_cost_usd": launched_hourly_usd(launched),
+            **launched_facts(spec, getattr(launched, "launched_resources", None)),
+        }
         if job is not None:
             # One job, not a setup job then a training job: `exec` would add a request and a job start (~18 s).
-            log.info(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
-                    f"setup and training run as SkyPilot job {job_id}")
+            log.info(
+                f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
+                f"setup and training run as SkyPilot job {job_id}"
+            )
             info["job_id"] = str(job_id)
         elif job_id is not None:
             # SkyPilot 0.14 runs setup detached, as a job of its own, and returns before it ends:
             # wait for it here so that its log is shown and a broken setup fails the launch.
-            log.info(f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
-                     f"setup runs as SkyPilot job {job_id}")
+            log.info(
+                f"[gpuflow] provisioned {cluster_name} in {time.time() - started:.1f}s; "
+                f"setup runs as SkyPilot job {job_id}"
+            )
             setup_started = time.time()
             code = self._follow(cluster_name, job_id, log.info)
             if code != 0:
                 raise self.sky.exceptions.CommandError(
-                    code, "setup", f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
-                    f"SkyPilot job {job_id} ran the task's setup")
+                    code,
+                    "setup",
+                    f"setup on {cluster_name} failed ({job_outcome(code)}); its log is above",
+                    f"SkyPilot job {job_id} ran the task's setup",
+                )
             log.info(f"[gpuflow] setup finished in {time.time() - setup_started:.1f}s")
         return ClusterHandle(cluster_name, self.name, info=info)
 
@@ -244,8 +264,10 @@ class SkyPilotBackend:
         if self._api_was_up is None:
             self._api_was_up = local_api_server_up(self.sky)
         records = self.sky.get(self.sky.status())
-        return [ClusterStatus(r["name"], self.name, getattr(r["status"], "value", str(r["status"])), r.get("launched_at"))
-                for r in records]
+        return [
+            ClusterStatus(r["name"], self.name, getattr(r["status"], "value", str(r["status"])), r.get("launched_at"))
+            for r in records
+        ]
 
     def lost(self, cluster_name: str) -> str | None:
         """Asks the cloud, not SkyPilot's cache: without a forced refresh a preempted cluster still reads UP."""
@@ -258,8 +280,11 @@ class SkyPilotBackend:
     def cancel_requests(self, cluster_name: str) -> list[str]:
         """Cancels the cluster's requests still running on the API server (a launch in flight, say):
         they keep running there when their client goes away, and would bring a downed cluster back."""
-        pending = [r.request_id for r in self.sky.api_status(cluster_name=cluster_name)
-                   if not str(getattr(r, "name", "")).endswith("down")]
+        pending = [
+            r.request_id
+            for r in self.sky.api_status(cluster_name=cluster_name)
+            if not str(getattr(r, "name", "")).endswith("down")
+        ]
         if pending:
             self.sky.get(self.sky.api_cancel(pending, silent=True))
         return pending

@@ -41,8 +41,10 @@ def slurm_problems(options: list[Option]) -> list[str]:
         try:
             Slurm().validate_region_zone(cluster, partition)
         except ValueError as error:
-            problems.append(f"{where_field(option)}: {option.infra or option.region!r}: {error}; name a cluster of "
-                            "SkyPilot's Slurm config and one of its partitions (or none, for its default)")
+            problems.append(
+                f"{where_field(option)}: {option.infra or option.region!r}: {error}; name a cluster of "
+                "SkyPilot's Slurm config and one of its partitions (or none, for its default)"
+            )
     return problems
 
 
@@ -60,10 +62,13 @@ def kubernetes_problems(options: list[Option]) -> list[str]:
             problems.append(
                 f"{where_field(option)}: {value!r}: no context {context!r} in the kubeconfig ({where}); it has: "
                 f"{', '.join(contexts) or 'none'}. Name one (e.g. k8s/{contexts[0] if contexts else '<context>'}), "
-                "add the context to that file, or point KUBECONFIG at the file that has it")
+                "add the context to that file, or point KUBECONFIG at the file that has it"
+            )
         elif not contexts:
-            problems.append(f"{where_field(option)}: {value!r} needs a Kubernetes context and the kubeconfig ({where}) "
-                            "has none; add one, or point KUBECONFIG at a kubeconfig that has one")
+            problems.append(
+                f"{where_field(option)}: {value!r} needs a Kubernetes context and the kubeconfig ({where}) "
+                "has none; add one, or point KUBECONFIG at a kubeconfig that has one"
+            )
     return problems
 
 

@@ -61,8 +61,9 @@ def main() -> int:
     watch = start_node_watch(address, temp_dir)  # for the cloud's spot notice to this node, if it can get one
     try:
         if rank != 0:
-            return subprocess.call(ray("start", f"--address={address}", "--block",
-                                       f"--resources={json.dumps(worker_slots())}", *common))
+            return subprocess.call(
+                ray("start", f"--address={address}", "--block", f"--resources={json.dumps(worker_slots())}", *common)
+            )
         return run_head(address, num_nodes, temp_dir, common)
     finally:
         stop_watches([watch] if watch else [])
@@ -80,12 +81,37 @@ def run_head(address: str, num_nodes: int, temp_dir: str, common: list[str]) -> 
     ray_started = Path(temp_dir) / "ray-started"
     # The job starts beside Ray: its imports (seconds) overlap Ray's start. It connects once Ray is up, then waits
     # for the other nodes to join.
-    job = subprocess.Popen([sys.executable, "-u", "-m", "gpuflow.cluster.job", "--spec", str(spec_file),
-                            "--address", address, "--run-name", job.run_name,
-                            "--nodes", str(num_nodes), "--after", str(ray_started)])
-    head = subprocess.Popen(ray("start", "--head", f"--port={RAY_PORT}", "--block",
-                                f"--resources={json.dumps({**HEAD_NODE_RESOURCES, **worker_slots()})}", *common),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-u",
+            "-m",
+            "gpuflow.cluster.job",
+            "--spec",
+            str(spec_file),
+            "--address",
+            address,
+            "--run-name",
+            job.run_name,
+            "--nodes",
+            str(num_nodes),
+            "--after",
+            str(ray_started),
+        ]
+    )
+    head = subprocess.Popen(
+        ray(
+            "start",
+            "--head",
+            f"--port={RAY_PORT}",
+            "--block",
+            f"--resources={json.dumps({**HEAD_NODE_RESOURCES, **worker_slots()})}",
+            *common,
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_until_started(head)
         ray_started.touch()

@@ -27,8 +27,13 @@ def options_of(spec: ExperimentSpec) -> list[Option]:
 
 
 def same_place(a: Option, b: Option) -> bool:
-    return (a.infra, a.cloud, a.region, a.accelerators, a.use_spot) == (b.infra, b.cloud, b.region, b.accelerators,
-                                                                        b.use_spot)
+    return (a.infra, a.cloud, a.region, a.accelerators, a.use_spot) == (
+        b.infra,
+        b.cloud,
+        b.region,
+        b.accelerators,
+        b.use_spot,
+    )
 
 
 def resources_for(spec: ExperimentSpec) -> list | set:
@@ -38,10 +43,15 @@ def resources_for(spec: ExperimentSpec) -> list | set:
     compute = spec.compute
     resources = [
         sky.Resources(
-            infra=option.infra, cloud=sky.CLOUD_REGISTRY.from_str(option.cloud) if option.cloud else None,
-            region=option.region, accelerators=option.accelerators, use_spot=option.use_spot,
-            cpus=f"{compute.workers_per_node * compute.cpus_per_worker:g}+", memory=compute.memory_gb_per_node,
-            disk_size=compute.disk_size_gb, max_hourly_cost=compute.max_hourly_cost_usd,
+            infra=option.infra,
+            cloud=sky.CLOUD_REGISTRY.from_str(option.cloud) if option.cloud else None,
+            region=option.region,
+            accelerators=option.accelerators,
+            use_spot=option.use_spot,
+            cpus=f"{compute.workers_per_node * compute.cpus_per_worker:g}+",
+            memory=compute.memory_gb_per_node,
+            disk_size=compute.disk_size_gb,
+            max_hourly_cost=compute.max_hourly_cost_usd,
             labels={"gpuflow": "true"},
         )
         for option in options_of(spec)
@@ -76,8 +86,11 @@ def matches(option: Option, resources) -> bool:
     if wanted is not None and got != wanted:
         return False
     cloud, region, zone = place_of(option)
-    return ((cloud is None or str(resources.cloud).lower() == cloud)
-            and (region is None or resources.region == region) and (zone is None or resources.zone == zone))
+    return (
+        (cloud is None or str(resources.cloud).lower() == cloud)
+        and (region is None or resources.region == region)
+        and (zone is None or resources.zone == zone)
+    )
 
 
 def option_launched(spec: ExperimentSpec, resources) -> Option | None:
@@ -99,11 +112,18 @@ def no_capacity(spec: ExperimentSpec, error: Exception) -> NoCapacity:
         found = next((block for block in unread if header_names(block[0], option)), None)
         if found:
             unread.remove(found)
-        reasons.append((f"option {option.index} ({option.describe()})",
-                        found[1] if found else not_tried(option) if blocks else summary))
+        reasons.append(
+            (
+                f"option {option.index} ({option.describe()})",
+                found[1] if found else not_tried(option) if blocks else summary,
+            )
+        )
     options = options_of(spec)
-    return NoCapacity(f"no capacity in any of {len(options)} option(s): " + "; ".join(
-        f"{what}: {why}" for what, why in reasons), reasons, spot=all(o.use_spot for o in options))
+    return NoCapacity(
+        f"no capacity in any of {len(options)} option(s): " + "; ".join(f"{what}: {why}" for what, why in reasons),
+        reasons,
+        spot=all(o.use_spot for o in options),
+    )
 
 
 def not_tried(option: Option) -> str:
@@ -119,7 +139,7 @@ def failed_blocks(text: str) -> list[tuple[str, str]]:
     blocks: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
         if line.startswith(FAILED_BLOCK):
-            blocks.append((line[len(FAILED_BLOCK):], []))
+            blocks.append((line[len(FAILED_BLOCK) :], []))
         elif blocks and line.strip():
             blocks[-1][1].append(line.strip())
     return [(header, " ".join(reason)[:500]) for header, reason in blocks]
@@ -143,6 +163,13 @@ def launched_facts(spec: ExperimentSpec, resources) -> dict:
         return {}
     option = option_launched(spec, resources)
     accelerators = ",".join(f"{k}:{v}" for k, v in (resources.accelerators or {}).items())
-    return {"option": option.index if option else None, "option_text": option.describe() if option else "unmatched",
-            "launched": {"infra": resources.infra.formatted_str(), "region": resources.region or "",
-                         "accelerators": accelerators or "CPU", "spot": str(bool(resources.use_spot)).lower()}}
+    return {
+        "option": option.index if option else None,
+        "option_text": option.describe() if option else "unmatched",
+        "launched": {
+            "infra": resources.infra.formatted_str(),
+            "region": resources.region or "",
+            "accelerators": accelerators or "CPU",
+            "spot": str(bool(resources.use_spot)).lower(),
+        },
+    }

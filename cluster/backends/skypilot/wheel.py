@@ -19,7 +19,9 @@ from pathlib import Path
 DISTRIBUTION = "gpuflow"
 PACKAGES = ("gpuflow.flows", "gpuflow.tasks", "gpuflow.cluster")  # the packages of pyproject.toml, subpackages included
 FIXED_TIME = (2020, 1, 1, 0, 0, 0)  # zip entries' timestamps: the same sources give the same wheel
-WHEEL_INFO = "Wheel-Version: 1.0\nGenerator: gpuflow.cluster.backends.skypilot.wheel\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+WHEEL_INFO = (
+    "Wheel-Version: 1.0\nGenerator: gpuflow.cluster.backends.skypilot.wheel\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+)
 
 
 def version() -> str:

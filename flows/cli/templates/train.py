@@ -25,7 +25,8 @@ def train_loop(config: dict) -> None:
     train = torch.utils.data.TensorDataset(*make_data(2048, seed=0))
     x_val, y_val = make_data(512, seed=1)
     loader = ray.train.torch.prepare_data_loader(
-        torch.utils.data.DataLoader(train, batch_size=config["batch_size"], shuffle=True))
+        torch.utils.data.DataLoader(train, batch_size=config["batch_size"], shuffle=True)
+    )
 
     # model and optimizer; resume from the last checkpoint if this run was restarted (mid-epoch after a spot notice)
     model = ray.train.torch.prepare_model(nn.Linear(1, 1))
@@ -63,7 +64,9 @@ def report(metrics: dict, state: dict, model) -> None:
     """Rank 0 saves the checkpoint; every rank reports, so that the workers stay in step."""
     if ray.train.get_context().get_world_rank() == 0:
         with tempfile.TemporaryDirectory() as folder:
-            torch.save({**state, "model": getattr(model, "module", model).state_dict()}, os.path.join(folder, "state.pt"))
+            torch.save(
+                {**state, "model": getattr(model, "module", model).state_dict()}, os.path.join(folder, "state.pt")
+            )
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
     else:
         ray.train.report(metrics)

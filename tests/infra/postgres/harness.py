@@ -1,9 +1,9 @@
 """A throwaway PostgreSQL server for the team-stack tests: Debian's `postgresql`, on 127.0.0.1, data in a temp folder.
 
-    from tests.infra.postgres import harness
-    ok, why = harness.available()          # installs Debian's postgresql when root and missing
-    with harness.postgres(tmp_path) as pg:  # initdb, start on a free port, password auth; stopped and removed on exit
-        url = pg.url("prefect", driver="postgresql+asyncpg")
+from tests.infra.postgres import harness
+ok, why = harness.available()          # installs Debian's postgresql when root and missing
+with harness.postgres(tmp_path) as pg:  # initdb, start on a free port, password auth; stopped and removed on exit
+    url = pg.url("prefect", driver="postgresql+asyncpg")
 """
 
 from __future__ import annotations
@@ -83,18 +83,48 @@ def postgres(folder: Path, databases: tuple[str, ...] = ("prefect", "mlflow", "m
             shutil.chown(path, "postgres", "postgres")
         folder.chmod(0o755)
     port = stable_port()  # initdb runs between the probe and the bind
-    as_server_user([str(tools / "initdb"), "-D", str(data), "-U", USER, "--pwfile", str(password_file),
-                    "--auth-host=scram-sha-256", "--auth-local=scram-sha-256", "-E", "UTF8"])
+    as_server_user(
+        [
+            str(tools / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            USER,
+            "--pwfile",
+            str(password_file),
+            "--auth-host=scram-sha-256",
+            "--auth-local=scram-sha-256",
+            "-E",
+            "UTF8",
+        ]
+    )
     password_file.unlink()
     log = folder / "postgres.log"
-    as_server_user([str(tools / "pg_ctl"), "-D", str(data), "-l", str(log), "-w", "-t", str(READY_TIMEOUT_S),
-                    "-o", f"-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c max_connections=200", "start"])
+    as_server_user(
+        [
+            str(tools / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(log),
+            "-w",
+            "-t",
+            str(READY_TIMEOUT_S),
+            "-o",
+            f"-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c max_connections=200",
+            "start",
+        ]
+    )
     server = Postgres(port, password)
     try:
         env = {**os.environ, "PGPASSWORD": password}
         for database in databases:
-            subprocess.run([str(tools / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", USER, database],
-                           check=True, capture_output=True, env=env)
+            subprocess.run(
+                [str(tools / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", USER, database],
+                check=True,
+                capture_output=True,
+                env=env,
+            )
         yield server
     finally:
         with contextlib.suppress(subprocess.CalledProcessError):

@@ -11,6 +11,7 @@ work; this module wraps them for pytest (the ``slurm_infra`` fixture in tests/co
     assert harness.slurm_jobs() == [] and harness.sky_clusters(infra) == []
     harness.stop()
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SSH_USER = "skyci"
-SLURM_CLUSTER = "skyci"          # Host alias in ~/.slurm/config == SkyPilot region
+SLURM_CLUSTER = "skyci"  # Host alias in ~/.slurm/config == SkyPilot region
 INFRA = f"slurm/{SLURM_CLUSTER}"
 # Env vars a *task* on this node needs (pass to sky.Task(envs=...)): one node on this
 # machine, keep Ray on 127.0.0.1. A real multi-node cloud cluster must NOT set this.
@@ -45,11 +46,11 @@ def _python() -> str:
 @dataclasses.dataclass
 class SlurmInfra:
     base: Path
-    env: dict[str, str]          # variables to add/override for a SkyPilot client subprocess
-    infra: str = INFRA           # pass as sky.Resources(infra=...) / gpuflow's infra setting
+    env: dict[str, str]  # variables to add/override for a SkyPilot client subprocess
+    infra: str = INFRA  # pass as sky.Resources(infra=...) / gpuflow's infra setting
     ssh_user: str = SSH_USER
     node_task_envs: dict[str, str] = dataclasses.field(default_factory=lambda: dict(NODE_TASK_ENVS))
-    find_links: str = ""         # where pip/uv on the node find local wheels (torch +cpu)
+    find_links: str = ""  # where pip/uv on the node find local wheels (torch +cpu)
     setup_seconds: float = 0.0
 
     def subprocess_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -88,8 +89,9 @@ def available(check_apt: bool = True) -> tuple[bool, str]:
         if not shutil.which(tool):
             return False, f"'{tool}' not found"
     try:
-        out = subprocess.run([_python(), "-c", "import sky; print(sky.__version__)"],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [_python(), "-c", "import sky; print(sky.__version__)"], capture_output=True, text=True, timeout=120
+        )
     except Exception as exc:  # noqa: BLE001
         return False, f"cannot run {_python()}: {exc}"
     if out.returncode != 0:
@@ -103,17 +105,28 @@ def available(check_apt: bool = True) -> tuple[bool, str]:
     for p, pf in ours.items():
         if _port_busy(p) and not _pid_alive(pf):
             return False, f"127.0.0.1:{p} is in use by something that is not this harness"
-    installed = all(Path(p).exists() for p in (
-        "/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/bin/sbatch", "/usr/sbin/munged",
-        "/usr/sbin/sshd", "/usr/bin/rsync", "/usr/bin/patchelf"))
+    installed = all(
+        Path(p).exists()
+        for p in (
+            "/usr/sbin/slurmctld",
+            "/usr/sbin/slurmd",
+            "/usr/bin/sbatch",
+            "/usr/sbin/munged",
+            "/usr/sbin/sshd",
+            "/usr/bin/rsync",
+            "/usr/bin/patchelf",
+        )
+    )
     if not installed and check_apt:
         try:
             r = subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired:
             return False, "Slurm packages not installed and `apt-get update` timed out (no Debian mirror?)"
         if r.returncode != 0 or "Err:" in r.stdout:
-            return False, ("Slurm packages not installed and the Debian mirror is not reachable: "
-                           + (r.stderr or r.stdout).strip()[-300:])
+            return False, (
+                "Slurm packages not installed and the Debian mirror is not reachable: "
+                + (r.stderr or r.stdout).strip()[-300:]
+            )
     return True, "ok"
 
 
@@ -122,14 +135,13 @@ def _harness_env() -> dict[str, str]:
     """Variables env.sh sets or changes (relative to the current environment)."""
     env = dict(os.environ)
     env["GPUFLOW_PYTHON"] = _python()
-    out = subprocess.run(["bash", "-c", f'source "{HERE}/env.sh" && env -0'], env=env,
-                         capture_output=True, check=True)
+    out = subprocess.run(["bash", "-c", f'source "{HERE}/env.sh" && env -0'], env=env, capture_output=True, check=True)
     new = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
     new.pop("_", None)
     always = ("HOME", "PATH", "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE")
-    diff = {k: v for k, v in new.items()
-            if os.environ.get(k) != v or k in always
-            or k.startswith(("SKYPILOT_", "GPUFLOW_"))}
+    diff = {
+        k: v for k, v in new.items() if os.environ.get(k) != v or k in always or k.startswith(("SKYPILOT_", "GPUFLOW_"))
+    }
     diff["GPUFLOW_PYTHON"] = _python()
     return diff
 
@@ -138,11 +150,11 @@ def start(timeout: float = 900) -> SlurmInfra:
     """Run setup.sh (idempotent) and return the infra description."""
     t0 = time.monotonic()
     env = dict(os.environ, GPUFLOW_PYTHON=_python())
-    r = subprocess.run(["bash", str(HERE / "setup.sh")], env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    r = subprocess.run(["bash", str(HERE / "setup.sh")], env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
-        raise RuntimeError(f"tests/infra/slurm/setup.sh failed (rc={r.returncode}):\n"
-                           f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise RuntimeError(
+            f"tests/infra/slurm/setup.sh failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
     henv = _harness_env()
     fl = ""
     prof = base_dir() / "home" / SSH_USER / ".profile"
@@ -155,8 +167,7 @@ def start(timeout: float = 900) -> SlurmInfra:
 def stop() -> str:
     """Run teardown.sh: sky api stop, ssh ControlMaster, scancel, skyci processes, daemons."""
     env = dict(os.environ, GPUFLOW_PYTHON=_python())
-    r = subprocess.run(["bash", str(HERE / "teardown.sh")], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(["bash", str(HERE / "teardown.sh")], env=env, capture_output=True, text=True, timeout=300)
     return r.stdout + r.stderr
 
 
@@ -165,8 +176,9 @@ def slurm_jobs(user: str | None = None) -> list[dict[str, str]]:
     """Jobs in squeue (all users by default): [{'id','user','name','state'}]."""
     cmd = ["squeue", "-h", "-o", "%i|%u|%j|%T"] + (["-u", user] if user else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
-    return [dict(zip(("id", "user", "name", "state"), ln.split("|"), strict=True))
-            for ln in out.splitlines() if ln.strip()]
+    return [
+        dict(zip(("id", "user", "name", "state"), ln.split("|"), strict=True)) for ln in out.splitlines() if ln.strip()
+    ]
 
 
 def sky_clusters(infra: SlurmInfra | None = None, refresh: bool = False) -> list[str]:
@@ -178,10 +190,12 @@ def sky_status(infra: SlurmInfra | None = None, refresh: bool = False) -> list[d
     """`sky status` records of the harness's SkyPilot client: name, status, autostop (minutes), to_down."""
     env = infra.subprocess_env() if infra else dict(os.environ, **_harness_env())
     mode = "sky.StatusRefreshMode.FORCE" if refresh else "sky.StatusRefreshMode.NONE"
-    code = ("import json, sky\n"
-            f"recs = sky.get(sky.status(refresh={mode}))\n"
-            "print('SKY_CLUSTERS=' + json.dumps([{'name': r['name'], 'status': r['status'].value,\n"
-            "    'autostop': r['autostop'], 'to_down': r['to_down']} for r in recs]))\n")
+    code = (
+        "import json, sky\n"
+        f"recs = sky.get(sky.status(refresh={mode}))\n"
+        "print('SKY_CLUSTERS=' + json.dumps([{'name': r['name'], 'status': r['status'].value,\n"
+        "    'autostop': r['autostop'], 'to_down': r['to_down']} for r in recs]))\n"
+    )
     r = subprocess.run([_python(), "-c", code], env=env, capture_output=True, text=True, timeout=300)
     for ln in r.stdout.splitlines():
         if ln.startswith("SKY_CLUSTERS="):
