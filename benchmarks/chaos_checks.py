@@ -28,7 +28,7 @@ def check(stack) -> Check:
 
     from gpuflow.cluster.backends.local import LocalBackend
     from gpuflow.cluster.protocol import NOTIFIED_TAG, STOPPED_BY_TAG
-    from gpuflow.flows.quota_hold import LIMIT_PREFIX
+    from gpuflow.flows.quota.pools import LIMIT_PREFIX
     from tests.support.tiers import carrying, describe
 
     violations, records = [], {}

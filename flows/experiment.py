@@ -27,7 +27,7 @@ from gpuflow.flows.capacity import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
 from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
-from gpuflow.flows.quota_hold import QueueCancelled, QueueTimeout, turn_for_gpus
+from gpuflow.flows.quota.hold import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.run_spec import form_policy_of_this_run, hooks_spec, spec_from

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.deployments.known_servers import tracking_tag
-from gpuflow.flows.quota_hold import POOL_TAG_PREFIX, need_of
+from gpuflow.flows.quota.pools import POOL_TAG_PREFIX, need_of
 
 
 def run_tags(spec: ExperimentSpec) -> list[str]:

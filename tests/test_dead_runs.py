@@ -21,9 +21,9 @@ from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, RENEWED_TAG
 from gpuflow.cluster.run import liveness
-from gpuflow.flows import quota_hold
 from gpuflow.flows.cli.status import status
-from gpuflow.flows.quota_hold import LIMIT_PREFIX, WAITING, set_quota
+from gpuflow.flows.quota import pools
+from gpuflow.flows.quota.pools import LIMIT_PREFIX, WAITING, set_quota
 from gpuflow.flows.reaper import reap_clusters
 from gpuflow.flows.reconcile.dead_runs import last_heartbeat
 from tests.loops import PLAIN_LOOP
@@ -117,7 +117,7 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(
 
         for process in processes[1:]:
             killed(process)
-        monkeypatch.setattr(quota_hold, "STALE_S", 2.0)  # the reaper's reading: no waiting the 75 s out here
+        monkeypatch.setattr(pools, "STALE_S", 2.0)  # the reaper's reading: no waiting the 75 s out here
         monkeypatch.setattr(liveness, "HEARTBEAT_LATE_S", 2.0)
         time.sleep(3)
         shown = {row.flow_run_id: row.state for row in status()}
@@ -194,7 +194,7 @@ def test_a_gpuflow_run_killed_while_waiting_for_the_quota_is_crashed_by_one_pass
         killed(processes[1])
         wait_until(lambda: processes_of(gpuflow_home) == [processes[0].pid], 60, "its prewarmed cluster stops with it")
 
-        monkeypatch.setattr(quota_hold, "STALE_S", 2.0)
+        monkeypatch.setattr(pools, "STALE_S", 2.0)
         time.sleep(3)
         reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
         state = state_of(flow_run_id)

@@ -21,7 +21,7 @@ from prefect import flow
 
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
-from gpuflow.flows.quota_hold import LIMIT_PREFIX, WAITING
+from gpuflow.flows.quota.pools import LIMIT_PREFIX, WAITING
 from tests.loops import PLAIN_LOOP
 from tests.support.processes import processes_of, wait_until
 from tests.support.repo import REPO
@@ -31,7 +31,7 @@ from tests.support.tiers import carrying
 
 def test_a_run_needs_its_clusters_gpus_of_its_pool():
     from gpuflow.cluster.spec import parse_spec
-    from gpuflow.flows.quota_hold import lease_seconds, need_of
+    from gpuflow.flows.quota.pools import lease_seconds, need_of
 
     loop = {"loop": "experiments.digits:train_loop"}
     remote = {"tracking": {"uri": "http://mlflow.team:5000"}, "storage": {"checkpoints": "s3://team/checkpoints"}}
@@ -325,7 +325,8 @@ def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone
     from prefect.states import Crashed, Running
 
     from gpuflow.cluster.config import default_tracking_uri
-    from gpuflow.flows.quota_hold import QuotaHold, set_quota
+    from gpuflow.flows.quota.hold import QuotaHold
+    from gpuflow.flows.quota.pools import set_quota
     from gpuflow.flows.reaper import reap_clusters
     from gpuflow.flows.reconcile.quota_recount import recount
 
@@ -375,7 +376,7 @@ def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone
 
 HOLD = """
 import sys, time
-from gpuflow.flows.quota_hold import QuotaHold, QueueTimeout
+from gpuflow.flows.quota.hold import QuotaHold, QueueTimeout
 from tests.test_quota import local_spec
 hold = QuotaHold(local_spec(sys.argv[1], max_queue_minutes=float(sys.argv[3])), sys.argv[2])
 started = time.monotonic()
@@ -412,7 +413,7 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
     from prefect.states import Completed, Running
 
     from gpuflow.flows.deployments.known_servers import forgetful_server
-    from gpuflow.flows.quota_hold import set_quota
+    from gpuflow.flows.quota.pools import set_quota
     from gpuflow.flows.reconcile.quota_recount import recount
 
     home, port, pool = tmp_path / "prefect", stable_port(), "restarted"
@@ -478,7 +479,7 @@ def test_a_run_waiting_for_the_quota_holds_no_cluster(tmp_path):
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Running
 
-    from gpuflow.flows.quota_hold import set_quota
+    from gpuflow.flows.quota.pools import set_quota
 
     home = tmp_path / "home"
     with prefect_server(tmp_path / "prefect") as api_url, temporary_settings({PREFECT_API_URL: api_url}):
@@ -534,7 +535,8 @@ def test_a_dead_runs_slot_comes_back_only_once_its_cloud_cluster_is_gone(prefect
     from gpuflow.cluster.backends.skypilot import SkyPilotBackend
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.cluster.spec import parse_spec
-    from gpuflow.flows.quota_hold import QuotaHold, set_quota
+    from gpuflow.flows.quota.hold import QuotaHold
+    from gpuflow.flows.quota.pools import set_quota
     from gpuflow.flows.reaper import reap_clusters
     from tests.support.sky_double import FakeSky
 
@@ -598,7 +600,8 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
     from prefect.states import Running
 
     from gpuflow.flows.experiment import run_experiment
-    from gpuflow.flows.quota_hold import QueueTimeout, QuotaHold, set_quota
+    from gpuflow.flows.quota.hold import QueueTimeout, QuotaHold
+    from gpuflow.flows.quota.pools import set_quota
 
     pool = f"small-{uuid.uuid4().hex[:8]}"
     set_quota(pool, 1)

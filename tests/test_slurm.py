@@ -331,7 +331,7 @@ def test_sigkill_of_the_flow_the_job_stops_itself_and_autodown_deletes_the_clust
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
 
-    from gpuflow.flows.quota_hold import LIMIT_PREFIX, set_quota
+    from gpuflow.flows.quota.pools import LIMIT_PREFIX, set_quota
 
     set_quota("skypilot", 1)  # the pool of a skypilot run with no GPUs: its workers
     try:
@@ -365,7 +365,7 @@ def quota_checked_sigkill(gpuflow_on_slurm, slurm_infra, mlflow_url) -> list[str
     [its flow run id]."""
     from prefect.client.orchestration import get_client
 
-    from gpuflow.flows.quota_hold import LIMIT_PREFIX
+    from gpuflow.flows.quota.pools import LIMIT_PREFIX
 
     def slots_held() -> int:
         with get_client(sync_client=True) as client:

@@ -1,7 +1,7 @@
 """Whether a flow run that Prefect still calls live has died, when no lease of ours can say (cluster/run/lease.py).
 
 A run killed while it waits for the quota, or before its MLflow run opens, has no MLflow lease and no cluster: the
-reaper judges it by what Prefect keeps. A waiter re-stamps its state every few seconds (flows/quota_hold.py); any other
+reaper judges it by what Prefect keeps. A waiter re-stamps its state every few seconds (flows/quota/); any other
 run is judged by Prefect's flow-run heartbeats when it sends them (PREFECT_FLOWS_HEARTBEAT_FREQUENCY), else by how
 long it has gone without a cluster or an MLflow run. Prefect-free: the facts are read in flows/reconcile/dead_runs.py.
 """

@@ -27,27 +27,27 @@ def add_parser(commands, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpuflow.flows import quota_hold
+    from gpuflow.flows.quota import pools
 
     if args.action == "set":
         problem = quota_name_problem(args.pool)
         if problem or args.size < 0:
             raise SpecError([f"pool: {problem}" if problem else f"size: {args.size} is negative; give 0 or more"])
-        quota_hold.set_quota(args.pool, args.size)
+        pools.set_quota(args.pool, args.size)
         print(f"quota {args.pool}: {args.size} at once")
         warn_of_a_forgetful_server()
     elif args.action == "remove":
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            client.delete_global_concurrency_limit_by_name(quota_hold.LIMIT_PREFIX + args.pool)
+            client.delete_global_concurrency_limit_by_name(pools.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
         from gpuflow.flows.reconcile.quota_recount import recount
 
         counts = recount()  # held: what the runs truly hold, once a leak is given back
         rows = [
-            (found.pool, found.size, found.counted - found.freed, len(quota_hold.waiting_runs(found.pool)))
+            (found.pool, found.size, found.counted - found.freed, len(pools.waiting_runs(found.pool)))
             for found in counts
         ]
         print(

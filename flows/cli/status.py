@@ -25,7 +25,7 @@ from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.liveness import age_s
 from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
-from gpuflow.flows.quota_hold import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
+from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import dead_without_lease
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]

@@ -79,7 +79,7 @@ FILESYSTEM_LEASES = "prefect.server.concurrency.lease_storage.filesystem"
 def with_lasting_leases(settings_env: dict[str, str]) -> dict[str, str]:
     """A server's settings with its concurrency leases kept on disk (under PREFECT_HOME), unless the lease storage is
     set already: Prefect's default keeps them in memory, and a restart would leak every slot held on the GPU quota
-    (flows/quota_hold.py)."""
+    (flows/quota/)."""
     return {LEASE_STORAGE: FILESYSTEM_LEASES, **settings_env}
 
 

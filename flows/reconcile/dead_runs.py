@@ -23,8 +23,8 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     )
 
     from gpuflow.cluster.run.liveness import LiveRun, age_s, mlflow_run_exists, silent_death
-    from gpuflow.flows import quota_hold
     from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
+    from gpuflow.flows.quota import pools
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
@@ -34,7 +34,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
         )
         dead = {}
         for run in runs:
-            run_id, waiting = str(run.id), run.state.name == quota_hold.WAITING
+            run_id, waiting = str(run.id), run.state.name == pools.WAITING
             has_cluster = run_id.replace("-", "") in {found.replace("-", "") for found in cluster_run_ids}
             own = [tag.removeprefix(TRACKING_TAG_PREFIX) for tag in run.tags if tag.startswith(TRACKING_TAG_PREFIX)]
             mlflow = (
@@ -51,7 +51,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
                 has_cluster,
                 mlflow,
             )
-            if why := silent_death(live, quota_hold.STALE_S):
+            if why := silent_death(live, pools.STALE_S):
                 dead[run_id] = why
     return dead
 

@@ -5,7 +5,7 @@
 A slot leaks when Prefect forgets the lease it was held on: a server restart with the in-memory lease storage
 (Prefect's default). Then neither the holder's release nor the lease's expiry gives it back, and the runs of the
 pool wait for good. The recount counts what the runs truly hold: a run tagged `quota-held:` or `quota-taking:`
-(flows/quota_hold.py) that is not over, or whose cluster a backend still lists; a run that is over gives its slots back
+(flows/quota/) that is not over, or whose cluster a backend still lists; a run that is over gives its slots back
 only once no backend lists its cluster. Prefect's count above that is lowered to it.
 
 Two recounts at once (the reaper, a `gpuflow quota list`) take turns on a one-slot limit named gpuflow-recount,
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import Backend, flow_run_id_of
-from gpuflow.flows.quota_hold import (
+from gpuflow.flows.quota.pools import (
     HELD_TAG_PREFIX,
     LEASE_TAG_PREFIX,
     LEASED_TAG,
