@@ -116,12 +116,11 @@ def test_the_local_ray_is_lean_unless_asked_for_in_full(monkeypatch):
 
     monkeypatch.delenv("GPUFLOW_LOCAL_RAY", raising=False)
     monkeypatch.delenv("RAY_enable_metrics_collection", raising=False)
-    monkeypatch.setenv("RAY_prestart_worker_first_driver", "1")  # the user's own value
+    monkeypatch.setenv("RAY_TRAIN_METRICS_ENABLED", "1")  # the user's own value
     lean = ray_env()
-    assert lean["RAY_enable_metrics_collection"] == "0" and lean["RAY_TRAIN_METRICS_ENABLED"] == "0"
-    assert lean["RAY_prestart_worker_first_driver"] == "1"
+    assert lean["RAY_enable_metrics_collection"] == "0" and lean["RAY_TRAIN_METRICS_ENABLED"] == "1"
     monkeypatch.setenv("GPUFLOW_LOCAL_RAY", "Full")
-    assert not {name for name in LEAN_RAY if name in ray_env()} - {"RAY_prestart_worker_first_driver"}
+    assert not {name for name in LEAN_RAY if name in ray_env()} - {"RAY_TRAIN_METRICS_ENABLED"}
     monkeypatch.setenv("GPUFLOW_LOCAL_RAY", "tiny")
     with pytest.raises(SettingError, match="GPUFLOW_LOCAL_RAY='tiny': set it to lean or full"):
         ray_env()

@@ -41,9 +41,6 @@ def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
 LEAN_RAY = {
     "RAY_enable_metrics_collection": "0",  # the daemons' and workers' metrics, exported to the dashboard agent
     "RAY_TRAIN_METRICS_ENABLED": "0",  # Ray Train's controller and worker metrics callbacks
-    # The first driver to connect gets workers prestarted, one per CPU, before anything asks for them; a run's
-    # actors and tasks start the workers they need.
-    "RAY_prestart_worker_first_driver": "0",
 }
 
 
