@@ -21,10 +21,6 @@ pytest_plugins = [
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-# Ray Train's controller polls its workers every 0.1 s in a run (cluster/job/__main__.py), so that a short epoch's
-# report is not held up; the tests' runs mostly wait (paced loops, faults), and at that rate the polling alone kept a
-# tenth of a core busy per run. Every 0.5 s costs a report at most half a second.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 # A run leaves no warm stack behind in tests (tests/test_stack.py turns that on where it tests it): each test's
 # processes are its own, and stop with it.
 os.environ.setdefault("GPUFLOW_STACK", "manual")
