@@ -74,3 +74,8 @@ def entry() -> None:
     code = main()
     gc.freeze()
     sys.exit(code)
+
+
+def add_overrides(command: argparse.ArgumentParser, help: str) -> None:
+    """`--set FIELD=VALUE`, repeatable, into args.overrides: how every command takes a spec's overrides."""
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE", help=help)

@@ -11,6 +11,7 @@ import sys
 
 from gpuflow.cluster.backends.skypilot.infra import check_infra
 from gpuflow.cluster.spec import load_spec, validate_spec
+from gpuflow.flows.cli import add_overrides
 
 HELP = {
     "validate": "check a spec without running anything",
@@ -21,14 +22,7 @@ HELP = {
 def add_parser(commands, name: str) -> None:
     command = commands.add_parser(name, help=HELP[name])
     command.add_argument("spec", help="experiment spec (YAML)")
-    command.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a spec field, e.g. --set train.lr=0.01 (repeatable)",
-    )
+    add_overrides(command, "override a spec field, e.g. --set train.lr=0.01 (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import time
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.cost.pricing import CatalogMissing, PriceUnknown
 from gpuflow.cluster.spec import load_spec
+from gpuflow.flows.cli import add_overrides
 
 
 def add_parser(commands, name: str) -> None:
@@ -20,14 +21,7 @@ def add_parser(commands, name: str) -> None:
     command.add_argument("--since", default="7d", help="how far back: 30m, 12h, 7d, 2w (default 7d)")
     command.add_argument("--tracking-uri", help="MLflow tracking URI (default: the local store under GPUFLOW_HOME)")
     command.add_argument("--estimate", metavar="SPEC", help="price this spec instead of listing runs")
-    command.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a field of the --estimate spec (repeatable)",
-    )
+    add_overrides(command, "override a field of the --estimate spec (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,18 +9,13 @@ from __future__ import annotations
 import argparse
 import os
 
+from gpuflow.flows.cli import add_overrides
+
 
 def add_parser(commands, name: str) -> None:
     if name == "serve":
         serve = commands.add_parser("serve", help="serve prefect.yaml's deployments from this machine (no work pool)")
-        serve.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="FIELD=VALUE",
-            help="override a field of the deployments' default spec, e.g. --set tracking.uri=http://...",
-        )
+        add_overrides(serve, "override a field of the deployments' default spec, e.g. --set tracking.uri=http://...")
         serve.add_argument(
             "--only", action="append", default=[], metavar="DEPLOYMENT", help="serve only this one (repeatable)"
         )

@@ -18,6 +18,7 @@ from pathlib import Path
 from gpuflow.cluster.config import stack_idle_minutes, stack_mode
 from gpuflow.cluster.spec import check_entrypoints, load_spec, validate_spec
 from gpuflow.cluster.util.preload import import_in_background
+from gpuflow.flows.cli import add_overrides
 from gpuflow.flows.cli.console import end_live_line, print_summary
 from gpuflow.flows.cli.stack import leave_a_stack
 from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, temporary_api_launched
@@ -39,14 +40,7 @@ def add_parser(commands, name: str) -> None:
         action="store_true",
         help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress",
     )
-    command.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a spec field, e.g. --set train.lr=0.01 (repeatable)",
-    )
+    add_overrides(command, "override a spec field, e.g. --set train.lr=0.01 (repeatable)")
 
 
 def add_rerun_parser(commands, name: str) -> None:
@@ -61,14 +55,7 @@ def add_rerun_parser(commands, name: str) -> None:
         help="where the run is tracked (default: the local store under "
         "GPUFLOW_HOME, then the tracking servers the Prefect API knows)",
     )
-    command.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a field of the run's spec, as gpuflow run does (repeatable)",
-    )
+    add_overrides(command, "override a field of the run's spec, as gpuflow run does (repeatable)")
     command.add_argument(
         "--on",
         metavar="N|GPU:COUNT",

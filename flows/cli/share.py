@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from gpuflow.cluster.spec import SpecError, load_spec
+from gpuflow.flows.cli import add_overrides
 
 
 def add_parser(commands, name: str) -> None:
@@ -26,14 +27,7 @@ def add_parser(commands, name: str) -> None:
         choices=["READ", "EDIT", "MANAGE"],
         help="what they may do (default EDIT: run and register versions)",
     )
-    command.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a spec field (repeatable)",
-    )
+    add_overrides(command, "override a spec field (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
