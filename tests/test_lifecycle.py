@@ -26,6 +26,8 @@ FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 # a run that is still training when a test strikes, without taking the CPU from the tests beside it
 PACED = [arg for item in paced_overrides(0.5) for arg in ("--set", item)]
+# one Ray Train worker: what these tests strike is the flow, its cluster and its job, not the workers' all-reduce
+ONE_WORKER = "compute.workers_per_node=1"
 
 
 class GpuflowRun:
@@ -126,7 +128,7 @@ def cancel(flow_run_id):
 
 
 def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, gpuflow_home):
-    run = GpuflowRun(digits_spec, gpuflow_home)
+    run = GpuflowRun(digits_spec, gpuflow_home, ONE_WORKER)
     flow_run_id = run.wait_for_training()
     cancel(flow_run_id)
     assert run.wait() != 0, "".join(run.lines[-30:])
@@ -139,7 +141,7 @@ def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, g
 
 
 def test_sigterm_tears_down_before_exit(prefect_server, digits_spec, gpuflow_home):
-    run = GpuflowRun(digits_spec, gpuflow_home)
+    run = GpuflowRun(digits_spec, gpuflow_home, ONE_WORKER)
     flow_run_id = run.wait_for_training()
     run.process.send_signal(signal.SIGTERM)
     assert run.wait() != 0
