@@ -75,7 +75,9 @@ def flow_runs_in(api_url: str) -> list:
     return asyncio.run(read())
 
 
-def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(stack_env, gpuflow_home):
+def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_kill_9_of_one_stops_its_cluster(
+    stack_env, digits_spec, gpuflow_home
+):
     out = gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
     assert "spare        a local Ray cluster of 1 node(s) × 3 CPU(s)" in out, out
     stack = stack_record(gpuflow_home)
@@ -84,14 +86,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
 
     # The run's Prefect home is another: had it started an API of its own, the flow run would be stored there.
     run_env = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-run")}
-    out = gpuflow(
-        run_env,
-        "run",
-        str(SPEC),
-        "--set",
-        "train.epochs=2",
-        *[arg for item in data_of(gpuflow_home) for arg in ("--set", item)],
-    )
+    out = gpuflow(run_env, "run", str(SPEC), "--set", "train.epochs=2", *sets(data_of(gpuflow_home)))
     assert "finished in" in out, out
     assert_a_clean_console(out)
 
@@ -99,8 +94,8 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
     assert flow_run.state.is_completed()
     assert not (gpuflow_home / "prefect-of-the-run" / "prefect.db").exists(), "the run started no Prefect API"
     assert alive(spare) == [], "the run trained on the spare, and downed it at its end as its own cluster"
-    [mlflow_run] = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
-    assert mlflow_run.info.status == "FINISHED"
+    [finished] = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+    assert finished.info.status == "FINISHED"
 
     # once the run is over, the stack makes the next spare
     wait_until(
@@ -111,6 +106,30 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_and_the_next_spare_follows(st
         120,
         "a new spare",
     )
+
+    # The next spare changes owner when claimed: a kill -9 of the run that claimed it must stop it, while the stack
+    # goes on.
+    own = set(processes_of(gpuflow_home)) - set(spare_pids(gpuflow_home))  # the stack, its API, their watchers
+    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)  # a long, paced digits run
+    run.wait_for_line("epoch 3/")
+    of_the_run = set(processes_of(gpuflow_home)) - own
+    run.process.kill()
+    run.wait()
+
+    wait_until(lambda: alive(of_the_run) == [], 60, "the claimed cluster, the job and its workers gone")
+    [mlflow_run] = wait_until(
+        lambda: [
+            r
+            for r in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+            if r.info.run_id != finished.info.run_id and r.info.status != "RUNNING"
+        ],
+        60,
+        "the MLflow run closed",
+    )
+    assert mlflow_run.info.status == "FAILED" and mlflow_run.data.tags["stopped_by"] == "orphaned"
+    assert set(alive(own)) == own, "the stack goes on"
+    assert stack_record(gpuflow_home)["api_url"] == stack["api_url"]
+
     assert gpuflow(stack_env, "down") == "gpuflow: warm stack stopped\n"
     wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
 
@@ -140,40 +159,35 @@ def assert_a_clean_console(out: str) -> None:
     assert "Running hook 'notify_end'" in kept
 
 
-def test_kill_9_of_a_run_on_the_stack_stops_the_cluster_it_claimed(stack_env, digits_spec, gpuflow_home):
-    """The spare changes owner when claimed: the run's death must stop it, while the stack goes on."""
+def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leaves_a_stack_that_goes_once_idle(
+    stack_env, gpuflow_home
+):
+    """Without `gpuflow up`, after a stack was killed: the first run starts cold and leaves a stack behind, the second
+    is warm without asking, and left alone the stack goes."""
     gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
-    stack = stack_record(gpuflow_home)
-    own = set(processes_of(gpuflow_home)) - set(spare_pids(gpuflow_home))  # the stack, its API, their watchers
-    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)  # a long, paced digits run
-    run.wait_for_line("epoch 3/")
-    of_the_run = set(processes_of(gpuflow_home)) - own
-    run.process.kill()
-    run.wait()
+    assert spare_pids(gpuflow_home)
+    dead = stack_record(gpuflow_home)["pid"]
+    os.kill(dead, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the API and the spare gone with the stack")
+    print(f"kill -9 of the stack → nothing left in {time.monotonic() - killed_at:.1f}s")
+    assert "was not up" in gpuflow(stack_env, "down")
+    log = gpuflow_home / "stack" / "stack.log"
+    logged = log.stat().st_size if log.exists() else 0
 
-    wait_until(lambda: alive(of_the_run) == [], 60, "the claimed cluster, the job and its workers gone")
-    [mlflow_run] = wait_until(
-        lambda: [
-            r
-            for r in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
-            if r.info.status != "RUNNING"
-        ],
-        60,
-        "the MLflow run closed",
-    )
-    assert mlflow_run.info.status == "FAILED" and mlflow_run.data.tags["stopped_by"] == "orphaned"
-    assert set(alive(own)) == own, "the stack goes on"
-    assert stack_record(gpuflow_home)["api_url"] == stack["api_url"]
-
-
-def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes(stack_env, gpuflow_home):
-    """Without `gpuflow up`: the first run leaves the stack behind, the second is warm without asking."""
-    auto = {**stack_env, "GPUFLOW_STACK": "auto", "GPUFLOW_STACK_IDLE_MINUTES": "0.5"}
+    # the next run finds the dead stack's record, and starts cold instead of failing
+    assert (gpuflow_home / "stack" / "stack.json").exists()
+    auto = {
+        **stack_env,
+        "PREFECT_HOME": str(gpuflow_home / "prefect-after-the-kill"),
+        "GPUFLOW_STACK": "auto",
+        "GPUFLOW_STACK_IDLE_MINUTES": "0.5",
+    }
     out = gpuflow(auto, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
     assert "finished in" in out and "warm stack   up for your next run until 0.5 min idle" in out, out
-    assert (gpuflow_home / "prefect" / "prefect.db").exists(), "the cold run started Prefect's API itself"
+    assert (gpuflow_home / "prefect-after-the-kill" / "prefect.db").exists(), "it started Prefect's API itself"
     wait_until(
-        lambda: (gpuflow_home / "stack" / "stack.json").exists() and stack_record(gpuflow_home).get("spare_shape"),
+        lambda: stack_record(gpuflow_home)["pid"] != dead and stack_record(gpuflow_home).get("spare_shape"),
         120,
         "the stack's API and spare up once the run ended",
     )
@@ -184,8 +198,8 @@ def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes
     second = {**auto, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-second-run")}
     out = gpuflow(second, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
     assert "finished in" in out and "warm stack   up" not in out, out
-    log = Path(out.split("full log     ", 1)[1].split(" ", 1)[0]).read_text()
-    assert f"(job pid {waiting_job})" in log, "it trained with the job the stack had started, its imports done"
+    run_log = Path(out.split("full log     ", 1)[1].split(" ", 1)[0]).read_text()
+    assert f"(job pid {waiting_job})" in run_log, "it trained with the job the stack had started, its imports done"
     # the stack's API keeps its flow runs in the first run's Prefect home (it inherited its settings): both are there
     assert [run.state.is_completed() for run in flow_runs_in(stack["api_url"])] == [True, True]
     assert not (gpuflow_home / "prefect-of-the-second-run" / "prefect.db").exists(), "no Prefect API of its own"
@@ -195,29 +209,8 @@ def test_a_cold_run_leaves_a_stack_the_next_run_starts_on_and_left_alone_it_goes
 
     # left alone, the stack stops after its idle time: its API, its next spare, itself
     wait_until(lambda: processes_of(gpuflow_home) == [], 180, "the stack gone once idle, with its API and spare")
-    assert "stopping" in (gpuflow_home / "stack" / "stack.log").read_text()
+    assert "stopping" in log.read_bytes()[logged:].decode(errors="replace")
 
 
 def sets(items: list[str]) -> list[str]:
     return [arg for item in items for arg in ("--set", item)]
-
-
-def test_the_stack_stops_itself_once_idle_and_a_kill_9_of_it_leaves_nothing(stack_env, gpuflow_home):
-    gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "0.5")  # long enough to see its spare on a busy machine
-    assert spare_pids(gpuflow_home)
-    wait_until(lambda: processes_of(gpuflow_home) == [], 120, "the idle stack gone, with its API and spare")
-    assert "stopping" in (gpuflow_home / "stack" / "stack.log").read_text()
-
-    gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
-    os.kill(stack_record(gpuflow_home)["pid"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the API and the spare gone with the stack")
-    print(f"kill -9 of the stack → nothing left in {time.monotonic() - killed_at:.1f}s")
-    assert "was not up" in gpuflow(stack_env, "down")
-
-    # the next run finds the dead stack's record, and starts cold instead of failing
-    assert (gpuflow_home / "stack" / "stack.json").exists()
-    own = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-after-the-kill")}
-    out = gpuflow(own, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
-    assert "finished in" in out, out
-    assert (gpuflow_home / "prefect-after-the-kill" / "prefect.db").exists(), "it started Prefect's API itself"
