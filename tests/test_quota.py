@@ -3,8 +3,8 @@ were submitted, and a run that dies gives its share back once its cluster is gon
 
     .venv/bin/python -m pytest --full tests/test_quota.py
 
-On the local backend the quota's unit is the worker: each run here has one, so `gpuflow quota set local 2` lets
-two runs hold it at once. Runs go through a served deployment of a Prefect server of the test's own.
+On the local backend the quota's unit is the worker: each run here has one, so `gpuflow quota set local N` lets
+N runs hold it at once. Runs go through a served deployment of a Prefect server of the test's own.
 """
 
 import contextlib
@@ -192,88 +192,85 @@ def test_gpuflow_status_reads_as_a_table():
 
 
 @pytest.mark.full
-def test_runs_over_the_quota_wait_their_turn_in_submission_order(tmp_path):
-    with served_with_quota(tmp_path, size=2) as (api_url, home):
-        ids = submit(4)
-        first_held, most_held, most_holding, status = {}, 0, 0, None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            runs, held = runs_and_held(ids)
-            most_held, most_holding = max(most_held, held), max(most_holding, sum(holding(run) for run in runs))
-            for run in runs:
-                if holding(run) or (run.state and run.state.is_final()):
-                    first_held.setdefault(run.id, time.monotonic())
-            if (
-                status is None
-                and sum(run.state.name == WAITING for run in runs if run.state) == 2
-                and sum(holding(run) for run in runs) == 2
-            ):
-                status = json.loads(gpuflow("status", "--json", api_url=api_url, home=home).stdout)
-            if all(run.state and run.state.is_final() for run in runs):
-                break
-            time.sleep(0.5)
-        said = [[state.message for state in states_of(run_id)] for run_id in ids]
-    assert [run.state_name for run in runs] == ["Completed"] * 4, [run.state.message for run in runs]
-    assert all("gave back 1 worker of quota 'local'" in messages for messages in said), said
-    assert most_held <= 2, "Prefect counted more slots held than the quota"
-    assert most_holding <= 2, "more runs said they were holding the quota than it has"  # a run says it gave it back
-    assert sorted(ids, key=first_held.get) == ids  # they got the quota in the order they were submitted
-    assert status is not None, "never saw 2 holding and 2 waiting"
-    rows = {row["flow_run_id"]: row for row in status}
-    assert [rows[str(run_id)]["state"] for run_id in ids] == ["Running", "Running", WAITING, WAITING]
-    assert [rows[str(run_id)]["queue"] for run_id in ids[2:]] == ["1 of 2 in local", "2 of 2 in local"]
-    assert all(rows[str(run_id)]["gpus"] == "1 worker" for run_id in ids)
-    assert processes_of(home) == []
-
-
-@pytest.mark.full
-def test_a_killed_holder_gives_its_share_back_once_its_cluster_is_gone_and_a_cancelled_waiter_leaves_nothing(tmp_path):
+def test_runs_over_the_quota_take_it_in_submission_order_and_a_killed_holders_share_comes_back_after_its_cluster(
+    tmp_path,
+):
+    """A quota of 1 and four runs through the served deployment, one after the other: a long one takes it, the three
+    others wait their turn. The last, cancelled while it waits, leaves nothing. The long one is killed (kill -9 of its
+    flow): its share comes back once its cluster is gone, and the first waiter takes it, then the second once the
+    first gave it back. Both complete, each giving its share back."""
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
+    first_held, most = {}, {"held": 0, "holding": 0}
     with served_with_quota(tmp_path, size=1, grace_minutes=0.2) as (api_url, home):
-        holder, waiter, cancelled = submit(3, epochs=400)
-        wait_until(lambda: holding(runs_and_held([holder])[0][0]), 300, "the first run holding the quota")
-        wait_until(
-            lambda: [run.state.name for run in runs_and_held([waiter, cancelled])[0]] == [WAITING] * 2,
-            120,
-            "the others waiting",
-        )
+        ids = submit(1, epochs=400) + submit(3)  # the long one a paced run of 400 epochs, the others of 4
+        killed, first, second, cancelled = ids
+
+        def look() -> list:
+            """The runs, in submission order; every look tallies what Prefect counts and what the runs say."""
+            runs, held = runs_and_held(ids)
+            most["held"], most["holding"] = max(most["held"], held), max(most["holding"], sum(map(holding, runs)))
+            for run in runs:
+                if holding(run) or (run.state and run.state.is_final()):
+                    first_held.setdefault(run.id, time.monotonic())
+            return runs
+
+        last = []
+
+        def lined_up() -> bool:
+            last[:] = look()
+            return holding(last[0]) and [run.state and run.state.name for run in last[1:]] == [WAITING] * 3
+
+        try:
+            wait_until(lined_up, 600, "the long run holding the quota, the three others waiting")
+        except AssertionError as error:
+            said = [(run.state_name, run.state and run.state.message) for run in last]
+            raise AssertionError(f"{error}: {said}") from None
+        status = json.loads(gpuflow("status", "--json", api_url=api_url, home=home).stdout)
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(cancelled, Cancelling(), force=True)
         flow_process = [
             p
-            for p in carrying("PREFECT__FLOW_RUN_ID", str(holder))
-            if p.parent() is None or p.parent().environ().get("PREFECT__FLOW_RUN_ID") != str(holder)
+            for p in carrying("PREFECT__FLOW_RUN_ID", str(killed))
+            if p.parent() is None or p.parent().environ().get("PREFECT__FLOW_RUN_ID") != str(killed)
         ]
         assert len(flow_process) == 1, flow_process
         os.kill(flow_process[0].pid, signal.SIGKILL)
         killed_at = time.monotonic()
         backend = LocalBackend(home / "clusters")
-        cluster = cluster_name_for(str(holder))
+        cluster = cluster_name_for(str(killed))
         gone = wait_until(
             lambda: cluster not in {c.name for c in backend.status()} and time.monotonic(),
             120,
             "the killed run's cluster gone",
         )
-        wait_until(lambda: holding(runs_and_held([waiter])[0][0]), 180, "the waiting run taking the quota")
+        wait_until(lambda: holding(look()[1]), 180, "the first waiting run taking the quota")
         took_over = time.monotonic()
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(waiter, Cancelling(), force=True)  # it has shown what it had to
-        wait_until(
-            lambda: all(run.state.is_final() for run in runs_and_held([holder, waiter, cancelled])[0]),
-            180,
+        runs = wait_until(
+            lambda: (runs := look()) and all(run.state and run.state.is_final() for run in runs) and runs,
+            600,  # two whole runs, one after the other, on a loaded machine
             "every run over",
         )
-        final, _ = runs_and_held([holder, waiter, cancelled])
-        # the cancelled waiter never opened an MLflow run nor asked for a cluster; the one that took over did both
-        assert not {"open-mlflow-run", "provision"} & steps_of(cancelled)
-        assert {"open-mlflow-run", "provision"} <= steps_of(waiter)
+        said = [[state.message for state in states_of(run_id)] for run_id in (first, second)]
+        steps = {run_id: steps_of(run_id) for run_id in (first, second, cancelled)}
+    assert [run.state_name for run in runs[1:3]] == ["Completed"] * 2, [run.state.message for run in runs]
+    assert runs[3].state.is_cancelled(), runs[3].state.message
+    assert all("gave back 1 worker of quota 'local'" in messages for messages in said), said
+    assert most["held"] <= 1, "Prefect counted more slots held than the quota"
+    assert most["holding"] <= 1, "more runs said they were holding the quota than it has"  # a run says it gave it back
+    assert sorted(ids[:3], key=first_held.get) == ids[:3]  # they got the quota in the order they were submitted
+    rows = {row["flow_run_id"]: row for row in status}
+    assert [rows[str(run_id)]["state"] for run_id in ids] == ["Running", WAITING, WAITING, WAITING]
+    assert [rows[str(run_id)]["queue"] for run_id in ids[1:]] == [f"{n} of 3 in local" for n in (1, 2, 3)]
+    assert all(rows[str(run_id)]["gpus"] == "1 worker" for run_id in ids)
+    # the cancelled waiter never opened an MLflow run nor asked for a cluster; the ones that took over did both
+    assert not {"open-mlflow-run", "provision"} & steps[cancelled]
+    assert all({"open-mlflow-run", "provision"} <= steps[run_id] for run_id in (first, second)), steps
     assert took_over >= gone  # never while the killed run's cluster still ran
     # within its lease (Prefect's 60 s minimum), a repossessor pass (15 s) and a loaded machine's polls; a slot held
     # on for the lease a cloud cluster gets (150 s and more) fails this
     assert took_over - killed_at < 60 + 15 + 30
-    assert final[2].state.is_cancelled(), final[2].state.message
     assert processes_of(home) == []
 
 
