@@ -350,7 +350,11 @@ def gpuflow(folder: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.full
-def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics_linked_both_ways(tmp_path):
+def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics_linked_both_ways(
+    prefect_server, tmp_path
+):
+    from prefect.settings import PREFECT_API_URL
+
     from tests.support.processes import processes_of
 
     project, home = tmp_path / "project", tmp_path / "home"
@@ -378,11 +382,13 @@ def test_a_run_from_a_dirty_tree_reruns_from_a_fresh_clone_with_the_same_metrics
         key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_", "MLFLOW_"))
     }
     env.update(GPUFLOW_STACK="manual")  # a run here leaves no warm stack: the test's processes stop with it
+    # the run and its rerun on the tests' Prefect server: what is rerun is MLflow's record, not a Prefect API's (a
+    # temporary API of a run's own is started in tests/test_own_project.py and tests/test_temporary_api.py)
     env.update(
         GPUFLOW_HOME=str(home),
         PREFECT_HOME=str(tmp_path / "prefect-home"),
         PYTHONPATH="",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+        PREFECT_API_URL=PREFECT_API_URL.value(),
     )
 
     assert gpuflow(project, env, "run", "spec.yaml").returncode == 0
