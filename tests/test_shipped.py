@@ -130,18 +130,21 @@ TINY = {  # one epoch, small enough for a CPU; everything else as shipped
 
 
 def gpuflow_run(spec: Path, overrides: list[str], cwd: Path, home: Path) -> subprocess.CompletedProcess:
-    """`gpuflow run` as a user types it, in `cwd`: the spec's relative paths mean what they mean there."""
+    """`gpuflow run` as a user types it, in `cwd`: the spec's relative paths mean what they mean there. On the tests'
+    Prefect server (the `prefect_server` fixture), as a user with PREFECT_API_URL set: a new user's temporary API is
+    started by the run in tests/test_own_project.py (and tests/test_temporary_api.py), not once per shipped spec."""
+    from prefect.settings import PREFECT_API_URL
+
     command = [str(Path(sys.executable).parent / "gpuflow"), "run", str(spec)]
     for override in overrides:
         command += ["--set", override]
-    env = {**os.environ, "GPUFLOW_HOME": str(home)}
-    env.pop("PREFECT_API_URL", None)  # its own temporary API, as a new user's
+    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_API_URL": PREFECT_API_URL.value()}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("name", sorted(TINY), ids=str)
-def test_every_shipped_spec_runs(name, tmp_path, gpuflow_home):
+def test_every_shipped_spec_runs(name, prefect_server, tmp_path, gpuflow_home):
     run_shipped(name, TINY[name], tmp_path, gpuflow_home)
 
 

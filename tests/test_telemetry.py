@@ -223,7 +223,7 @@ def prefect_artifact_of(flow_run_id) -> str:
 
 
 @pytest.mark.full
-def test_chargpt_cpu_spec_trains_on_the_local_backend(tmp_path, gpuflow_home):
+def test_chargpt_cpu_spec_trains_on_the_local_backend(prefect_server, tmp_path, gpuflow_home):
     """The shipped spec as a user runs it, `gpuflow run` in a project folder of its own: this is also its run among
     tests/test_shipped.py's shipped specs."""
     from mlflow import MlflowClient
