@@ -83,6 +83,7 @@ def test_a_sweep_runs_its_trials_as_child_runs_and_registers_the_best(tracked_sw
 def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, gpuflow_home, tmp_path):
     fields = tunable_sweep()
     fields["train"].update(epochs=400)  # still training when the cancel comes
+    fields["train"]["params"]["pace_s"] = 5.0  # an epoch (a report, a checkpoint) every 5 s until then: little CPU
     del fields["sweep"]["early_stopping"]  # a trial stopped early ends FINISHED: here every trial must be cut short
     spec_file = tmp_path / "sweep.yaml"
     spec_file.write_text(yaml.safe_dump(fields))
