@@ -22,7 +22,7 @@ import pytest
 from tests.support.processes import processes_of
 from tests.support.repo import REPO
 from tests.support.runs import mlflow_runs_of
-from tests.support.servers import BIN, base_env, started
+from tests.support.servers import BIN, base_env, prefect_server, started
 from tests.support.tiers import require
 
 pytestmark = pytest.mark.full
@@ -134,53 +134,49 @@ def mlflow_run_in(folder: Path, flow_run_id):
     return runs[0] if runs else None
 
 
-def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(
-    remote_and_worker_python, prefect_server, tmp_path
-):
+def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(remote_and_worker_python, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Cancelling, Scheduled
 
     remote, checkout, worker_python = remote_and_worker_python
     folder = tmp_path / "empty-folder"
-    api_url = PREFECT_API_URL.value()  # the tests' Prefect server: the deployment, the worker's pool, its runs
-    deployed = subprocess.run(
-        [str(BIN / "gpuflow"), "deploy", "--only", "run-experiment"],
-        cwd=checkout,
-        env=base_env(PREFECT_API_URL=api_url),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    assert f"workers will pull {remote} at {git('rev-parse', 'HEAD', cwd=checkout)[:12]}" in deployed.stderr
-    with get_client(sync_client=True) as client, worker(api_url, worker_python, folder):
-        deployment = client.read_deployment_by_name("run-experiment/run-experiment")
-        spec = {**deployment.parameters["spec"]}
-        spec["train"] = {
-            **spec["train"],
-            "loop": "experiments.marker:train_loop",
-            "epochs": 2,
-            "params": {"hidden": 32, "pace_s": 0},
-        }
-        spec["compute"] = {**spec["compute"], "workers_per_node": 1}
-        form = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id
-        # the scheduled run trains at a walking pace (an epoch every 5 s) until a cancel from the UI stops it
-        long = {**spec, "train": {**spec["train"], "epochs": 400, "params": {"hidden": 32, "pace_s": 5}}}
-        soon = datetime.now(timezone.utc) + timedelta(seconds=5)
-        scheduled = client.create_flow_run_from_deployment(
-            deployment.id, parameters={"spec": long}, state=Scheduled(scheduled_time=soon)
-        ).id
-        # cancelled once it has trained an epoch, while the form run may still be going: the cancel stops that
-        # run alone (a wait as long as the form run's: both install and start side by side)
-        deadline = time.monotonic() + 600
-        while not ((run := mlflow_run_in(folder, scheduled)) and "train_loss" in run.data.metrics):
-            assert time.monotonic() < deadline, (folder / "worker.log").read_text()[-4000:]
-            time.sleep(2)
-        client.set_flow_run_state(scheduled, Cancelling(), force=True)  # what the UI's Cancel does
-        completed = final(client, form, log=folder / "worker.log")
-        assert completed.state_name == "Completed", completed.state.message
-        stopped = final(client, scheduled, timeout_s=180, log=folder / "worker.log")
+    with prefect_server(tmp_path / "prefect") as api_url, temporary_settings({PREFECT_API_URL: api_url}):
+        deployed = subprocess.run(
+            [str(BIN / "gpuflow"), "deploy", "--only", "run-experiment"],
+            cwd=checkout,
+            env=base_env(PREFECT_API_URL=api_url),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        assert f"workers will pull {remote} at {git('rev-parse', 'HEAD', cwd=checkout)[:12]}" in deployed.stderr
+        with get_client(sync_client=True) as client, worker(api_url, worker_python, folder):
+            deployment = client.read_deployment_by_name("run-experiment/run-experiment")
+            spec = {**deployment.parameters["spec"]}
+            spec["train"] = {
+                **spec["train"],
+                "loop": "experiments.marker:train_loop",
+                "epochs": 2,
+                "params": {"hidden": 32, "pace_s": 0},
+            }
+            spec["compute"] = {**spec["compute"], "workers_per_node": 1}
+            form = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id
+            # the scheduled run trains at a walking pace until a cancel from the UI stops it
+            long = {**spec, "train": {**spec["train"], "epochs": 400, "params": {"hidden": 32, "pace_s": 1}}}
+            soon = datetime.now(timezone.utc) + timedelta(seconds=5)
+            scheduled = client.create_flow_run_from_deployment(
+                deployment.id, parameters={"spec": long}, state=Scheduled(scheduled_time=soon)
+            ).id
+            completed = final(client, form, log=folder / "worker.log")
+            assert completed.state_name == "Completed", completed.state.message
+            deadline = time.monotonic() + 300
+            while not ((run := mlflow_run_in(folder, scheduled)) and "train_loss" in run.data.metrics):
+                assert time.monotonic() < deadline, (folder / "worker.log").read_text()[-4000:]
+                time.sleep(2)
+            client.set_flow_run_state(scheduled, Cancelling(), force=True)  # what the UI's Cancel does
+            stopped = final(client, scheduled, timeout_s=180, log=folder / "worker.log")
     assert stopped.state.is_cancelled(), stopped.state.message
     # experiments.marker exists only in the deployed commit: both runs ran the pulled code, the scheduled one until
     # the cancel
