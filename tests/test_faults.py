@@ -42,8 +42,9 @@ def mlflow_runs(spec) -> list:
     return client.search_runs([experiment.experiment_id]) if experiment else []
 
 
-def checkpoints_under(home: Path) -> list[Path]:
-    return sorted(home.glob("checkpoints/*/checkpoint_*/checkpoint.pt"))
+def checkpoints_under(home: Path, file: str = "checkpoint.pt") -> list[Path]:
+    """The checkpoints the runs under `home` kept, by the file each holds (the digits loop's, or another loop's)."""
+    return sorted(home.glob(f"checkpoints/*/checkpoint_*/{file}"))
 
 
 def reaper_in(gpuflow_home: Path, *, ephemeral_api: bool, api_url: str | None = None) -> str:

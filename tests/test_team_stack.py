@@ -26,6 +26,7 @@ from tests.support.repo import REPO
 from tests.support.servers import BIN, READY_TIMEOUT_S, base_env, started
 from tests.support.team_stack import MLFLOW_ADMIN, TeamStack, team_stack, wait_until_final
 from tests.support.tiers import require
+from tests.test_faults import checkpoints_under
 
 pytestmark = pytest.mark.team
 
@@ -308,8 +309,7 @@ def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflo
     run = mlflow_runs(stack, [flow_run_id])[str(flow_run_id)]
     assert (run.info.status, run.data.tags["stopped_by"]) == ("FAILED", "orphaned")
     wait_until(lambda: processes_of(home) == [], 120, "the stopped serve's cluster gone", interval_s=1)
-    kept = sorted(home.glob("checkpoints/*/checkpoint_*/state.json"))
-    assert kept, "the checkpoints made before the runner went are kept"
+    assert checkpoints_under(home, "state.json"), "the checkpoints made before the runner went are kept"
 
 
 def cluster_logs(clusters: Path, tail: int = 3000) -> str:
