@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.repo import REPO
+from tests.support.stores import STORES, seed_mlflow_store
 
 pytest_plugins = [
     "pytester"
@@ -36,6 +37,9 @@ def pytest_configure(config):
         if SESSION_CHECKS not in os.environ:  # else an outer session's (a pytest session run by a test)
             os.environ[SESSION_CHECKS] = tempfile.mkdtemp(prefix="gpuflow-tests-checks-")
             config._session_folders.append(os.environ[SESSION_CHECKS])
+        if STORES not in os.environ:
+            os.environ[STORES] = tempfile.mkdtemp(prefix="gpuflow-tests-stores-")
+            config._session_folders.append(os.environ[STORES])
 
 
 def pytest_unconfigure(config):
@@ -51,9 +55,10 @@ def gpuflow_home(tmp_path, monkeypatch) -> Path:
     """GPUFLOW_HOME in a temp folder, for every test: MLflow store, checkpoints, cluster records of this test only.
     Its record of passed loop checks is the session's: a record names the loop's files and their times, so a run
     reuses only a check of the same, unchanged loop (as a user's second run does), and each check is a process of a
-    few CPU-seconds."""
+    few CPU-seconds. Its MLflow store starts migrated (tests/support/stores.py)."""
     home = tmp_path / "gpuflow-home"
     home.mkdir()
+    seed_mlflow_store(home / "mlflow.db")
     (home / "checks").symlink_to(os.environ[SESSION_CHECKS], target_is_directory=True)
     monkeypatch.setenv("GPUFLOW_HOME", str(home))
     return home

@@ -138,7 +138,8 @@ def test_flow_refuses_in_validate_before_any_cluster_exists(prefect_server, digi
     assert state.is_failed()
     assert "$3.00" in state.message and "max_cost_usd=$1.00" in state.message, state.message
     assert not (gpuflow_home / "clusters").exists() or not any((gpuflow_home / "clusters").iterdir())
-    assert not (gpuflow_home / "mlflow.db").exists()  # no MLflow run was opened either
+    store = MlflowClient(tracking_uri=spec.tracking_uri)
+    assert store.search_runs([e.experiment_id for e in store.search_experiments()]) == []  # nor any MLflow run
 
 
 def log_past_run(client, experiment_id, cost_usd, started_at, gpuflow=True):

@@ -18,6 +18,7 @@ from tests.loops import paced_overrides
 from tests.support.processes import processes_of
 from tests.support.repo import REPO
 from tests.support.runs import mlflow_run_of
+from tests.support.stores import seed_prefect_home
 
 pytestmark = pytest.mark.full
 
@@ -42,7 +43,9 @@ class GpuflowRun:
         if ephemeral_api:
             env.pop("PREFECT_API_URL", None)
             env["PREFECT_HOME"] = str(gpuflow_home / "prefect")
-            (gpuflow_home / "prefect").mkdir(parents=True, exist_ok=True)
+            seed_prefect_home(
+                gpuflow_home / "prefect"
+            )  # its database migrated once a session (tests/support/stores.py)
         else:
             env["PREFECT_API_URL"] = PREFECT_API_URL.value()
         # the digits spec, paced and long; or a spec file of the test's own, as it is

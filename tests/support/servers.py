@@ -167,8 +167,9 @@ def prefect_server(home: Path, port: int | None = None, lease_storage: str | Non
 def prefect_server_process(home: Path, port: int | None = None, lease_storage: str | None = None):
     """prefect_server's process (the leader of its process group) and API URL."""
     from gpuflow.flows.local_stack.temporary_api import LEASE_STORAGE
+    from tests.support.stores import seed_prefect_home
 
-    home.mkdir(parents=True, exist_ok=True)
+    seed_prefect_home(home)  # migrated once a session, not by each fresh server
     env = base_env(
         PREFECT_HOME=str(home),
         PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
