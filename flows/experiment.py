@@ -40,14 +40,15 @@ end_without_heartbeat_wait()  # a second at most, after every run
 
 
 def run_name() -> str:
-    """Says what ran and when: <spec name>-<UTC time>, e.g. digits-mlp-2026-11-21-030000; a spec that does not parse
-    still names its run."""
+    """Says what ran, when and which: <spec name>-<UTC time>-<the flow run id's first 4 hex digits>, e.g.
+    digits-mlp-2026-11-21-030000-3f9a: two runs started in the same second differ. A spec that does not parse still
+    names its run."""
     parameters = runtime.flow_run.parameters
     try:
         name = spec_from(parameters.get("spec"), parameters.get("spec_file")).name
     except Exception:  # the flow itself reports the bad spec, with the field named
         name = "experiment"
-    return f"{name}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M%S}"
+    return f"{name}-{datetime.now(timezone.utc):%Y-%m-%d-%H%M%S}-{str(runtime.flow_run.id)[:4]}"
 
 
 def release(flow, flow_run, state) -> None:

@@ -79,7 +79,8 @@ def test_the_mlflow_run_has_every_epoch_its_params_and_its_cluster(digits_run):
     assert run.data.tags["gpuflow.backend"] == "local"
     summary = digits_run.state.result()
     assert run.data.tags["gpuflow.cluster"] == cluster_name_for(digits_run.flow_run_id) == summary["cluster"]
-    assert run.data.tags["prefect.flow_run_name"].startswith("digits-mlp-")
+    name = run.data.tags["prefect.flow_run_name"]  # what, when, and which: runs started in one second differ
+    assert name.startswith("digits-mlp-") and name.endswith(f"-{str(digits_run.flow_run_id)[:4]}"), name
     assert run.data.tags["mlflow.user"] == run.info.user_id == "digits-tester"
     history = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in history) == list(range(spec.train.epochs))
