@@ -188,6 +188,16 @@ def test_a_deployment_spec_with_a_key_given_twice_is_refused(tmp_path):
         declared(prefect_yaml)
 
 
+def test_a_spec_file_with_deployment_is_refused_before_anything_is_triggered(capsys, monkeypatch):
+    from gpuflow.flows.cli import main
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing answers: a trigger would fail otherwise
+    assert main(["run", "experiments/digits.yaml", "--deployment", "run-experiment/run-experiment"]) == 2
+    refusal = capsys.readouterr().err
+    assert "--deployment runs the deployment's own spec, not experiments/digits.yaml" in refusal, refusal
+    assert "gpuflow run experiments/digits.yaml" in refusal
+
+
 def test_bad_override_yaml_is_a_short_error():
     with pytest.raises(SpecError, match=r"--set .*not valid YAML"):
         load_spec(REPO / "experiments" / "digits.yaml", ["train.params={unclosed: [1"])

@@ -78,6 +78,13 @@ def run(args: argparse.Namespace) -> int:
     if args.deployment:
         from gpuflow.flows.deployments.trigger import trigger
 
+        if args.spec:  # the deployment runs its own spec: a file here would be silently not what ran
+            print(
+                f"gpuflow run: --deployment runs the deployment's own spec, not {args.spec}; change its fields with "
+                f"--set, or run the file itself: gpuflow run {args.spec}",
+                file=sys.stderr,
+            )
+            return 2
         trigger(args.deployment, args.overrides)
         return 0
     if not args.spec:
