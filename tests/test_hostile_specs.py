@@ -189,13 +189,20 @@ def test_a_deployment_spec_with_a_key_given_twice_is_refused(tmp_path):
 
 
 def test_a_spec_file_with_deployment_is_refused_before_anything_is_triggered(capsys, monkeypatch):
-    from gpuflow.flows.cli import main
-
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing answers: a trigger would fail otherwise
-    assert main(["run", "experiments/digits.yaml", "--deployment", "run-experiment/run-experiment"]) == 2
+    assert gpuflow(["run", "experiments/digits.yaml", "--deployment", "run-experiment/run-experiment"]) == 2
     refusal = capsys.readouterr().err
     assert "--deployment runs the deployment's own spec, not experiments/digits.yaml" in refusal, refusal
     assert "gpuflow run experiments/digits.yaml" in refusal
+
+
+def test_refused_credentials_are_not_called_a_bad_spec():
+    from gpuflow.cluster.spec.loading import Refusal
+
+    refused = Refusal("tracking.uri: the MLflow server at http://x refused user 'bob' (401): ...")
+    assert str(SpecError([refused])).startswith("credentials refused (the spec is fine):\n  - tracking.uri: ")
+    # with a problem of the spec's own, the spec is what is wrong first
+    assert str(SpecError(["train.lr: -1 is below 0", refused])).startswith("invalid experiment spec:")
 
 
 def test_bad_override_yaml_is_a_short_error():

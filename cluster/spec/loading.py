@@ -18,15 +18,22 @@ MAX_PROBLEMS_SHOWN = 8
 MAX_PROBLEM_CHARS = 400  # with MAX_PROBLEMS_SHOWN: a refusal always prints under 4 KB
 
 
+class Refusal(str):
+    """A problem that is not the spec's: a server refused the caller's credentials (the line names the variable)."""
+
+
 class SpecError(ValueError):
-    """A spec that cannot run: each line names the field, the bad value and the fix; never more than a screenful."""
+    """A spec that cannot run: each line names the field, the bad value and the fix; never more than a screenful.
+    Credentials a server refused are not called a bad spec."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
         shown = [cut(problem, MAX_PROBLEM_CHARS) for problem in problems[:MAX_PROBLEMS_SHOWN]]
         if len(problems) > MAX_PROBLEMS_SHOWN:
             shown.append(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems; fix these first")
-        super().__init__("invalid experiment spec:\n" + "\n".join(f"  - {p}" for p in shown))
+        credentials = all(isinstance(problem, Refusal) for problem in problems)
+        heading = "credentials refused (the spec is fine):" if credentials else "invalid experiment spec:"
+        super().__init__(heading + "\n" + "\n".join(f"  - {p}" for p in shown))
 
 
 class DuplicateKey(yaml.YAMLError):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpuflow.cluster.spec.entrypoints import entrypoint_check
 from gpuflow.cluster.spec.fields import absolute_uri, scheme_of, shorten
-from gpuflow.cluster.spec.loading import SpecError
+from gpuflow.cluster.spec.loading import Refusal, SpecError
 from gpuflow.cluster.spec.model import ExperimentSpec
 from gpuflow.cluster.util.http import NOT_HTTP, probe
 
@@ -217,14 +217,14 @@ def mlflow_get(uri: str, endpoint: str, params: dict | None = None):
     return http_request(get_default_host_creds(uri), endpoint, "GET", params=params, max_retries=0, timeout=10)
 
 
-def unauthenticated(uri: str) -> str:
+def unauthenticated(uri: str) -> Refusal:
     user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     if not user:
-        return (
+        return Refusal(
             f"tracking.uri: the MLflow server at {uri} asks who you are (401); export MLFLOW_TRACKING_USERNAME "
             "and MLFLOW_TRACKING_PASSWORD (a user its admin created)"
         )
-    return (
+    return Refusal(
         f"tracking.uri: the MLflow server at {uri} refused user {shorten(user)} (401): no such user, or "
         "MLFLOW_TRACKING_PASSWORD is not its password; fix MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, "
         "or ask the admin to create the user"
