@@ -49,7 +49,15 @@ def state_dir() -> Path:
 
 def default_tracking_uri() -> str:
     """The local MLflow store every spec tracks to unless tracking.uri says otherwise."""
-    return f"sqlite:///{state_dir() / 'mlflow.db'}"
+    return f"sqlite:///{local_store()}"
+
+
+def local_store() -> Path:
+    return state_dir() / "mlflow.db"
+
+
+def local_store_exists() -> bool:
+    return local_store().exists()
 
 
 def daily_budget() -> str | None:

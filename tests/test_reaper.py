@@ -138,6 +138,14 @@ def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpu
     assert not any("elsewhere" in uri for uri in found)  # another machine's local store is not opened here
 
 
+def test_a_reaper_pass_makes_no_local_store_where_there_is_none(prefect_server, gpuflow_home):
+    from gpuflow.cluster.config import local_store
+
+    local_store().unlink()  # a team's serve folder: its runs track to the team's server
+    reap_clusters(ttl_hours=24, backends=["local"])
+    assert not local_store().exists()
+
+
 def test_the_reaper_lists_only_the_backends_runs_used(prefect_server):
     from gpuflow.flows.deployments.known_servers import backends_in_use
 

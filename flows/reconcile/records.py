@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
-from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.config import default_tracking_uri, local_store_exists
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
@@ -218,9 +218,12 @@ def available_backends(names: list[str]) -> list[Backend]:
 
 
 def tracking_uris_or_local() -> list[str]:
-    """Every tracking server the deployments and recent runs name, and this machine's store."""
+    """Every tracking server the deployments and recent runs name, and this machine's store if it has one: a store
+    that does not exist holds no run, and opening it would make one (in a team's serve folder, say)."""
+    local = default_tracking_uri()
     try:
-        return known_tracking_uris(default_tracking_uri())
+        uris = known_tracking_uris(local)
     except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
         log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
-        return [default_tracking_uri()]
+        uris = [local]
+    return [uri for uri in uris if uri != local or local_store_exists()]
