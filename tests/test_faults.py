@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -245,19 +246,31 @@ def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_h
 
 @pytest.mark.parametrize("failures", [4])
 def test_teardown_that_fails_still_closes_the_run_and_the_reaper_finishes_it(sky_flow, failures):  # noqa: F811
-    """A cloud API that will not delete the cluster: the flow says so, the MLflow run is closed anyway, and the
-    reaper's next pass downs the cluster (SkyPilot SDK double: no cloud here)."""
-    fake, state, mlflow_run, logs = sky_flow("ok", down_failures=failures)
+    """A cloud API that will not delete the cluster: the flow says so, the MLflow run is closed anyway, the run's quota
+    slot stays held while the cluster may bill, and the reaper's next pass downs the cluster and gives the slot back
+    (SkyPilot SDK double: no cloud here)."""
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.cluster.backends.skypilot import SkyPilotBackend
+    from gpuflow.flows.quota.pools import LIMIT_PREFIX, set_quota
+    from gpuflow.flows.reaper import reap_clusters
+
+    pool = f"teardown-{uuid.uuid4().hex[:8]}"  # the session's Prefect server is shared: a pool no other test uses
+    set_quota(pool, 1)
+
+    def held() -> int:
+        with get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name(LIMIT_PREFIX + pool).active_slots
+
+    fake, state, mlflow_run, logs = sky_flow("ok", compute={"quota": pool}, down_failures=failures)
     assert state.is_failed() and "could not tear down cluster" in state.message and "reaper" in state.message
     assert mlflow_run.info.status != "RUNNING"
-    from gpuflow.cluster.backends.skypilot import SkyPilotBackend
-    from gpuflow.flows.reconcile.records import reap
-
     backend = SkyPilotBackend(sdk=fake)
     assert [s.name for s in backend.status()] == [mlflow_run.data.tags["gpuflow.cluster"]]
-    [verdict] = reap([backend], ttl_seconds=3600)
-    assert verdict.downed and "FAILED" in verdict.reason
-    assert backend.status() == []
+    assert held() == 1, "the slot stays held while the cluster may bill"
+    [verdict] = reap_clusters(ttl_hours=1, backends=["skypilot"])  # the SDK is still the double
+    assert verdict["downed"] and "FAILED" in verdict["reason"]
+    assert backend.status() == [] and held() == 0, "the cluster gone, its slot is back"
 
 
 def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(

@@ -288,13 +288,13 @@ def sky_flow(monkeypatch, gpuflow_home, prefect_server):
     """Runs the real flow with the SkyPilot backend on the SDK double; stores on this machine count as shared."""
     monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
 
-    def run(scenario, **double):
+    def run(scenario, compute: dict | None = None, **double):
         fake = FakeSky(scenario, **double)
         monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
         # no price catalog offline: price it as a user may; a short wait for capacity
         spec = spec_on_the_double(
             gpuflow_home,
-            {"accelerators": "H100:1", "infra": "aws"},
+            {"accelerators": "H100:1", "infra": "aws", **(compute or {})},
             {"hourly_rate_usd": 2.5, "max_queue_minutes": 0.05},
         )
         state = run_experiment(spec, return_state=True)

@@ -10,6 +10,7 @@ import time
 from datetime import datetime, timezone
 
 from gpuflow.cluster.backends.local import drop_prewarmed
+from gpuflow.cluster.run.lifecycle import TeardownFailed
 from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.quota.pools import (
@@ -17,6 +18,7 @@ from gpuflow.flows.quota.pools import (
     JOIN_S,
     LEASE_TAG_PREFIX,
     LEASED_TAG,
+    OVER_BUT_BILLING_LEASE_S,
     POLL_S,
     POOL_TAG_PREFIX,
     SLOTS_TAG_PREFIX,
@@ -213,17 +215,41 @@ class QuotaHold:
                 )
             self.lease_id = None
 
+    def leave_to_the_reaper(self) -> None:
+        """Keeps the slots: the cluster may still bill (its teardown failed). Their lease outlasts this process until
+        a reaper pass, which renews it while a backend lists the cluster and gives the slots back once it is gone."""
+        from prefect.client.orchestration import get_client
+
+        self._stop.set()
+        if self.lease_id is None:
+            return
+        try:
+            with get_client(sync_client=True) as client:
+                client.renew_concurrency_lease(self.lease_id, OVER_BUT_BILLING_LEASE_S)
+            log.warning(f"quota: {self.need.describe()} stay held until the reaper sees the cluster gone")
+        except Exception as exc:  # the API is down: the lease lapses on its own
+            log.warning(
+                f"quota: could not keep {self.need.describe()} for the reaper ({type(exc).__name__}); "
+                f"its lease lapses within {self.lease_s:.0f} s"
+            )
+
 
 @contextlib.contextmanager
 def turn_for_gpus(spec: ExperimentSpec, flow_run_id: str):
     """Waits for the team's quota (when the run's pool has one) and holds it inside the block: wrap everything from
-    the provision request to the cluster being down. Raises QueueTimeout, QueueCancelled before anything starts."""
+    the provision request to the cluster being down. Raises QueueTimeout, QueueCancelled before anything starts.
+    A cluster the block could not down keeps its slots for the reaper: they never come back while it may bill."""
     hold = QuotaHold(spec, flow_run_id)
     hold.acquire()
     try:
         yield hold
-    finally:
-        hold.release()  # nothing to give back without a quota
+    except TeardownFailed:
+        hold.leave_to_the_reaper()
+        raise
+    except BaseException:
+        hold.release()
+        raise
+    hold.release()  # nothing to give back without a quota
 
 
 def accepted(result) -> bool:

@@ -37,6 +37,9 @@ STALE_S = 75.0  # a waiter not stamped for this long is dead
 JOIN_S = 120.0  # a run of the pool that started this recently and has not reached the queue yet (validating) is ahead
 TEARDOWN_MARGIN_S = 30.0  # the lease outlives the job's orphan grace by this: time for the cluster to go
 CLOUD_DOWN_S = 600.0  # after its autostop, SkyPilot's down of a cloud cluster: minutes at worst
+# The lease of a run that is over while its cluster may still bill (its teardown failed, or it died): renewed by the
+# run's last act and by each reaper pass while a backend lists the cluster, until the next pass at least.
+OVER_BUT_BILLING_LEASE_S = 3600.0
 
 
 @dataclass(frozen=True)

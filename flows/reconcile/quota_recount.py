@@ -25,6 +25,7 @@ from gpuflow.flows.quota.pools import (
     LEASE_TAG_PREFIX,
     LEASED_TAG,
     LIMIT_PREFIX,
+    OVER_BUT_BILLING_LEASE_S,
     SLOTS_TAG_PREFIX,
     TAKING_TAG_PREFIX,
     need_of,
@@ -39,7 +40,6 @@ BACKENDS = ("local", "skypilot")
 FINAL = ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]
 PAGE = 200
 BACKEND_TAG = "backend:"  # every run's backend (flows/run_tags.py)
-RENEW_S = 3600.0  # a dead run's lease, renewed by each pass while its cluster is listed: until the next pass at least
 
 
 @dataclass
@@ -114,7 +114,7 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
         try:
             if up:
                 if lease:
-                    client.renew_concurrency_lease(lease, RENEW_S)
+                    client.renew_concurrency_lease(lease, OVER_BUT_BILLING_LEASE_S)
             elif not dry_run:
                 if lease:
                     client.release_concurrency_slots_with_lease(lease)
