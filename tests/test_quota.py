@@ -371,6 +371,41 @@ def test_the_recount_gives_a_leaked_slot_back_once_the_dead_runs_cluster_is_gone
             client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
 
 
+def test_a_dead_holders_lease_is_given_back_once_and_only_by_the_recount_whose_turn_it_is(prefect_server):
+    """Prefect gives a lease back in steps of its own (read, decrement, revoke): two recounts doing it at once could
+    both decrement, freeing a live run's slot. A recount gives back only in its turn."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Running
+
+    from gpuflow.flows.quota.hold import QuotaHold
+    from gpuflow.flows.quota.pools import set_quota
+    from gpuflow.flows.reconcile.quota_recount import recount, turn
+
+    pool = f"once-{uuid.uuid4().hex[:8]}"
+    set_quota(pool, 2)
+    try:
+        with get_client(sync_client=True) as client:
+            live = QuotaHold(local_spec(pool), str(holder_run(client, pool, Running()).id))
+            assert live.acquire()
+            dead_run = holder_run(client, pool, Running())
+            dead = QuotaHold(local_spec(pool), str(dead_run.id))
+            assert dead.acquire()
+            dead._stop.set()  # its process is gone: nothing renews or releases its lease
+            client.set_flow_run_state(dead_run.id, Crashed(message="kill -9"), force=True)
+            with turn(client) as ours:  # another recount is on
+                assert ours
+                recount()
+                assert quota_of(pool).active_slots == 2, "given back outside its turn"
+        for _ in range(2):
+            recount()
+            assert quota_of(pool).active_slots == 1, "the dead run's slot back once, the live run's kept"
+        live.release()
+        assert quota_of(pool).active_slots == 0
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
 HOLD = """
 import sys, time
 from gpuflow.flows.quota.hold import QuotaHold, QueueTimeout

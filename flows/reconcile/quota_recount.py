@@ -14,6 +14,7 @@ whose slot decays in LOCK_S should a recount die holding it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -66,16 +67,18 @@ def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool =
 
     listed = cluster_lister(backend)
     try:
-        with get_client(sync_client=True) as client:
-            give_back_dead_holders(client, listed, dry_run)
+        # One recount at a time gives slots back: Prefect's release of a lease reads, decrements and revokes in steps
+        # of their own, so two at once could both decrement, and free another run's slot. A dry run gives nothing back.
+        with get_client(sync_client=True) as client, contextlib.nullcontext(False) if dry_run else turn(client) as ours:
+            if ours:
+                give_back_dead_holders(client, listed)
             first = [count_pool(client, limit, {}) for limit in quotas()]
             if not any(found.counted > found.held for found in first):
                 return first
             clusters = listed_clusters(listed, {found.pool for found in first if found.counted > found.held}, client)
-            with turn(client) as ours:
-                results = [count_pool(client, limit, clusters or {}) for limit in quotas()]
-                for found in results:
-                    free(client, found, clusters, "dry run" if dry_run else None if ours else "another recount is on")
+            results = [count_pool(client, limit, clusters or {}) for limit in quotas()]
+            for found in results:
+                free(client, found, clusters, "dry run" if dry_run else None if ours else "another recount is on")
             return results
     finally:
         if backend_for is None:
@@ -83,7 +86,7 @@ def recount(backend_for: Callable[[str], Backend] | None = None, dry_run: bool =
                 getattr(made, "close", lambda: None)()
 
 
-def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | None], dry_run: bool) -> list[str]:
+def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | None]) -> list[str]:
     """Gives back the lease of each run that is over and whose cluster no backend lists any more, by its id, as the
     run would have; while its cluster is listed, renews it: a dead run's slots come back once its GPUs stop billing,
     never before. Returns the runs given back."""
@@ -115,7 +118,7 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
             if up:
                 if lease:
                     client.renew_concurrency_lease(lease, OVER_BUT_BILLING_LEASE_S)
-            elif not dry_run:
+            else:
                 if lease:
                     client.release_concurrency_slots_with_lease(lease)
                 client.update_flow_run(
