@@ -146,6 +146,19 @@ def test_a_reaper_pass_makes_no_local_store_where_there_is_none(prefect_server, 
     assert not local_store().exists()
 
 
+def test_a_pass_never_turns_a_run_that_ended_since_its_verdict_crashed(prefect_server):
+    from prefect.states import Completed
+
+    from gpuflow.flows.reconcile.records import mark_crashed
+
+    with get_client(sync_client=True) as client:
+        ended = client.create_flow_run(finished_experiment, state=Completed())  # judged dead, then it completed
+        dead = client.create_flow_run(finished_experiment, state=Running())
+        assert mark_crashed({str(ended.id), str(dead.id)}, "found dead") == [str(dead.id)]
+        assert client.read_flow_run(ended.id).state.is_completed()
+        assert client.read_flow_run(dead.id).state.is_crashed()
+
+
 def test_the_reaper_lists_only_the_backends_runs_used(prefect_server):
     from gpuflow.flows.deployments.known_servers import backends_in_use
 

@@ -151,12 +151,18 @@ def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
 
     from gpuflow.flows.run_messages import OWED_TAG
 
+    marked = []
     with get_client(sync_client=True) as client:
         for flow_run_id in flow_run_ids:
+            # read again right before: a run that ended since the verdict (its process was alive after all) keeps its
+            # true end. Forced, as a Cancelling run's process that died never moves it on.
+            run = client.read_flow_run(UUID(flow_run_id))
+            if run.state is not None and run.state.is_final():
+                continue
             client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
-            tags = client.read_flow_run(UUID(flow_run_id)).tags
-            client.update_flow_run(UUID(flow_run_id), tags=sorted({*tags, OWED_TAG}))
-    return sorted(flow_run_ids)
+            client.update_flow_run(UUID(flow_run_id), tags=sorted({*run.tags, OWED_TAG}))
+            marked.append(flow_run_id)
+    return sorted(marked)
 
 
 def close_stale_mlflow_runs(
