@@ -150,6 +150,7 @@ def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:
             run.life.bill()["cost_usd"],
             run_url(run.spec, run.run_id),
             prefect_link(run.flow_run["id"], run.flow_run["url"]),
+            dedupe_key=f"{run.flow_run['name']}:recovered:{recovery}",
         ),
     )
     if failure:

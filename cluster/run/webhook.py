@@ -61,6 +61,12 @@ class Event:
     cost_usd: float | None = None
     mlflow_url: str | None = None
     prefect_url: str | None = None
+    # The same for every message of one event of one run, whoever sends it: a receiver drops a repeat by it (the
+    # Idempotency-Key header). A run has one end; its recoveries are numbered.
+    dedupe_key: str | None = None
+
+    def __post_init__(self):
+        self.dedupe_key = self.dedupe_key or f"{self.run}:end"
 
     @property
     def subject(self) -> str:
@@ -103,6 +109,7 @@ def send(webhook: dict, event: Event) -> str | None:
     if webhook.get("params"):
         url += ("&" if "?" in url else "?") + urllib.parse.urlencode(render(webhook["params"], values))
     headers = render(webhook.get("headers") or {}, values)
+    headers.setdefault("Idempotency-Key", event.dedupe_key)
     data = None
     if webhook.get("json_data") is not None:
         data = json.dumps(render(webhook["json_data"], values)).encode()
