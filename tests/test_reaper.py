@@ -117,6 +117,25 @@ def test_stale_mlflow_runs_closed_by_state(prefect_server, digits_spec, gpuflow_
     assert client.get_run(untagged).info.status == "RUNNING"  # not a gpuflow flow's run: left alone
 
 
+def test_an_orphaned_run_of_last_month_is_not_read_again(gpuflow_home):
+    """A pass reads the runs that can still change: one its job closed as orphaned lately (its flow run may still
+    need marking Crashed), not every one ever closed so."""
+    from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOPPED_BY_TAG
+
+    uri = f"sqlite:///{gpuflow_home}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("orphans", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    ids = {}
+    for age_days in (0, 30):
+        flow_run_id = str(uuid.uuid4())
+        run_id = client.create_run(experiment, tags={FLOW_RUN_TAG: flow_run_id, STOPPED_BY_TAG: "orphaned"}).info.run_id
+        client.set_terminated(run_id, "FAILED", end_time=int((time.time() - age_days * 86400) * 1000))
+        ids[age_days] = flow_run_id
+    asked = []
+    close_stale_mlflow_runs(uri, states_of=lambda flow_run_ids: asked.extend(flow_run_ids) or {})
+    assert asked == [ids[0]]
+
+
 def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpuflow_home):
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.flows.deployments.known_servers import known_tracking_uris, tracking_tag
