@@ -150,3 +150,26 @@ def test_nothing_is_left_running(digits_run):
     assert digits_run.left_running == []  # right after the run
     assert processes_of(digits_run.home) == []
     assert not list((digits_run.home / "clusters").glob("*/cluster.json"))  # no cluster record: the cluster is gone
+
+
+def test_a_dead_runs_persisted_reports_fill_its_mlflow_run_once(digits_run):
+    """What the reaper does for a run whose job died with reports still unlogged: Ray Train's record of this run's
+    checkpoints, read into an MLflow run that has none of them, gives each epoch's metrics once and the last
+    checkpoint; a second pass adds nothing."""
+    from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
+    from gpuflow.flows.reconcile.backfill import fill_from_checkpoints
+
+    client, finished = digits_run.mlflow_run()
+    folder = finished.data.tags[CHECKPOINTS_TAG]
+    lost = client.create_run(finished.info.experiment_id, tags={CHECKPOINTS_TAG: folder}).info.run_id
+    client.log_metric(lost, "val_accuracy", 0.5, step=0)  # the one report that reached MLflow before the job died
+    assert fill_from_checkpoints(client, client.get_run(lost)) > 0
+    epochs = list(range(digits_run.spec.train.epochs))
+    assert sorted(m.step for m in client.get_metric_history(lost, "val_accuracy")) == epochs
+    assert sorted(m.step for m in client.get_metric_history(lost, "train_loss")) == epochs
+    tags = client.get_run(lost).data.tags
+    assert (tags[CHECKPOINT_TAG], tags[CHECKPOINT_TAG + "_step"]) == (
+        finished.data.tags[CHECKPOINT_TAG],
+        finished.data.tags[CHECKPOINT_TAG + "_step"],
+    )
+    assert fill_from_checkpoints(client, client.get_run(lost)) == 0

@@ -20,6 +20,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from gpuflow.cluster.job.reports import persisted_reports
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
+from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 from tests.loops import PACED_LOOP
 from tests.support.processes import processes_of, wait_until
 from tests.support.repo import REPO
@@ -102,6 +105,14 @@ def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow
         out = reaper_in(gpuflow_home, ephemeral_api=True)
         assert len(messages) == 1, messages  # the job's guard said it already: the reaper does not again
     assert "Crashed" in out and flow_run_id in out, out[-3000:]
+    # every epoch Ray Train persisted with its checkpoint is in MLflow once, and its last checkpoint is the run's,
+    # though the job died with its last reports still on their way
+    client = MlflowClient(digits_spec.tracking_uri)
+    snapshot = f"{mlflow_run.data.tags[CHECKPOINTS_TAG]}/{SNAPSHOT_FILE}"
+    persisted = [report.step for report in persisted_reports(snapshot)]
+    logged = sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy"))
+    assert persisted and set(persisted) <= set(logged) and len(logged) == len(set(logged)), (persisted, logged)
+    assert int(client.get_run(mlflow_run.info.run_id).data.tags[CHECKPOINT_TAG + "_step"]) >= max(persisted)
     assert processes_of(gpuflow_home) == [], "the reaper stops what it started (its API server)"
     assert files_holding(gpuflow_home, url.rsplit("/", 1)[1]) == [], "the webhook's URL is a secret"
 

@@ -65,17 +65,8 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
     """The reports of every checkpoint Ray Train persisted so far (its checkpoint-manager snapshot), those with a
     step of their own: a lost controller can take the last reports with it before they reached MLflow, while their
     checkpoints are in storage and the resumed attempt starts after them. A step the run holds is skipped."""
-    if not snapshot_uri:
-        return []
-    try:
-        import pyarrow.fs as pafs
-
-        filesystem, path = pafs.FileSystem.from_uri(
-            snapshot_uri if "://" in snapshot_uri else Path(snapshot_uri).as_uri()
-        )
-        with filesystem.open_input_stream(path) as stream:
-            snapshot = json.loads(stream.read())
-    except Exception:  # none yet (a first attempt), or unreadable: nothing to add
+    snapshot = read_snapshot(snapshot_uri)
+    if snapshot is None:  # none yet (a first attempt), or unreadable: nothing to add
         return []
     reports = []
     for result in snapshot.get("checkpoint_results", []):
@@ -85,3 +76,19 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
                 Report(-1, step, numbers_of({k: v for k, v in result["metrics"].items() if k != step_key}), None)
             )
     return sorted(reports, key=lambda report: report.step)
+
+
+def read_snapshot(snapshot_uri: str | None) -> dict | None:
+    """Ray Train's checkpoint-manager snapshot (cluster/util/ray_internals.py), or None if there is none to read."""
+    if not snapshot_uri:
+        return None
+    try:
+        import pyarrow.fs as pafs
+
+        filesystem, path = pafs.FileSystem.from_uri(
+            snapshot_uri if "://" in snapshot_uri else Path(snapshot_uri).as_uri()
+        )
+        with filesystem.open_input_stream(path) as stream:
+            return json.loads(stream.read())
+    except Exception:
+        return None

@@ -16,6 +16,7 @@ from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
+from gpuflow.flows.reconcile.backfill import fill_from_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -205,16 +206,29 @@ def close_stale_mlflow_runs(
             if dead is not None:
                 dead.add(flow_run_id)
         if run.info.status != "RUNNING":
+            if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":  # closed by its job, maybe without its last reports
+                fill_quietly(client, run)
             continue
         if state is not None and not state[1]:
             if not lease_dead:
                 continue  # its flow is still going
+            fill_quietly(client, run)
             close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"})
         else:
+            fill_quietly(client, run)
             status = RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED"
             close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
         closed.append(run.info.run_id)
     return closed
+
+
+def fill_quietly(client, run) -> None:
+    """The run's persisted reports into MLflow before it is left closed (flows/reconcile/backfill.py)."""
+    try:
+        if filled := fill_from_checkpoints(client, run):
+            log.info(f"reaper: MLflow run {run.info.run_id}: {filled} metric(s) from its persisted checkpoints")
+    except Exception as exc:  # the tracking server blinked: the next pass tries again
+        log.warning(f"reaper: MLflow run {run.info.run_id}: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def available_backends(names: list[str]) -> list[Backend]:
