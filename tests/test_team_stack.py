@@ -231,7 +231,7 @@ def test_an_unknown_user_is_refused_before_anything_starts(stack):
     result = gpuflow_command(stack, "validate", user=("mallory", "anything"))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "refused user 'mallory' (401)" in result.stderr and "MLFLOW_TRACKING_USERNAME" in result.stderr
-    assert "credentials refused (the spec is fine)" in result.stderr and "invalid" not in result.stderr
+    assert "credentials refused (the spec is fine)" in result.stderr and "invalid experiment spec" not in result.stderr
 
 
 def test_a_wrong_password_is_refused_before_anything_starts(stack, users):
