@@ -186,6 +186,7 @@ BACKEND_TAG = "gpuflow.backend"  # every run gpuflow opens has it
 CLUSTER_TAG = "gpuflow.cluster"
 CHECKPOINT_TAG = "gpuflow.checkpoint"  # the last persisted checkpoint
 CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
+FILLED_TAG = "gpuflow.filled_from_checkpoints"  # metrics the reaper logged from a dead run's persisted checkpoints
 RENEWED_TAG = "gpuflow.lease_renewed_at"  # the flow's lease on the run (cluster/run/lease.py)
 GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP

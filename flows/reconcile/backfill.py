@@ -10,10 +10,8 @@ from __future__ import annotations
 import time
 
 from gpuflow.cluster.job.reports import persisted_reports, read_snapshot, step_of
-from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG, FILLED_TAG
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
-
-FILLED_TAG = "gpuflow.filled_from_checkpoints"  # the count of metrics logged: a later pass leaves the run alone
 
 
 def fill_from_checkpoints(client, run) -> int:
