@@ -65,9 +65,11 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
     """The reports of every checkpoint Ray Train persisted so far (its checkpoint-manager snapshot), those with a
     step of their own: a lost controller can take the last reports with it before they reached MLflow, while their
     checkpoints are in storage and the resumed attempt starts after them. A step the run holds is skipped."""
-    snapshot = read_snapshot(snapshot_uri)
-    if snapshot is None:  # none yet (a first attempt), or unreadable: nothing to add
-        return []
+    return reports_of(read_snapshot(snapshot_uri) or {})  # none yet (a first attempt), or unreadable: nothing to add
+
+
+def reports_of(snapshot: dict) -> list[Report]:
+    """The persisted reports of a snapshot read already (read_snapshot), by step."""
     reports = []
     for result in snapshot.get("checkpoint_results", []):
         step_key, step = step_of(result.get("metrics", {}))

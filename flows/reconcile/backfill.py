@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from gpuflow.cluster.job.reports import persisted_reports, read_snapshot, step_of
+from gpuflow.cluster.job.reports import read_snapshot, reports_of, step_of
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG, FILLED_TAG
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 
@@ -21,10 +21,10 @@ def fill_from_checkpoints(client, run) -> int:
     folder = run.data.tags.get(CHECKPOINTS_TAG)
     if not folder or FILLED_TAG in run.data.tags:
         return 0
-    snapshot_uri = f"{folder.rstrip('/')}/{SNAPSHOT_FILE}"
+    snapshot = read_snapshot(f"{folder.rstrip('/')}/{SNAPSHOT_FILE}") or {}
     held: dict[str, set[int]] = {}
     metrics, now_ms = [], int(time.time() * 1000)
-    for report in persisted_reports(snapshot_uri):
+    for report in reports_of(snapshot):
         for key, value in report.metrics.items():
             if key not in held:
                 history = client.get_metric_history(run.info.run_id, key) if key in run.data.metrics else []
@@ -33,7 +33,7 @@ def fill_from_checkpoints(client, run) -> int:
                 held[key].add(report.step)
                 metrics.append(Metric(key, value, now_ms, report.step))
     tags = [RunTag(FILLED_TAG, str(len(metrics)))]
-    last = last_checkpoint(snapshot_uri)
+    last = last_checkpoint(snapshot)
     if last and int(run.data.tags.get(CHECKPOINT_TAG + "_step", -1)) < last[1]:
         tags += [
             RunTag(CHECKPOINT_TAG, f"{folder.rstrip('/')}/{last[0]}"),
@@ -44,9 +44,9 @@ def fill_from_checkpoints(client, run) -> int:
     return len(metrics)
 
 
-def last_checkpoint(snapshot_uri: str) -> tuple[str, int] | None:
+def last_checkpoint(snapshot: dict) -> tuple[str, int] | None:
     """The last persisted checkpoint's folder name and step (its report's epoch), if any."""
-    results = (read_snapshot(snapshot_uri) or {}).get("checkpoint_results", [])
+    results = snapshot.get("checkpoint_results", [])
     stepped = [(result["checkpoint_dir_name"], step_of(result.get("metrics", {}))[1]) for result in results]
     stepped = [(name, step) for name, step in stepped if step is not None]
     return max(stepped, key=lambda found: found[1]) if stepped else None
