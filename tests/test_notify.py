@@ -69,35 +69,18 @@ def test_every_message_of_one_event_carries_one_dedupe_key():
     """What a receiver drops a repeat by, when two senders both said a run's end: the run and its end (or which
     recovery), in the Idempotency-Key header."""
     from dataclasses import replace
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from gpuflow.flows.run_messages import FORMATS
 
     got = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            got.append(self.headers["Idempotency-Key"])
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        webhook = {"url": f"http://127.0.0.1:{server.server_port}/", "json_data": FORMATS["json"]}
+    with webhook_receiver(headers=got) as (url, _):
+        webhook = {"url": url, "json_data": FORMATS["json"]}
         crashed = replace(EVENT, event="crashed")  # the same end, said by another sender in other words
         recovered = Event("recovered", EVENT.run, "lost", dedupe_key=f"{EVENT.run}:recovered:1")
         for event in (EVENT, crashed, recovered):
             assert send(webhook, event) is None
-    finally:
-        server.shutdown()
-        server.server_close()
     end, recovery = f"{EVENT.run}:end", f"{EVENT.run}:recovered:1"
-    assert got == [end, end, recovery]
+    assert [sent["Idempotency-Key"] for sent in got] == [end, end, recovery]
 
 
 def test_an_unreachable_webhook_is_reported_without_its_address(monkeypatch):

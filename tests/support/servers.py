@@ -383,10 +383,11 @@ def run_on_a_schedule_a_minute_away(served: ServedDeployments, name: str, overri
 
 
 @contextlib.contextmanager
-def webhook_receiver(down_for: int = 0):
+def webhook_receiver(down_for: int = 0, headers: list | None = None):
     """A webhook on 127.0.0.1 keeping the JSON of every message it gets. Its URL carries a token of its own, for
     tests that look for the URL where it must not be (a webhook's URL is a secret). down_for: it answers 503 to that
-    many requests first (a webhook down for a while), keeping none of them."""
+    many requests first (a webhook down for a while), keeping none of them. headers: a list that gets each kept
+    message's headers."""
     import json
     import uuid
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -403,6 +404,8 @@ def webhook_receiver(down_for: int = 0):
                 self.end_headers()
                 return
             messages.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"null"))
+            if headers is not None:
+                headers.append(dict(self.headers))
             self.send_response(204)
             self.end_headers()
 
