@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 from gpuflow.cluster.job.reports import persisted_reports
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
-from tests.loops import PACED_LOOP
+from tests.loops import PACED_LOOP_IN_MEMORY
 from tests.support.processes import processes_of, wait_until
 from tests.support.repo import REPO
 from tests.support.servers import files_holding, the_one_message, webhook_receiver
@@ -80,7 +80,7 @@ def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow
     with webhook_receiver() as (url, messages):
         added = notify_add_in(gpuflow_home, "alerts", url)
         assert "notify block 'alerts' saved" in added, added
-        run = GpuflowRun(digits_spec, gpuflow_home, "notify.block=alerts", ONE_WORKER, ephemeral_api=True)
+        run = GpuflowRun(gpuflow_home, "notify.block=alerts", ONE_WORKER, ephemeral_api=True)
         run.wait_for_line("epoch 3/")
         run.process.kill()
         killed_at = time.monotonic()
@@ -139,7 +139,7 @@ def test_prefect_api_killed_mid_run_training_goes_on_and_the_run_ends_saying_so(
     `gpuflow run` exits saying what happened, instead of hanging on Prefect's log and event workers' retries."""
     monkeypatch.setenv("PREFECT_CLIENT_MAX_RETRIES", "1")  # each call to the dead API gives up sooner: same path
     epochs = 12
-    run = GpuflowRun(digits_spec, gpuflow_home, f"train.epochs={epochs}", ONE_WORKER, ephemeral_api=True)
+    run = GpuflowRun(gpuflow_home, f"train.epochs={epochs}", ONE_WORKER, ephemeral_api=True)
     kill_its_prefect_api_at_epoch_2(run)
     killed_at = time.monotonic()
 
@@ -162,7 +162,7 @@ def test_a_run_whose_prefect_api_is_gone_ends_at_once_on_sigterm(digits_spec, gp
     """kill -9 of Prefect's API mid-training, then SIGTERM of `gpuflow run` (a scheduler's stop): the run tears down,
     marks its MLflow run KILLED and exits, instead of waiting on Prefect's log and event workers' retries of the dead
     API, for minutes, at exit."""
-    run = GpuflowRun(digits_spec, gpuflow_home, ONE_WORKER, ephemeral_api=True)
+    run = GpuflowRun(gpuflow_home, ONE_WORKER, ephemeral_api=True)
     kill_its_prefect_api_at_epoch_2(run)
     run.wait_for_line("epoch 4/")
     run.process.send_signal(signal.SIGTERM)
@@ -194,7 +194,7 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec, gpuflow_home):
-    run = GpuflowRun(digits_spec, gpuflow_home, GRACE, ONE_WORKER)
+    run = GpuflowRun(gpuflow_home, GRACE, ONE_WORKER)
     run.wait_for_line("provisioning local cluster")
     run.process.kill()
     run.wait()
@@ -232,7 +232,7 @@ def freeze_outside_a_write(process, store: Path, tries: int = 20) -> None:
 def test_frozen_flow_process_is_an_orphan(prefect_server, digits_spec, gpuflow_home):
     """SIGSTOP: the flow process lives on but does nothing; the job notices the lease, stops itself, and the
     flow, once thawed, ends Failed with the same reason."""
-    run = GpuflowRun(digits_spec, gpuflow_home, GRACE, ONE_WORKER)
+    run = GpuflowRun(gpuflow_home, GRACE, ONE_WORKER)
     flow_run_id = run.wait_for_training()
     freeze_outside_a_write(run.process, Path(digits_spec.tracking_uri.removeprefix("sqlite:///")))
     stopped_at = time.monotonic()
@@ -300,8 +300,13 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(
     spec = digits_spec.model_copy(
         update={
             "train": digits_spec.train.model_copy(
-                update={"epochs": epochs, "loop": PACED_LOOP, "params": {**digits_spec.train.params, "pace_s": 1.0}}
+                update={
+                    "epochs": epochs,
+                    "loop": PACED_LOOP_IN_MEMORY,
+                    "params": {**digits_spec.train.params, "pace_s": 1.0},
+                }
             ),
+            "data": None,
             "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
             "tracking": digits_spec.tracking.model_copy(
                 update={"uri": f"http://127.0.0.1:{port}", "register_model": False}

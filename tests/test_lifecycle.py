@@ -25,8 +25,9 @@ pytestmark = pytest.mark.full
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 
-# a run that is still training when a test strikes, without taking the CPU from the tests beside it
-PACED = [arg for item in paced_overrides(0.5) for arg in ("--set", item)]
+# a run that is still training when a test strikes, without taking the CPU from the tests beside it; what these tests
+# strike is the flow, its cluster and its job, not Ray Data's ingest (each run would start its actors: ~7 CPU-s)
+PACED = [arg for item in paced_overrides(0.5, ray_data=False) for arg in ("--set", item)]
 # one Ray Train worker: what these tests strike is the flow, its cluster and its job, not the workers' all-reduce
 ONE_WORKER = "compute.workers_per_node=1"
 
@@ -34,11 +35,11 @@ ONE_WORKER = "compute.workers_per_node=1"
 class GpuflowRun:
     """`gpuflow run` as a user starts it, in its own process, its output read line by line.
 
-    It runs the digits spec at a walking pace for 400 epochs, or `spec_file` as it is.
+    It runs the digits spec at a walking pace for 400 epochs, its digits in memory, or `spec_file` as it is.
     With `ephemeral_api`, it starts Prefect's temporary API itself (PREFECT_HOME under the gpuflow home), as a
     user without a Prefect server would; otherwise it uses the tests' Prefect server."""
 
-    def __init__(self, spec, gpuflow_home, *overrides: str, ephemeral_api: bool = False, spec_file=None):
+    def __init__(self, gpuflow_home, *overrides: str, ephemeral_api: bool = False, spec_file=None):
         env = {**os.environ, "GPUFLOW_HOME": str(gpuflow_home)}
         if ephemeral_api:
             env.pop("PREFECT_API_URL", None)
@@ -49,19 +50,7 @@ class GpuflowRun:
         else:
             env["PREFECT_API_URL"] = PREFECT_API_URL.value()
         # the digits spec, paced and long; or a spec file of the test's own, as it is
-        args = (
-            []
-            if spec_file
-            else [
-                "--set",
-                "train.epochs=400",
-                *PACED,
-                "--set",
-                f"data.train={spec.data.train}",
-                "--set",
-                f"data.validation={spec.data.validation}",
-            ]
-        )
+        args = [] if spec_file else ["--set", "train.epochs=400", *PACED]
         for item in overrides:
             args += ["--set", item]
         self.process = subprocess.Popen(
@@ -131,7 +120,7 @@ def cancel(flow_run_id):
 
 
 def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, gpuflow_home):
-    run = GpuflowRun(digits_spec, gpuflow_home, ONE_WORKER)
+    run = GpuflowRun(gpuflow_home, ONE_WORKER)
     flow_run_id = run.wait_for_training()
     cancel(flow_run_id)
     assert run.wait() != 0, "".join(run.lines[-30:])
@@ -144,7 +133,7 @@ def test_cancel_from_prefect_tears_down_a_cli_run(prefect_server, digits_spec, g
 
 
 def test_sigterm_tears_down_before_exit(prefect_server, digits_spec, gpuflow_home):
-    run = GpuflowRun(digits_spec, gpuflow_home, ONE_WORKER)
+    run = GpuflowRun(gpuflow_home, ONE_WORKER)
     flow_run_id = run.wait_for_training()
     run.process.send_signal(signal.SIGTERM)
     assert run.wait() != 0

@@ -110,7 +110,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_
     # The next spare changes owner when claimed: a kill -9 of the run that claimed it must stop it, while the stack
     # goes on.
     own = set(processes_of(gpuflow_home)) - set(spare_pids(gpuflow_home))  # the stack, its API, their watchers
-    run = GpuflowRun(digits_spec, gpuflow_home, ephemeral_api=True)  # a long, paced digits run
+    run = GpuflowRun(gpuflow_home, ephemeral_api=True)  # a long, paced digits run
     run.wait_for_line("epoch 3/")
     of_the_run = set(processes_of(gpuflow_home)) - own
     run.process.kill()

@@ -87,7 +87,7 @@ def test_a_cancelled_sweep_kills_every_trial_and_leaves_nothing(prefect_server, 
     del fields["sweep"]["early_stopping"]  # a trial stopped early ends FINISHED: here every trial must be cut short
     spec_file = tmp_path / "sweep.yaml"
     spec_file.write_text(yaml.safe_dump(fields))
-    run = GpuflowRun(None, gpuflow_home, spec_file=spec_file)
+    run = GpuflowRun(gpuflow_home, spec_file=spec_file)
     try:
         flow_run_id = run.wait_for_training()
         client, parent = mlflow_run_of(parse_spec(fields).tracking_uri, flow_run_id, parse_spec(fields).experiment_name)

@@ -13,6 +13,7 @@ from gpuflow.flows.local_stack import temporary_api
 from tests.support.processes import processes_of
 from tests.support.repo import REPO
 from tests.support.servers import not_http_server
+from tests.support.stores import seed_prefect_home
 
 A_FLOW = """
 import json, socket, sys
@@ -50,7 +51,7 @@ def started(gpuflow_home):
     processes = []
 
     def start(*args) -> subprocess.Popen:
-        (gpuflow_home / "prefect").mkdir(parents=True)
+        (gpuflow_home / "prefect").mkdir(parents=True, exist_ok=True)
         env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
         env.update(
             GPUFLOW_HOME=str(gpuflow_home),
@@ -102,6 +103,7 @@ def test_what_answers_on_a_port_counts_only_if_it_is_an_http_api():
 
 @pytest.mark.cluster
 def test_the_temporary_api_is_stopped_when_its_process_is_killed(started, gpuflow_home):
+    seed_prefect_home(gpuflow_home / "prefect")  # a first run's migration is the test above's; this one kills
     process = started("hang")
     line = process.stdout.readline()
     assert line.startswith("{"), (gpuflow_home / "stderr.log").read_text()[-3000:]  # the server answered a flow run

@@ -7,7 +7,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from tests.loops import PACED_LOOP
+from tests.loops import PACED_LOOP_IN_MEMORY
 from tests.support.processes import processes_of
 
 pytestmark = pytest.mark.full
@@ -23,12 +23,14 @@ HUNG_MINUTES = 0.75
 
 
 def long_job(spec, **limits):
-    """A job far longer than its limits: one worker, an epoch a second, so that the machine stays usable."""
+    """A job far longer than its limits: one worker, an epoch a second, so that the machine stays usable; its digits
+    in memory (what stops it is the limit, not Ray Data's ingest)."""
     return spec.model_copy(
         update={
             "train": spec.train.model_copy(
-                update={"loop": PACED_LOOP, "epochs": 5000, "params": {**spec.train.params, "pace_s": 1.0}}
+                update={"loop": PACED_LOOP_IN_MEMORY, "epochs": 5000, "params": {**spec.train.params, "pace_s": 1.0}}
             ),
+            "data": None,
             "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
             "limits": spec.limits.model_copy(update=limits),
             "tracking": spec.tracking.model_copy(update={"register_model": False}),
@@ -77,28 +79,21 @@ def stopped_flows(prefect_server, tmp_path_factory):
     with pytest.MonkeyPatch.context() as env:
         env.setenv("GPUFLOW_HOME", str(home))
 
-        def digits_spec(name: str):  # data of its own: three flows writing one file would race
-            return load_spec(
-                REPO / "experiments" / "digits.yaml",
-                [
-                    f"workdir={REPO}",
-                    f"tracking.uri=sqlite:///{home}/mlflow.db",
-                    f"data.train={home}/data/{name}/train.parquet",
-                    f"data.validation={home}/data/{name}/validation.parquet",
-                ],
-            )
+        digits = load_spec(
+            REPO / "experiments" / "digits.yaml", [f"workdir={REPO}", f"tracking.uri=sqlite:///{home}/mlflow.db"]
+        )
 
         # $2 per second; the budget allows BUDGET_MINUTES of it: the estimate (rate × max runtime) passes, but the
         # bill also counts provisioning, so the budget runs out before the job's own BUDGET_MINUTES do.
-        hung = long_job(digits_spec("hung"), hung_minutes=HUNG_MINUTES, max_runtime_minutes=10)
+        hung = long_job(digits, hung_minutes=HUNG_MINUTES, max_runtime_minutes=10)
         specs = {
             "budget": long_job(
-                digits_spec("budget"),
+                digits,
                 hourly_rate_usd=7200.0,
                 max_runtime_minutes=BUDGET_MINUTES,
                 max_cost_usd=BUDGET_MINUTES * 120,
             ).model_copy(update={"notify": NotifySpec(block="budget")}),
-            "timeout": long_job(digits_spec("timeout"), max_runtime_minutes=LIMIT_MINUTES),
+            "timeout": long_job(digits, max_runtime_minutes=LIMIT_MINUTES),
             "hung": hung.model_copy(
                 update={"train": hung.train.model_copy(update={"loop": HANGING_LOOP, "params": {"hang_after": 3}})}
             ),

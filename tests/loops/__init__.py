@@ -1,12 +1,16 @@
 """Training loops the tests run, and how a test names them."""
 
 PACED_LOOP = "tests.loops.paced:train_loop"  # named here, not imported: importing it loads torch and Ray Train
+PACED_LOOP_IN_MEMORY = "tests.loops.paced:without_ray_data"  # the same, for a run with no data section
 HANGING_LOOP = "tests.loops.hanging:train_loop"  # reports train.params.hang_after epochs, then hangs
 TUNABLE_LOOP = "tests.loops.tunable:train_loop"  # a score known in advance from lr and hidden: sweep tests
 STEPPED_LOOP = "tests.loops.stepped:train_loop"  # digits at a step every train.params.step_pace_s: spot notices
 PLAIN_LOOP = "tests.loops.plain:epochs_with_checkpoints"  # Ray Train alone, no data: params offset (and pace_s)
 
 
-def paced_overrides(pace_s: float) -> list[str]:
-    """The spec overrides (`--set`) that make a digits run train the paced loop, an epoch every `pace_s` seconds."""
-    return [f"train.loop={PACED_LOOP}", f"train.params.pace_s={pace_s:g}"]
+def paced_overrides(pace_s: float, ray_data: bool = True) -> list[str]:
+    """The spec overrides (`--set`) that make a digits run train the paced loop, an epoch every `pace_s` seconds;
+    without `ray_data`, with no data section: its digits in memory, none of Ray Data's actors started."""
+    if ray_data:
+        return [f"train.loop={PACED_LOOP}", f"train.params.pace_s={pace_s:g}"]
+    return [f"train.loop={PACED_LOOP_IN_MEMORY}", "data=null", f"train.params.pace_s={pace_s:g}"]

@@ -1,10 +1,13 @@
 """The digits loop at a walking pace, for fault tests that need a run still training when they strike.
 
 Each epoch waits `pace_s` (train.params) before its report: a long run then leaves the 2-core machine's CPU to the
-tests beside it instead of training flat out for minutes, and still makes real checkpoints and metrics. Each worker
-streams its shards with Ray Data in its first epoch and keeps them: a fault test's hundreds of epochs would otherwise
-each pay Ray Data's streaming start (about a CPU-second a worker) to read 1,400 rows again. Ray Data's per-epoch
-streaming is tested where it is the point (tests/test_ingest.py, the quickstart)."""
+tests beside it instead of training flat out for minutes, and still makes real checkpoints and metrics.
+
+`train_loop` streams each worker's shards with Ray Data in its first epoch and keeps them: a fault test's hundreds of
+epochs would otherwise each pay Ray Data's streaming start (about a CPU-second a worker) to read 1,400 rows again.
+`without_ray_data` is for a run with no `data` section: each worker takes its share of scikit-learn's digits in
+memory, the split the shipped loop's Parquet files hold, so the run starts none of Ray Data's actors (about 16 CPU-s
+a run here). Ray Data's ingest is tested where it is the point (tests/test_ingest.py, the quickstart)."""
 
 import time
 
@@ -13,17 +16,55 @@ from gpuflow.cluster import loop
 
 
 def train_loop(config: dict) -> None:
-    report, stream = loop.report, digits.batches
     kept = {}
-
-    def paced_report(*args, **kwargs):
-        time.sleep(config["pace_s"])
-        return report(*args, **kwargs)
+    stream = digits.batches
 
     def read_once(name: str, batch_size: int, shuffle: bool = False):
         if (name, batch_size) not in kept:
             kept[name, batch_size] = list(stream(name, batch_size, shuffle))
         return iter(kept[name, batch_size])
 
-    loop.report, digits.batches = paced_report, read_once
+    paced(config, read_once)
+
+
+def without_ray_data(config: dict) -> None:
+    shares = in_memory_shares()
+
+    def from_memory(name: str, batch_size: int, shuffle: bool = False):
+        pixels, labels = shares[name]
+        return ((pixels[i : i + batch_size], labels[i : i + batch_size]) for i in range(0, len(labels), batch_size))
+
+    paced(config, from_memory)
+
+
+def paced(config: dict, batches) -> None:
+    report = loop.report
+
+    def paced_report(*args, **kwargs):
+        time.sleep(config["pace_s"])
+        return report(*args, **kwargs)
+
+    loop.report, digits.batches = paced_report, batches
     digits.train_loop(config)
+
+
+def in_memory_shares() -> dict:
+    """{"train" | "validation": (pixels, labels)}: this worker's rows of the 80/20 split digits.write_parquet writes."""
+    import numpy as np
+    import ray.train
+    import torch
+    from sklearn.datasets import load_digits
+
+    context = ray.train.get_context()
+    rank, workers = context.get_world_rank(), context.get_world_size()
+    data = load_digits()
+    order = np.random.default_rng(0).permutation(len(data.target))
+    cut = int(0.8 * len(order))
+    shares = {}
+    for name, rows in (("train", order[:cut]), ("validation", order[cut:])):
+        mine = rows[rank::workers]
+        shares[name] = (
+            torch.from_numpy(data.data[mine].astype(np.float32) / 16.0),
+            torch.from_numpy(data.target[mine].astype(np.int64)),
+        )
+    return shares

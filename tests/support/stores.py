@@ -5,7 +5,7 @@ test that starts one (its own server, a run's temporary API in a home of its own
 migrates too: about 2.4 CPU-seconds in the first process that opens it. Each is migrated once a session (the first
 xdist worker to need it makes it, under a lock; the others wait and copy), by the installed Prefect and MLflow,
 so a copy is what a fresh store is once they have migrated it. Tests of a new user's first run (their own project,
-the temporary API) start from nothing.
+the temporary API's first test) start from nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,28 @@ STORES = "GPUFLOW_TESTS_STORES"  # the session's folder of migrated stores (made
 def seed_prefect_home(home: Path) -> None:
     """Gives a Prefect home with no database yet a migrated one (Prefect's default place: <home>/prefect.db)."""
     _seed(_migrated("prefect.db", _migrate_prefect), home / "prefect.db")
+
+
+@contextlib.contextmanager
+def seeded_test_harness():
+    """Within it, Prefect's `prefect_test_harness` starts its server on a migrated copy, not on a database it
+    migrates (the harness names no place for it: its own temp folder, here made with the copy in it)."""
+    from unittest import mock
+
+    import prefect.testing.utilities
+
+    template = _migrated("prefect.db", _migrate_prefect)
+
+    def seeded_folder() -> str:
+        folder = tempfile.mkdtemp()
+        shutil.copyfile(template, Path(folder) / HARNESS_DATABASE)
+        return folder
+
+    with mock.patch.object(prefect.testing.utilities, "mkdtemp", seeded_folder):
+        yield
+
+
+HARNESS_DATABASE = "prefect-test.db"  # the file prefect_test_harness names in its temp folder
 
 
 def seed_mlflow_store(database: Path) -> None:
