@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.repo import REPO
-from tests.support.stores import STORES, seed_mlflow_store, seeded_test_harness
+from tests.support.stores import STORES, seed_mlflow_store
 
 pytest_plugins = [
     "pytester"
@@ -83,8 +83,7 @@ def digits_spec(gpuflow_home):
 def prefect_server(tmp_path_factory):
     """A real Prefect API (temporary server and database) for every flow run of the session. Its concurrency leases
     are kept on disk as gpuflow's own servers keep them, in a Prefect home of the session's: never in a folder that
-    another server's lease expiry would read (the user's ~/.prefect). Its database starts migrated
-    (tests/support/stores.py)."""
+    another server's lease expiry would read (the user's ~/.prefect)."""
     from prefect.settings import (
         PREFECT_HOME,
         PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE,
@@ -98,7 +97,7 @@ def prefect_server(tmp_path_factory):
     leases = {PREFECT_HOME: tmp_path_factory.mktemp("prefect-home")}
     if LEASE_STORAGE not in get_current_settings().to_environment_variables(exclude_unset=True):  # else the user's
         leases[PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE] = FILESYSTEM_LEASES
-    with temporary_settings(leases), seeded_test_harness(), prefect_test_harness(server_startup_timeout=120):
+    with temporary_settings(leases), prefect_test_harness(server_startup_timeout=120):
         yield
 
 

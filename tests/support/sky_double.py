@@ -226,11 +226,14 @@ class FakeSky:
     def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **_):
         cluster = self._cluster(cluster_name)
         job = cluster["jobs"][job_id]
-        if cluster["spot"] and self.preempt_spot > 0:  # the cloud takes the nodes back mid-job
+        end, preempted = job["finish_at"], cluster["spot"] and self.preempt_spot > 0
+        if preempted:  # the cloud takes the nodes back mid-job, however late the client follows the job's log
             self.preempt_spot -= 1
-            threading.Timer(self.job_s / 2, lambda: self.clusters.pop(cluster_name, None)).start()
-        while time.time() < job["finish_at"] and cluster_name in self.clusters:
+            end -= self.job_s / 2
+        while time.time() < end and cluster_name in self.clusters:
             time.sleep(0.01)
+        if preempted:
+            self.clusters.pop(cluster_name, None)
         for line in job["log"]:
             output_stream.write(line + "\n")
         job["status"] = job["final"] if cluster_name in self.clusters else JobStatus.FAILED

@@ -28,28 +28,6 @@ def seed_prefect_home(home: Path) -> None:
     _seed(_migrated("prefect.db", _migrate_prefect), home / "prefect.db")
 
 
-@contextlib.contextmanager
-def seeded_test_harness():
-    """Within it, Prefect's `prefect_test_harness` starts its server on a migrated copy, not on a database it
-    migrates (the harness names no place for it: its own temp folder, here made with the copy in it)."""
-    from unittest import mock
-
-    import prefect.testing.utilities
-
-    template = _migrated("prefect.db", _migrate_prefect)
-
-    def seeded_folder() -> str:
-        folder = tempfile.mkdtemp()
-        shutil.copyfile(template, Path(folder) / HARNESS_DATABASE)
-        return folder
-
-    with mock.patch.object(prefect.testing.utilities, "mkdtemp", seeded_folder):
-        yield
-
-
-HARNESS_DATABASE = "prefect-test.db"  # the file prefect_test_harness names in its temp folder
-
-
 def seed_mlflow_store(database: Path) -> None:
     """Gives a path with no MLflow store yet a migrated one. Its Default experiment keeps its artifacts beside it
     (MLflow puts them under the first opener's working directory, ./mlruns)."""
