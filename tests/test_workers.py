@@ -27,12 +27,12 @@ from tests.support.tiers import require
 
 pytestmark = pytest.mark.full
 
-MARKER_LOOP = '''"""Only in the deployed commit: the paced digits loop under another name."""
+MARKER_LOOP = '''"""Only in the deployed commit: the paced digits loop under another name, its digits in memory."""
 from tests.loops import paced
 
 
 def train_loop(config):
-    paced.train_loop(config)
+    paced.without_ray_data(config)
 '''
 
 
@@ -162,6 +162,7 @@ def test_a_worker_elsewhere_runs_the_deployed_commit_and_a_cancel_reaches_it(rem
                 "params": {"hidden": 32, "pace_s": 0},
             }
             spec["compute"] = {**spec["compute"], "workers_per_node": 1}
+            spec["data"] = None  # what a worker elsewhere runs is the point, not Ray Data's ingest
             form = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec}).id
             # the scheduled run trains at a walking pace until a cancel from the UI stops it
             long = {**spec, "train": {**spec["train"], "epochs": 400, "params": {"hidden": 32, "pace_s": 1}}}
