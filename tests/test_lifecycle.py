@@ -27,7 +27,7 @@ FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 # a run that is still training when a test strikes, without taking the CPU from the tests beside it; what these tests
 # strike is the flow, its cluster and its job, not Ray Data's ingest (each run would start its actors: ~7 CPU-s)
-PACED = [arg for item in paced_overrides(0.5, ray_data=False) for arg in ("--set", item)]
+PACED = [arg for item in paced_overrides(0.5) for arg in ("--set", item)]
 # one Ray Train worker: what these tests strike is the flow, its cluster and its job, not the workers' all-reduce
 ONE_WORKER = "compute.workers_per_node=1"
 

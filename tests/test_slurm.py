@@ -57,7 +57,7 @@ def shared_disk(slurm_infra):
 
 
 # long runs train an epoch a second: the Slurm node is this machine, whose CPU the other tests need
-PACED = paced_overrides(1, ray_data=False)  # runs kept alive for a kill or a limit: no Ray Data on the node
+PACED = paced_overrides(1)  # runs kept alive for a kill or a limit: no Ray Data on the node
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ STEPPED_LOOP = "tests.loops.stepped:train_loop"  # digits at a step every train.
 PLAIN_LOOP = "tests.loops.plain:epochs_with_checkpoints"  # Ray Train alone, no data: params offset (and pace_s)
 
 
-def paced_overrides(pace_s: float, ray_data: bool = True) -> list[str]:
-    """The spec overrides (`--set`) that make a digits run train the paced loop, an epoch every `pace_s` seconds;
-    without `ray_data`, with no data section: its digits in memory, none of Ray Data's actors started."""
-    if ray_data:
-        return [f"train.loop={PACED_LOOP}", f"train.params.pace_s={pace_s:g}"]
+def paced_overrides(pace_s: float) -> list[str]:
+    """The spec overrides (`--set`) that make a digits run train the paced loop, an epoch every `pace_s` seconds, with
+    no data section: its digits in memory, nothing read or split by Ray Data (PACED_LOOP_IN_MEMORY)."""
     return [f"train.loop={PACED_LOOP_IN_MEMORY}", "data=null", f"train.params.pace_s={pace_s:g}"]
