@@ -18,23 +18,28 @@ from gpuflow.cluster import loop
 
 
 def write_parquet(train_uri: str, validation_uri: str) -> None:
-    """Splits the 1,797 digits 80/20 with a fixed seed; the validation split is never trained on."""
+    """Writes the split (split()) as Parquet; the validation split is never trained on."""
     from pathlib import Path
 
+    halves = split()
+    for uri, name in ((train_uri, "train"), (validation_uri, "validation")):
+        pixels, labels = halves[name]
+        Path(uri).parent.mkdir(parents=True, exist_ok=True)
+        table = pa.table(
+            {"pixels": pa.array(list(pixels), pa.list_(pa.float32())), "label": pa.array(labels, pa.int64())}
+        )
+        pq.write_table(table, uri)
+
+
+def split() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The 1,797 digits split 80/20 with a fixed seed: {"train" | "validation": (pixels in [0, 1], labels)}."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     order = np.random.default_rng(0).permutation(len(digits.target))
     cut = int(0.8 * len(order))
-    for uri, rows in ((train_uri, order[:cut]), (validation_uri, order[cut:])):
-        Path(uri).parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table(
-            {
-                "pixels": pa.array(list(digits.data[rows].astype(np.float32) / 16.0), pa.list_(pa.float32())),
-                "label": pa.array(digits.target[rows], pa.int64()),
-            }
-        )
-        pq.write_table(table, uri)
+    pixels, labels = digits.data.astype(np.float32) / 16.0, digits.target.astype(np.int64)
+    return {name: (pixels[rows], labels[rows]) for name, rows in (("train", order[:cut]), ("validation", order[cut:]))}
 
 
 class PixelsAndLabels(NumpyBatchCollateFn):
