@@ -242,6 +242,8 @@ NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
 SOURCE_WORKDIR_TAG = "gpuflow.source.workdir"  # the spec's workdir inside its git repository ("." at its top)
 DIFF_TOO_LARGE_TAG = "gpuflow.source.diff_too_large"  # the uncommitted changes were over the cap: not recorded
 
+QUOTA_LOST = "quota_lost"  # the team's quota lease lapsed or was revoked while the run held it
+
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
 STATUS_FOR_STOP = {
     "cancelled": "KILLED",
@@ -252,4 +254,5 @@ STATUS_FOR_STOP = {
     "orphaned": "FAILED",
     "preempted": "FAILED",
     "hung": "FAILED",
+    QUOTA_LOST: "FAILED",
 }

@@ -406,6 +406,40 @@ def test_a_dead_holders_lease_is_given_back_once_and_only_by_the_recount_whose_t
             client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
 
 
+def test_a_run_whose_lease_is_revoked_stops_and_its_release_frees_nobody_elses_slot(prefect_server):
+    """A pass judged the holder dead and gave its lease back (or the lease lapsed): Prefect may give the slot to the
+    next run. The holder must not train on over the quota: its stop check fires, naming the quota; its release then
+    gives back nothing, not the slot the next run now holds."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from gpuflow.cluster.protocol import QUOTA_LOST, STATUS_FOR_STOP
+    from gpuflow.flows.quota.hold import QuotaHold
+    from gpuflow.flows.quota.pools import set_quota
+
+    pool = f"revoked-{uuid.uuid4().hex[:8]}"
+    set_quota(pool, 1)
+    try:
+        with get_client(sync_client=True) as client:
+            first = QuotaHold(local_spec(pool), str(holder_run(client, pool, Running()).id))
+            first.renew_every_s = 0.2  # the lease is renewed every lease_s / 4 (15 s and more)
+            assert first.acquire() and first.lost_check() is None
+            client.release_concurrency_slots_with_lease(first.lease_id)  # what a pass does to a dead holder
+            next_run = QuotaHold(local_spec(pool, max_queue_minutes=0.5), str(holder_run(client, pool, Running()).id))
+            assert next_run.acquire()
+        reason, detail = wait_until(first.lost_check, 30, "the revoked holder's stop check firing", interval_s=0.2)
+        assert (reason, STATUS_FOR_STOP[reason]) == (QUOTA_LOST, "FAILED")
+        assert f"the quota lease on 1 worker of quota '{pool}' is gone" in detail, detail
+        assert "Checkpoints are kept" in detail, detail
+        first.release()
+        assert quota_of(pool).active_slots == 1, "the first run's release freed the next run's slot"
+        next_run.release()
+        assert quota_of(pool).active_slots == 0
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
 HOLD = """
 import sys, time
 from gpuflow.flows.quota.hold import QuotaHold, QueueTimeout

@@ -10,6 +10,7 @@ import time
 from datetime import datetime, timezone
 
 from gpuflow.cluster.backends.local import drop_prewarmed
+from gpuflow.cluster.protocol import QUOTA_LOST
 from gpuflow.cluster.run.lifecycle import TeardownFailed
 from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
@@ -53,6 +54,8 @@ class QuotaHold:
         self.max_wait_s = spec.limits.max_queue_minutes * 60
         self.lease_s = lease_seconds(spec)
         self.lease_id, self.waited_s = None, 0.0
+        self.renew_every_s = self.lease_s / 4  # a few renewals may fail before the lease lapses
+        self.lost: str | None = None  # why the slots' lease is gone while the run holds them
         self._stop = threading.Event()
 
     def acquire(self) -> bool:
@@ -187,14 +190,36 @@ class QuotaHold:
         client.update_flow_run(self.flow_run_id, tags=sorted(tags | set(add)))
 
     def _renew(self) -> None:
+        import httpx
         from prefect.client.orchestration import get_client
 
-        while not self._stop.wait(self.lease_s / 4):
+        renewed = time.monotonic()
+        while not self._stop.wait(self.renew_every_s):
             try:
                 with get_client(sync_client=True) as client:
                     client.renew_concurrency_lease(self.lease_id, self.lease_s)
-            except Exception:  # the API blinked: the lease covers a few missed renewals
-                pass
+                renewed = time.monotonic()
+            except Exception as exc:
+                gone = isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 410
+                if gone or time.monotonic() - renewed > self.lease_s:
+                    self.lost = (
+                        "is gone: Prefect revoked it (it lapsed, or was given back as a dead run's)"
+                        if gone
+                        else f"lapsed: not renewed for {time.monotonic() - renewed:.0f} s ({type(exc).__name__})"
+                    )
+                    log.error(f"quota: the lease on {self.need.describe()} {self.lost}")
+                    return
+                # else the API blinked: the lease covers a few missed renewals
+
+    def lost_check(self) -> tuple[str, str] | None:
+        """A stop check (cluster/run/limits.py): once the slots' lease is lost, Prefect may give them to another run,
+        and this one would train over the team's quota: it stops instead, its checkpoints kept."""
+        if self.lost is None:
+            return None
+        return QUOTA_LOST, (
+            f"stopped: the quota lease on {self.need.describe()} {self.lost}; another run may hold those slots "
+            "now. Checkpoints are kept: run it again once the quota has room"
+        )
 
     def release(self) -> None:
         """Gives the slots back once the cluster is down, and says so on the flow run (a Cancelling one refuses)."""
@@ -205,7 +230,8 @@ class QuotaHold:
         if self.lease_id is not None:
             try:
                 with get_client(sync_client=True) as client:
-                    client.release_concurrency_slots_with_lease(self.lease_id)
+                    if self.lost is None:  # a lost lease holds nothing to give back
+                        client.release_concurrency_slots_with_lease(self.lease_id)
                     self._retag(client, remove=[LEASED_TAG, LEASE_TAG_PREFIX + self.lease_id])
                     client.set_flow_run_state(self.flow_run_id, Running(message=f"gave back {self.need.describe()}"))
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
