@@ -21,6 +21,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def started_at(pid: int | None = None) -> float | None:
+    """When the process started (this one by default), as the OS counts it: with its pid, it names one process for
+    good, where a pid alone is reused once that process is gone."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def still_the_process(pid: int, started: float | None) -> bool:
+    """The process recorded as (pid, started) is still running: not gone, and not another that got its pid since.
+    A record without a start time names no process for sure: never signal one on its word."""
+    return started is not None and alive(pid) and started_at(pid) == started
+
+
 def in_session(pid: int, session: int) -> bool:
     try:
         return os.getsid(pid) == session and alive(pid)

@@ -86,7 +86,7 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
 def down_stack() -> int:
     from gpuflow.flows.local_stack import stack
 
-    print("gpuflow: warm stack " + ("stopped" if stack.down() else "was not up (nothing to stop)"))
+    print(f"gpuflow: warm stack {stack.down()}")
     return 0
 
 

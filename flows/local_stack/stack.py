@@ -33,9 +33,8 @@ from gpuflow.cluster.backends.local import CHILDREN, LocalBackend
 from gpuflow.cluster.backends.local.warm import SPARE_PREFIX
 from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_dir
 from gpuflow.cluster.util.files import write_atomically
-from gpuflow.cluster.util.processes import session_alive, stop_sessions
+from gpuflow.cluster.util.processes import session_alive, started_at, still_the_process, stop_sessions
 from gpuflow.cluster.util.waiting import wait_until
-from gpuflow.flows.local_stack.outlive import alive
 
 POLL_S = 1.0
 UP_TIMEOUT_S = 180
@@ -58,7 +57,8 @@ def read_stack() -> dict | None:
         record = json.loads(stack_file().read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return record if alive(record["pid"]) else None  # a zombie (killed, not yet reaped) is not a stack
+    # a zombie (killed, not yet reaped) is not a stack, nor a process that got its pid after a reboot or a crash
+    return record if still_the_process(record["pid"], record.get("started")) else None
 
 
 def want_shape(shape: dict) -> None:
@@ -109,16 +109,25 @@ def wait_until_ready(shape: dict | None, process: subprocess.Popen | None) -> di
     raise RuntimeError(f"the warm stack did not come up within {UP_TIMEOUT_S}s:\n{tail}")
 
 
-def down() -> bool:
-    """Stops the stack: its API, its spare cluster, itself. False when none was up."""
+def down() -> str:
+    """Stops the stack (its API, its spare cluster, itself) and says what it did: "stopped", "was not up", or, for a
+    record naming a process that is not the stack's (gone, or its pid reused since), that it removed the record and
+    signalled nothing."""
     record = read_stack()
     if record is None:
-        return False
+        if not stack_enabled() or not stack_file().exists():
+            return "was not up (nothing to stop)"
+        try:
+            pid = json.loads(stack_file().read_text()).get("pid")
+        except json.JSONDecodeError:
+            pid = None
+        stack_file().unlink(missing_ok=True)
+        return f"was not up: removed a stale record (pid {pid} is not the stack's; nothing was signalled)"
     os.kill(record["pid"], signal.SIGTERM)
     wait_until(lambda: not session_alive(record["pid"]), 15)
     stop_sessions([record["pid"]])  # whatever did not stop in time
     stack_file().unlink(missing_ok=True)
-    return True
+    return "stopped"
 
 
 # -- the stack's own process ---------------------------------------------------------------------------------------
@@ -168,6 +177,7 @@ class Stack:
         spare = self.backend.record(self.spare) if self.spare else None
         return {
             "pid": os.getpid(),
+            "started": started_at(),
             "api_url": self.api.api_url if self.api else None,
             "idle_minutes": self.idle_s / 60,
             "spare": self.spare,
