@@ -214,10 +214,11 @@ def slurm_infra():
 
 
 # The whole matrix runs in three pytest-xdist workers (`-n 3 --dist loadgroup`, pyproject's addopts), one per lane,
-# each in file order. The two cores are the limit, so the lanes pair tests that mostly wait with tests that compute,
-# and the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
-# - "slurm": the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on SkyPilot and Slurm), then
-#   the recovery tests;
+# each in file order, the files that start a session's server last. The two cores are the limit, so the lanes pair
+# tests that mostly wait with tests that compute, and the longest lane is the suite's wall time (the end-of-run
+# report's seconds by file balance them):
+# - "slurm": the recovery tests, then the Slurm tier (one Slurm cluster on this machine; each launch mostly waits on
+#   SkyPilot and Slurm);
 # - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests, the chaos
 #   soak and the watchdog's limits;
 #   most of them wait for a signal, a lease or a cleanup (their loops train an epoch a second);
@@ -247,3 +248,14 @@ def pytest_collection_modifyitems(config, items):
         return
     for item in items:
         item.add_marker(pytest.mark.xdist_group(lane_of(item.nodeid)))
+    # A session's server lives from its first test to the session's end: in each lane, the files that start one go
+    # last (whole, so that a module's own fixtures start once), and it idles through no other file.
+    late = {module_of(item) for item in items if SESSION_SERVERS & set(item.fixturenames)}
+    items.sort(key=lambda item: module_of(item) in late)
+
+
+SESSION_SERVERS = {"slurm_infra", "prefect_api", "mlflow_url", "served"}  # not prefect_server: nearly all use it
+
+
+def module_of(item) -> str:
+    return item.nodeid.split("::")[0]

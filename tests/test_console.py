@@ -2,8 +2,6 @@
 
 from pathlib import Path
 
-import pytest
-
 from gpuflow.cluster.protocol import EPOCH_LINE, RESULT_LINE
 from gpuflow.cluster.run.monitor import ANSI, visible
 
@@ -180,64 +178,3 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
         "INFO mlflow",
     ):  # e.g. "Creating initial MLflow database tables"
         assert noise not in shown and noise not in Path(log_file).read_text(), noise
-
-
-def gpuflow_run_output(home: Path, args: list[str], terminal: bool) -> str:
-    """What `gpuflow run` prints, all of it, read from a pseudo-terminal or from a pipe."""
-    import os
-    import pty
-    import subprocess
-    import sys
-
-    from prefect.settings import PREFECT_API_URL
-
-    from tests.support.repo import REPO
-
-    command = [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml"), *args]
-    env = {**os.environ, "GPUFLOW_HOME": str(home), "PREFECT_API_URL": PREFECT_API_URL.value(), "COLUMNS": "160"}
-    if not terminal:
-        done = subprocess.run(
-            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600
-        )
-        assert done.returncode == 0, done.stdout[-3000:]
-        return done.stdout
-    main, other = pty.openpty()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdin=other, stdout=other, stderr=other)
-    os.close(other)
-    shown = bytearray()
-    while True:
-        try:
-            chunk = os.read(main, 65536)
-        except OSError:  # the terminal's other end closed: the run is over
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(main)
-    assert process.wait(timeout=60) == 0, shown[-3000:]
-    return shown.decode(errors="replace")
-
-
-@pytest.mark.full  # a run of a minute
-def test_a_terminal_gets_a_live_line_rewritten_in_place(prefect_server, gpuflow_home):
-    """On a terminal, one line rewritten in place (phase, epoch i/N, ETA), then the summary. The same run in a pipe,
-    one short line per epoch, is read by tests/test_stack.py (assert_a_clean_console)."""
-    epochs = 3
-    args = [
-        arg
-        for item in (
-            f"train.epochs={epochs}",
-            f"data.train={gpuflow_home}/data/train.parquet",
-            f"data.validation={gpuflow_home}/data/validation.parquet",
-        )
-        for arg in ("--set", item)
-    ]
-    shown = gpuflow_run_output(gpuflow_home, args, terminal=True)
-    redrawn = [part.split("\r")[0] for part in shown.split("\r\x1b[K")]  # what each redraw of the line wrote
-    for i in range(1, epochs + 1):
-        assert any(f"training  epoch {i}/{epochs}  ETA " in part for part in redrawn), shown[-3000:]
-    assert any(part.startswith("provisioning") for part in redrawn), shown[-3000:]
-    assert not any(line.startswith("epoch ") for line in shown.splitlines()), shown[-3000:]
-    assert shown.rstrip().split("\r\x1b[K")[-1].lstrip("\r\n").startswith("gpuflow: digits-mlp finished in"), shown[
-        -3000:
-    ]

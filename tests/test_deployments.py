@@ -153,4 +153,6 @@ def test_a_serve_start_asks_for_one_reaper_pass(prefect_server):
         flow_run = client.read_flow_run(flow_run_id)
         deployment = client.read_deployment(flow_run.deployment_id)
     assert deployment.name == "reap-clusters" and not flow_run.auto_scheduled
-    assert flow_run.state.is_scheduled() and "serve-start" in flow_run.tags
+    # asked for, not failed: a runner of the session's API may have picked it up already (seen once: Submitting)
+    assert flow_run.state.type.value in ("SCHEDULED", "PENDING", "RUNNING", "COMPLETED"), flow_run.state
+    assert "serve-start" in flow_run.tags

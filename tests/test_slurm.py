@@ -4,11 +4,12 @@
     .venv/bin/python -m pytest --full -m slurm -s        # -s prints each run's phase timings
 
 A launch here costs minutes of this machine's CPU, so only what the node side decides launches: a run that trains on its
-second compute option (the first, spot nodes, this cluster cannot satisfy: SkyPilot's own failover), a setup that fails,
-a cancel mid-launch, a limit, a kill -9 of the flow (the job's own guard, autodown), and one run that takes a spot
-notice (the notice's checkpoint, the replacement provisioned on it) and then loses the replacement's allocation
-(relaunch, resume). A failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local
-backend (tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
+third compute option (a partition that refuses the launch, and spot, which this cluster has none of: SkyPilot's own
+failover), a setup that fails, a cancel mid-launch, a spot-only run that falls back to on-demand until a limit stops
+it, a kill -9 of the flow (the job's own guard, autodown), and one run that takes a spot notice (the notice's
+checkpoint, the replacement provisioned on it) and then loses the replacement's allocation (relaunch, resume). A
+failing job and a SIGTERM of `gpuflow run` are client-side: they run for real on the local backend
+(tests/test_experiment_e2e.py, tests/test_lifecycle.py) and on the SkyPilot double (tests/test_skypilot.py).
 """
 
 from __future__ import annotations
@@ -410,16 +411,33 @@ def quota_checked_sigkill(gpuflow_on_slurm, slurm_infra, mlflow_url) -> list[str
 
 
 # One limit launches for real here (budget and timeout share the watchdog and the job's guard: both are stopped for
-# real on the local backend in tests/test_watchdog.py, and which fires is decided in unit tests).
-@pytest.mark.parametrize("limit, reason", [(["limits.max_runtime_minutes=0.25"], "timeout")])
-def test_limits_stop_a_skypilot_run(gpuflow_on_slurm, slurm_infra, mlflow_url, limit, reason):
-    run = gpuflow_on_slurm(*limit, *PACED, epochs=400)
+# real on the local backend in tests/test_watchdog.py, and which fires is decided in unit tests). The same launch is
+# the spot-only fallback's: a launch is minutes of this machine's CPU.
+def test_limits_stop_a_skypilot_run(gpuflow_on_slurm, slurm_infra, mlflow_url):
+    """A spot-only spec on a cluster with no spot: no capacity, a bounded wait (the flow run says so), then after
+    compute.spot_fallback_after=2 the on-demand relaunch; the node accepts the spec it is handed and trains, until
+    limits.max_runtime_minutes, counted from the job's start (the wait is not its runtime), stops it."""
+    run = gpuflow_on_slurm(
+        "compute.use_gpu=false",
+        "compute.use_spot=true",
+        "compute.spot_fallback_after=2",
+        "limits.max_queue_minutes=3",
+        "limits.max_runtime_minutes=0.75",  # the job's start to its first epoch is 15-30 s here
+        *PACED,
+        epochs=400,
+    )
     assert run.wait() == 1, run.output[-6000:]
-    assert f"stopped by {reason}" in run.output
+    assert "no option has capacity: waiting for one of 1 option(s)" in run.output
+    assert "spot loss(es) of compute.spot_fallback_after=2; relaunching on-demand" in run.output
+    assert f"launched option 1: {slurm_infra.infra} CPU on-demand" in run.output
+    assert "epoch 1/400" in run.output, run.output[-6000:]  # it trained on the on-demand node
+    assert "stopped by timeout" in run.output
     client, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
-    assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("KILLED", reason)
+    assert (mlflow_run.info.status, mlflow_run.data.tags["stopped_by"]) == ("KILLED", "timeout")
+    assert mlflow_run.data.tags["gpuflow.option"] == f"1: {slurm_infra.infra} CPU on-demand"
+    assert mlflow_run.data.tags["gpuflow.launched.spot"] == "false"
     assert_nothing_left(slurm_infra, run.cluster)
-    report(f"stopped by {reason}", run, mlflow_run.data.metrics)
+    report("spot only, on-demand after the wait, stopped by timeout", run, mlflow_run.data.metrics)
 
 
 def wait_for_value(get, timeout_s: float, what: str):
@@ -444,27 +462,6 @@ def test_two_options_cannot_be_had_the_run_launches_on_the_third(digits_on_the_t
     assert mlflow_run.info.status == "FINISHED"
     assert tags["gpuflow.option"] == f"3: {slurm_infra.infra} CPU on-demand"
     assert tags["gpuflow.launched.region"] == slurm_infra.infra.split("/")[1]
-    assert_nothing_left(slurm_infra, run.cluster)
-
-
-def test_spot_only_falls_back_to_on_demand_after_a_wait_and_trains(gpuflow_on_slurm, slurm_infra, mlflow_url):
-    """A spot-only spec on a cluster with no spot: no capacity, a bounded wait (the flow run says so), then after
-    compute.spot_fallback_after=2 the on-demand relaunch; the node accepts the spec it is handed and trains."""
-    run = gpuflow_on_slurm(
-        "compute.use_gpu=false",
-        "compute.use_spot=true",
-        "compute.spot_fallback_after=2",
-        "limits.max_queue_minutes=3",
-        epochs=2,
-    )
-    assert run.wait() == 0, run.output[-6000:]
-    assert "no option has capacity: waiting for one of 1 option(s)" in run.output
-    assert "spot loss(es) of compute.spot_fallback_after=2; relaunching on-demand" in run.output
-    assert f"launched option 1: {slurm_infra.infra} CPU on-demand" in run.output
-    _, mlflow_run = mlflow_run_on(mlflow_url, run.cluster)
-    assert mlflow_run.info.status == "FINISHED", run.output[-6000:]
-    assert mlflow_run.data.tags["gpuflow.option"] == f"1: {slurm_infra.infra} CPU on-demand"
-    assert mlflow_run.data.tags["gpuflow.launched.spot"] == "false"
     assert_nothing_left(slurm_infra, run.cluster)
 
 

@@ -163,7 +163,7 @@ def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leave
     stack_env, gpuflow_home
 ):
     """Without `gpuflow up`, after a stack was killed: the first run starts cold and leaves a stack behind, the second
-    is warm without asking, and left alone the stack goes."""
+    is warm without asking (and, on a terminal, shows one line rewritten in place), and left alone the stack goes."""
     gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
     assert spare_pids(gpuflow_home)
     dead = stack_record(gpuflow_home)["pid"]
@@ -171,7 +171,6 @@ def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leave
     killed_at = time.monotonic()
     wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the API and the spare gone with the stack")
     print(f"kill -9 of the stack → nothing left in {time.monotonic() - killed_at:.1f}s")
-    assert "was not up" in gpuflow(stack_env, "down")
     log = gpuflow_home / "stack" / "stack.log"
     logged = log.stat().st_size if log.exists() else 0
 
@@ -195,8 +194,10 @@ def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leave
     spare = spare_pids(gpuflow_home)
     [waiting_job] = json.loads((gpuflow_home / "clusters" / stack["spare"] / "cluster.json").read_text())["jobs"]
 
+    # the second run in a terminal: what a person at one sees of a warm run (the first, in a pipe, printed lines)
     second = {**auto, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-second-run")}
-    out = gpuflow(second, "run", str(SPEC), "--set", "train.epochs=1", *sets(data_of(gpuflow_home)))
+    out = gpuflow_in_a_terminal(second, "run", str(SPEC), "--set", "train.epochs=2", *sets(data_of(gpuflow_home)))
+    assert_a_live_line(out, epochs=2)
     assert "finished in" in out and "warm stack   up" not in out, out
     run_log = Path(out.split("full log     ", 1)[1].split(" ", 1)[0]).read_text()
     assert f"(job pid {waiting_job})" in run_log, "it trained with the job the stack had started, its imports done"
@@ -210,6 +211,41 @@ def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leave
     # left alone, the stack stops after its idle time: its API, its next spare, itself
     wait_until(lambda: processes_of(gpuflow_home) == [], 180, "the stack gone once idle, with its API and spare")
     assert "stopping" in log.read_bytes()[logged:].decode(errors="replace")
+
+
+def gpuflow_in_a_terminal(env: dict, *args: str) -> str:
+    """What `gpuflow ARGS` shows on a pseudo-terminal, all of it."""
+    import pty
+
+    main, other = pty.openpty()
+    command = [sys.executable, "-m", "gpuflow.flows.cli", *args]
+    process = subprocess.Popen(
+        command, cwd=REPO, env={**env, "COLUMNS": "160"}, stdin=other, stdout=other, stderr=other
+    )
+    os.close(other)
+    shown = bytearray()
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the terminal's other end closed: the run is over
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(main)
+    assert process.wait(timeout=60) == 0, shown[-3000:]
+    return shown.decode(errors="replace")
+
+
+def assert_a_live_line(shown: str, epochs: int) -> None:
+    """On a terminal: one line rewritten in place (phase, epoch i/N, ETA), then the summary; no line per epoch."""
+    redrawn = [part.split("\r")[0] for part in shown.split("\r\x1b[K")]  # what each redraw of the line wrote
+    for i in range(1, epochs + 1):
+        assert any(f"training  epoch {i}/{epochs}  ETA " in part for part in redrawn), shown[-3000:]
+    assert any(part.startswith("provisioning") for part in redrawn), shown[-3000:]
+    assert not any(line.startswith("epoch ") for line in shown.splitlines()), shown[-3000:]
+    summary = shown.rstrip().split("\r\x1b[K")[-1].lstrip("\r\n")
+    assert summary.startswith("gpuflow: digits-mlp finished in"), shown[-3000:]
 
 
 def sets(items: list[str]) -> list[str]:
