@@ -445,6 +445,7 @@ import sys, time
 from gpuflow.flows.quota.hold import QuotaHold, QueueTimeout
 from tests.test_quota import local_spec
 hold = QuotaHold(local_spec(sys.argv[1], max_queue_minutes=float(sys.argv[3])), sys.argv[2])
+hold.renew_every_s = 0.5  # the lease's length as a run's; renewed more often, so a test sees what a renewal meets
 started = time.monotonic()
 try:
     print("held" if hold.acquire() else "no quota", f"after {time.monotonic() - started:.1f} s", flush=True)
@@ -452,6 +453,7 @@ except QueueTimeout:
     print("timed out", flush=True)
     sys.exit(0)
 sys.stdin.readline()  # until told
+print("lost" if hold.lost_check() else "held on", flush=True)
 hold.release()
 print("released", flush=True)
 """
@@ -498,8 +500,10 @@ def held_across_a_restart(tmp_path, lease_storage: str | None = None, recount_af
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(timeout=30)
         with prefect_server(home, port, lease_storage) as api_url, temporary_settings({PREFECT_API_URL: api_url}):
+            time.sleep(2)  # renewals meet the restarted server: a lease it forgot was not given to another run
             processes[0].stdin.write("release\n")
             processes[0].stdin.flush()
+            assert processes[0].stdout.readline() == "held on\n", "a server restart stopped the holder"
             assert processes[0].stdout.readline() == "released\n"
             if recount_after:
                 with get_client(sync_client=True) as client:

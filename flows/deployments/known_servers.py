@@ -76,18 +76,13 @@ def deployment_uri(parameters: dict) -> str | None:
     return tracking.get("uri") if isinstance(tracking, dict) else None
 
 
-MEMORY_LEASES = "prefect.server.concurrency.lease_storage.memory"
-
-
 def forgetful_server(client) -> str | None:
     """What to tell the admin when the Prefect server keeps the quota's leases in memory (Prefect's default): a
     restart forgets them and the slots stay taken until a recount. None when it keeps them on disk or in Redis, or
     will not say."""
-    try:
-        storage = client.request("GET", "/admin/settings").json()["server"]["concurrency"]["lease_storage"]
-    except Exception:  # an older server, or the admin routes closed: nothing to say
-        return None
-    if storage != MEMORY_LEASES:
+    from gpuflow.flows.quota.pools import leases_kept_in_memory
+
+    if not leases_kept_in_memory(client):
         return None
     return (
         "the Prefect server keeps concurrency leases in memory: a restart forgets the GPU quota's, and their slots "

@@ -30,6 +30,7 @@ from gpuflow.flows.quota.pools import (
     WAITING,
     holding,
     lease_seconds,
+    leases_kept_in_memory,
     need_of,
     submitted,
 )
@@ -201,6 +202,8 @@ class QuotaHold:
                 renewed = time.monotonic()
             except Exception as exc:
                 gone = isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 410
+                if gone and self._forgotten_in_a_restart():
+                    return
                 if gone or time.monotonic() - renewed > self.lease_s:
                     self.lost = (
                         "is gone: Prefect revoked it (it lapsed, or was given back as a dead run's)"
@@ -210,6 +213,20 @@ class QuotaHold:
                     log.error(f"quota: the lease on {self.need.describe()} {self.lost}")
                     return
                 # else the API blinked: the lease covers a few missed renewals
+
+    def _forgotten_in_a_restart(self) -> bool:
+        """A server that keeps leases in memory forgot this one in a restart: its slots are still counted, and the
+        recount keeps them while this run is not over. Nothing was given to another run: it trains on."""
+        from prefect.client.orchestration import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                if not leases_kept_in_memory(client):
+                    return False
+        except Exception:
+            return False
+        log.warning(f"quota: the Prefect server forgot the lease on {self.need.describe()} (a restart); still counted")
+        return True
 
     def lost_check(self) -> tuple[str, str] | None:
         """A stop check (cluster/run/limits.py): once the slots' lease is lost, Prefect may give them to another run,
