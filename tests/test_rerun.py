@@ -96,6 +96,42 @@ def test_the_diff_holds_untracked_and_binary_changes_applies_to_the_commit_and_l
         assert (clone / name).read_bytes() == (repo / name).read_bytes(), name
 
 
+def test_reruns_of_one_source_at_once_share_one_checkout(repo, tmp_path):
+    """Reruns of the same commit and diff started together (a sweep's trials rerun, two users) take turns on its
+    checkout: the first makes it, the others find it ready; none clones into a folder another is making."""
+    from gpuflow.cluster.rerun.source import READY, Source, checkout
+
+    make_dirty(repo)
+    _, diff = uncommitted_changes(repo)
+    source = Source(git(repo, "rev-parse", "HEAD").strip(), diff, ".", None, None)
+    for attempt in range(3):
+        made, failed = at_once(6, lambda cache=tmp_path / f"cache-{attempt}": checkout(repo, source, cache))
+        assert failed == [] and len(set(made)) == 1 and len(made) == 6, failed
+        [folder] = set(made)
+        assert (folder / READY).is_file() and (folder / "src" / "helper.py").read_text() == "SCALE = 3\n"
+
+
+def at_once(count: int, call) -> tuple[list, list]:
+    """`call()` in `count` threads released together: (what the calls returned, what they raised)."""
+    import threading
+
+    start, made, failed = threading.Barrier(count), [], []
+
+    def one():
+        start.wait()
+        try:
+            made.append(call())
+        except Exception as error:  # what the test reports
+            failed.append(error)
+
+    threads = [threading.Thread(target=one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return made, failed
+
+
 def test_a_clean_tree_records_no_diff_and_a_diff_over_the_cap_records_a_tag_instead(repo):
     assert uncommitted_changes(repo) == ({SOURCE_WORKDIR_TAG: "."}, b"")
     make_dirty(repo)

@@ -4,6 +4,7 @@ of the same source."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import shutil
 import subprocess
@@ -71,9 +72,18 @@ def checkout(repository: Path, source: Source, cache: Path) -> Path:
     folder = cache / f"{commit[:12]}-{hashlib.sha256(diff).hexdigest()[:12]}"
     if (folder / READY).is_file():
         return folder
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    run_git(cache, "clone", "--quiet", "--shared", "--no-checkout", str(repository), str(folder))
+    cache.mkdir(parents=True, exist_ok=True)
+    # reruns of one source at once take turns: the first makes the folder, the others find it ready
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (folder / READY).is_file():
+            make_checkout(repository, commit, diff, folder)
+    return folder
+
+
+def make_checkout(repository: Path, commit: str, diff: bytes, folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted checkout left
+    run_git(folder.parent, "clone", "--quiet", "--shared", "--no-checkout", str(repository), str(folder))
     run_git(folder, "-c", "advice.detachedHead=false", "checkout", "--quiet", "--detach", commit)
     if diff:
         (folder / ".git" / "gpuflow-uncommitted.diff").write_bytes(diff)
@@ -82,7 +92,6 @@ def checkout(repository: Path, source: Source, cache: Path) -> Path:
     with open(folder / ".git" / "info" / "exclude", "a") as exclude:
         exclude.write(f"\n{READY}\n")
     (folder / READY).write_text(commit + "\n")
-    return folder
 
 
 def run_git(folder: Path, *args: str) -> None:
