@@ -268,6 +268,38 @@ def test_a_teammate_runs_and_registers_a_version_once_shared(stack, users, first
     assert processes_of(home) == []
 
 
+def test_a_deployment_run_starts_only_for_verified_credentials_and_records_that_user(stack, users, first_run):
+    """`gpuflow run --deployment`: the team's MLflow server checks who the caller is and that they may write the
+    run's experiment before anything is triggered; the run is recorded as the user the server verified."""
+    from gpuflow.cluster.protocol import triggered_by
+
+    def trigger_as(name: str, password: str) -> subprocess.CompletedProcess:
+        env = base_env(
+            **{**stack.client_env(), "MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": password},
+            GPUFLOW_HOME=str(stack.home / f"cli-{name}"),
+        )
+        command = [str(BIN / "gpuflow"), "run", "--deployment", "run-experiment/run-experiment"]
+        return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+    with stack.prefect_client() as client:
+        before = {run.id for run in client.read_flow_runs()}
+    for (name, password), refusal in (
+        (("alice", "not-her-password"), "refused user 'alice' (401)"),
+        (("mallory", "anything"), "refused user 'mallory' (401)"),
+        (("carol", users["carol"]), "MLflow user 'carol' has READ on experiment 'digits-mlp'"),
+    ):
+        refused = trigger_as(name, password)
+        assert refused.returncode == 2 and refusal in refused.stderr, refused.stdout + refused.stderr
+    with stack.prefect_client() as client:
+        assert {run.id for run in client.read_flow_runs()} == before, "a refused caller triggered a run"
+    started = trigger_as("alice", users["alice"])
+    assert started.returncode == 0 and "triggered by alice" in started.stdout, started.stdout + started.stderr
+    with stack.prefect_client() as client:
+        [run] = [run for run in client.read_flow_runs() if run.id not in before]
+        client.delete_flow_run(run.id)  # nothing serves it here: no run left scheduled
+    assert triggered_by(run.tags) == "alice"
+
+
 def test_a_serve_stopped_mid_run_is_crashed_by_the_next_reaper_pass(stack, mlflow_credentials):
     """The runner's machine goes (SIGTERM): the runner exits without cancelling its runs (Prefect 3.8: its SIGTERM
     handler never awaits `astop`) and its flow's process dies with it, no finally, no hook. The cluster goes with

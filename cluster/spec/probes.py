@@ -210,6 +210,15 @@ def tracking_access_problems(uri: str, experiment: str, model: str) -> list[str]
     return problems
 
 
+def verified_user(uri: str) -> str | None:
+    """The MLflow user the server at `uri` took the caller's credentials for; None where it has no users to check
+    (a local store, a server without its basic-auth app) or refused them (tracking_access_problems says why)."""
+    if scheme_of(uri) not in ("http", "https"):
+        return None
+    answer = mlflow_get(uri, CURRENT_USER)
+    return answer.json()["user"]["username"] if answer.status_code == 200 else None
+
+
 def mlflow_get(uri: str, endpoint: str, params: dict | None = None):
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request

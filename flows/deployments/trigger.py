@@ -4,8 +4,11 @@ recorded as the caller's.
     gpuflow run --deployment run-experiment/run-experiment --set train.epochs=3
 
 A self-hosted Prefect server has one shared credential, not users: it records no creator for a run started through
-its API or UI. This tags the flow run with the caller's MLflow user (MLFLOW_TRACKING_USERNAME), and the flow copies
-it onto its MLflow run (protocol.TRIGGERED_BY_TAG). The tag is what the caller declared, not what a server checked.
+its API or UI. Before it triggers, this asks the run's MLflow server who the caller's credentials
+(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD) belong to, and whether that user may write the run's experiment
+and model: a wrong password, an unknown user or a missing permission starts nothing. The flow run is tagged with the
+user the server verified, and the flow copies it onto its MLflow run (protocol.TRIGGERED_BY_TAG). A tracking store
+without users has no one to verify: the run is then tagged with MLFLOW_TRACKING_USERNAME as declared.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import os
 
 from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
+from gpuflow.cluster.spec import SpecError, parse_spec
+from gpuflow.cluster.spec.probes import tracking_access_problems, verified_user
 from gpuflow.flows.deployments.deploy import with_overrides
 
 
@@ -20,10 +25,10 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
     """Creates a flow run of the deployment `flow/deployment` (the deployment's spec with `overrides`); its id."""
     from prefect.client.orchestration import get_client
 
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(name)
         parameters = with_overrides(deployment.parameters, overrides) if overrides else None
+        user = caller(parse_spec((parameters or deployment.parameters)["spec"]))
         flow_run = client.create_flow_run_from_deployment(
             deployment.id, parameters=parameters, tags=[TRIGGERED_BY_PREFECT_TAG_PREFIX + user] if user else []
         )
@@ -32,3 +37,12 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
         + (f", triggered by {user}" if user else "; MLFLOW_TRACKING_USERNAME unset: recorded as nobody's")
     )
     return str(flow_run.id)
+
+
+def caller(spec) -> str | None:
+    """Who triggers, as the run's MLflow server verified it (raises SpecError, naming the variable or the permission
+    to fix, where it refuses); the declared MLFLOW_TRACKING_USERNAME where the store has no users to check."""
+    problems = tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
+    if problems:
+        raise SpecError(problems)
+    return verified_user(spec.tracking_uri) or os.environ.get("MLFLOW_TRACKING_USERNAME")
