@@ -80,7 +80,7 @@ def forgetful_server(client) -> str | None:
     """What to tell the admin when the Prefect server keeps the quota's leases in memory (Prefect's default): a
     restart forgets them and the slots stay taken until a recount. None when it keeps them on disk or in Redis, or
     will not say."""
-    from gpuflow.flows.quota.pools import leases_kept_in_memory
+    from gpuflow.cluster.util.lease_storage import leases_kept_in_memory
 
     if not leases_kept_in_memory(client):
         return None

@@ -28,11 +28,12 @@ from gpuflow.flows.quota.pools import (
     TAKING_TAG_PREFIX,
     WAIT_TAG_PREFIX,
     WAITING,
+    accepted,
     holding,
     lease_seconds,
-    leases_kept_in_memory,
     need_of,
     submitted,
+    waiting_state,
 )
 
 log = logging.getLogger(__name__)
@@ -215,9 +216,11 @@ class QuotaHold:
                 # else the API blinked: the lease covers a few missed renewals
 
     def _forgotten_in_a_restart(self) -> bool:
-        """A server that keeps leases in memory forgot this one in a restart: its slots are still counted, and the
-        recount keeps them while this run is not over. Nothing was given to another run: it trains on."""
+        """A server that keeps leases in memory forgot this one in a restart: its slots are still counted (the recount
+        keeps them while the run is not over), nothing was given to another run: it trains on."""
         from prefect.client.orchestration import get_client
+
+        from gpuflow.cluster.util.lease_storage import leases_kept_in_memory
 
         try:
             with get_client(sync_client=True) as client:
@@ -293,13 +296,3 @@ def turn_for_gpus(spec: ExperimentSpec, flow_run_id: str):
         hold.release()
         raise
     hold.release()  # nothing to give back without a quota
-
-
-def accepted(result) -> bool:
-    return result.status.value == "ACCEPT"
-
-
-def waiting_state(message: str):
-    from prefect.states import Running
-
-    return Running(name=WAITING, message=message)

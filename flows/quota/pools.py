@@ -80,19 +80,6 @@ def lease_seconds(spec: ExperimentSpec) -> float:
     return max(60.0, after)
 
 
-MEMORY_LEASES = "prefect.server.concurrency.lease_storage.memory"
-
-
-def leases_kept_in_memory(client) -> bool:
-    """The Prefect server keeps concurrency leases in memory (its default): a restart forgets them, while the slots
-    they held stay counted until a recount. False when it keeps them on disk or in Redis, or will not say."""
-    try:
-        storage = client.request("GET", "/admin/settings").json()["server"]["concurrency"]["lease_storage"]
-    except Exception:  # an older server, or the admin routes closed: nothing to say
-        return False
-    return storage == MEMORY_LEASES
-
-
 def set_quota(pool: str, slots: int) -> None:
     from prefect.client.orchestration import get_client
 
@@ -147,3 +134,15 @@ def waiting_runs(pool: str, client=None) -> list:
 def submitted(run) -> tuple:
     """Submission order: a scheduled run counts from its scheduled time, any other from its creation."""
     return (run.expected_start_time or run.created, run.created, str(run.id))
+
+
+def waiting_state(message: str):
+    """A run's state while it waits its turn: Running, named WAITING (a cancel still reaches it)."""
+    from prefect.states import Running
+
+    return Running(name=WAITING, message=message)
+
+
+def accepted(result) -> bool:
+    """Prefect took the state a run proposed."""
+    return result.status.value == "ACCEPT"
