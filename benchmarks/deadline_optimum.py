@@ -22,15 +22,17 @@ class Optimum:
     spot_steps: np.ndarray  # per start point: productive steps on spot
 
 
-def omniscient(available: np.ndarray, *, compute_steps: int, changeover_steps: int, on_demand_price: int) -> Optimum:
-    """`available`: (start points, steps) of spot-can-be-had; the deadline is the last step. Prices are integers
-    (spot 1, on-demand `on_demand_price`) so that the packed numbers stay exact."""
+def omniscient(
+    available: np.ndarray, *, compute_steps: int, changeover_steps: int, on_demand_price: int, spot_price: int = 1
+) -> Optimum:
+    """`available`: (start points, steps) of spot-can-be-had; the deadline is the last step. Prices a step are
+    integers so that the packed numbers stay exact; cost_steps is in their unit."""
     starts, steps = available.shape
     if compute_steps >= PACK:
         raise ValueError(f"compute_steps {compute_steps} >= {PACK}: the packing would overflow")
     inf = np.inf
     width = compute_steps + 1
-    spot_tick = PACK - 1  # a productive spot step: cost 1, one more spot step
+    spot_tick = spot_price * PACK - 1  # a productive spot step: its price, and one more spot step
     phases = changeover_steps  # index j: j changeover steps still to go after this one (0: running)
     idle = np.full((starts, width), inf)
     idle[:, 0] = (PACK - 1) * 1.0
@@ -42,7 +44,7 @@ def omniscient(available: np.ndarray, *, compute_steps: int, changeover_steps: i
         for state in (*spot, *od):
             np.minimum(best, state, out=best)
         spot, od = (
-            _advance(spot, best, PACK, spot_tick),
+            _advance(spot, best, spot_price * PACK, spot_tick),
             _advance(od, best, on_demand_price * PACK, on_demand_price * PACK),
         )
         for state in spot:
