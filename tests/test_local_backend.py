@@ -124,3 +124,25 @@ def test_the_local_ray_is_lean_unless_asked_for_in_full(monkeypatch):
     monkeypatch.setenv("GPUFLOW_LOCAL_RAY", "tiny")
     with pytest.raises(SettingError, match="GPUFLOW_LOCAL_RAY='tiny': set it to lean or full"):
         ray_env()
+
+
+def test_a_runs_trainer_starts_no_actor_it_does_not_use():
+    """Ray Train's placement-group cleaner never, its dataset manager only for a run with datasets (each a worker
+    process of its own); everything else Ray Train starts with stays."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from gpuflow.cluster.util.ray_internals import without_unused_actors
+
+    def kinds(trainer_class, **datasets) -> set[type]:
+        return {
+            type(callback) for callback in trainer_class(lambda: None, datasets=datasets)._create_default_callbacks()
+        }
+
+    lean = without_unused_actors(TorchTrainer)
+    assert lean.__name__ == "TorchTrainer" and issubclass(lean, TorchTrainer)
+    everything = kinds(TorchTrainer)
+    assert {PlacementGroupCleanerCallback, DatasetsCallback} <= everything
+    assert kinds(lean) == everything - {PlacementGroupCleanerCallback, DatasetsCallback}
+    assert kinds(lean, train=[1, 2]) == everything - {PlacementGroupCleanerCallback}

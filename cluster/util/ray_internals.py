@@ -42,6 +42,12 @@ On a Ray upgrade, check these first.
     SNAPSHOT_FILE          ray.train.v2's checkpoint manager snapshot, beside a run's checkpoints: the reports it
                            registered, each checkpoint's metrics (cluster/job/tracking.py logs those a lost controller
                            took with it).
+    without_unused_actors  DataParallelTrainer._create_default_callbacks: the callbacks Ray Train's controller starts
+                           with. Two start an actor a gpuflow run does not use, each a worker process of its own (about
+                           2 CPU-seconds apiece to start): the PlacementGroupCleaner (a detached actor that frees the
+                           run's placement group if the controller dies; gpuflow downs the whole cluster instead, and
+                           the cleaner needs the dashboard, which is off) and, in a run without datasets, the
+                           DatasetsCallback's DatasetManager.
     PREEMPTION_WATCHER_ENV ray.train.v2._internal.constants: the switch of Ray Train's PreemptionWatcher (default on in
                            2.60; gpuflow turns it on only where a notice can come), propagated to the workers.
 
@@ -65,6 +71,22 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_CALLBACK_MODULE), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def without_unused_actors(trainer_class: type) -> type:
+    """`trainer_class` (Ray Train's TorchTrainer) less the callbacks that would start actors the run does not use."""
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class Trainer(trainer_class):
+        def _create_default_callbacks(self):
+            unused = (
+                (PlacementGroupCleanerCallback,) if self.datasets else (PlacementGroupCleanerCallback, DatasetsCallback)
+            )
+            return [callback for callback in super()._create_default_callbacks() if not isinstance(callback, unused)]
+
+    Trainer.__name__ = Trainer.__qualname__ = trainer_class.__name__
+    return Trainer
 
 
 def placement_group_of(worker_group):
