@@ -242,6 +242,12 @@ NOTE_TAG = "mlflow.note.content"  # the run's description in MLflow's UI
 SOURCE_WORKDIR_TAG = "gpuflow.source.workdir"  # the spec's workdir inside its git repository ("." at its top)
 DIFF_TOO_LARGE_TAG = "gpuflow.source.diff_too_large"  # the uncommitted changes were over the cap: not recorded
 
+# A run's work key (cluster/rerun/work_key.py): what its training produces depends on, digested; a later run of the
+# same work is found by it. A run whose inputs cannot be digested has no key, and says why instead.
+WORK_KEY_TAG = "gpuflow.work_key"
+WORK_KEY_WITHOUT_EPOCHS_TAG = "gpuflow.work_key_without_epochs"  # the same without train.epochs: a run to continue
+WORK_KEY_MISSING_TAG = "gpuflow.work_key_missing"  # why the run has no work key
+
 QUOTA_LOST = "quota_lost"  # the team's quota lease lapsed or was revoked while the run held it
 
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.

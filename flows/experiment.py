@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-from prefect import flow, get_run_logger, runtime
+from prefect import allow_failure, flow, get_run_logger, runtime
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Failed
 
@@ -77,12 +77,13 @@ def this_flow_run() -> dict[str, str | None]:
 
 
 def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
-    """Stages the data, opens the MLflow run and provisions the cluster, side by side: they have no order between
-    them, but where the job starts with the cluster (SkyPilot: setup and training are one job), its data and MLflow
-    run must exist before the launch."""
+    """Stages the data, then opens the MLflow run (its work key digests the data), while the cluster is provisioned
+    beside them; where the job starts with the cluster (SkyPilot: setup and training are one job), its data and
+    MLflow run must exist before the launch."""
     spec, life = run.spec, run.life
     data = stage_data.submit(spec)
-    mlflow_run = open_mlflow_run.submit(spec, life.cluster_name, run.flow_run)
+    # the run's work key digests the data: it opens once the data is staged (or staging failed, which it records)
+    mlflow_run = open_mlflow_run.submit(spec, life.cluster_name, run.flow_run, wait_for=[allow_failure(data)])
     if run.backend.starts_job_at_launch:
         data.result()
         run.record.opened(mlflow_run.result(), life.meter.price)

@@ -22,6 +22,7 @@ from gpuflow.cluster.protocol import (
     TRIGGERED_BY_TAG,
 )
 from gpuflow.cluster.rerun.links import link_rerun, rerun_tags
+from gpuflow.cluster.rerun.work_key import work_key
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_bytes_to, log_text_to
 from gpuflow.cluster.run.record import (
     client_for,
@@ -74,7 +75,8 @@ def refusal(exc: MlflowException, spec: ExperimentSpec) -> MlflowException:
 def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> RunInfo:
     """Creates the run the job will log into: spec.yaml, and tags linking it to the Prefect run, saying who ran it
     and which commit of the project (MLflow's source tags, when the workdir is a git repository), with its
-    uncommitted changes as source/uncommitted.diff; a rerun's link to the run it reran, both ways.
+    uncommitted changes as source/uncommitted.diff; its work key (cluster/rerun/work_key.py), or why it has none; a
+    rerun's link to the run it reran, both ways.
     Three calls to the tracking server (its experiment, the run, spec.yaml): its params go in with its price and lease
     (RunRecord.opened), in one more."""
     client = client_for(spec)
@@ -91,6 +93,7 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
     }
     changes_tags, diff = uncommitted_changes(spec.workdir)
     tags.update(changes_tags)
+    tags.update(work_key(spec, tags, diff).tags())  # from the source tags and diff above: git reads one tree more
     if flow_run.get("rerun_of"):
         tags.update(rerun_tags(client, flow_run["rerun_of"]))
     if os.environ.get("MLFLOW_TRACKING_USERNAME"):  # else MLflow's default
