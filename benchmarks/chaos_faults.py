@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.loops import WAITING_RUN_OVERRIDES
 from tests.support.servers import BIN, REPO
 
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
@@ -45,6 +46,7 @@ def soak_overrides(stack) -> list[str]:
         "train.loop=tests.loops.plain:epochs_with_checkpoints",
         "train.epochs=8",
         "train.params={offset: 0, pace_s: 1}",
+        *WAITING_RUN_OVERRIDES,
         "compute.workers_per_node=1",
         "limits.orphan_grace_minutes=0.2",
         "limits.max_queue_minutes=4",

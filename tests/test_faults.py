@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 from gpuflow.cluster.job.reports import persisted_reports
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
-from tests.loops import PACED_LOOP_IN_MEMORY
+from tests.loops import PACED_LOOP_IN_MEMORY, WAITING_RUN_ENVS
 from tests.support.processes import processes_of, wait_until
 from tests.support.repo import REPO
 from tests.support.servers import files_holding, the_one_message, webhook_receiver
@@ -307,6 +307,7 @@ def test_tracking_server_killed_mid_run_and_restarted_loses_no_metric(
                 }
             ),
             "data": None,
+            "envs": {**digits_spec.envs, **WAITING_RUN_ENVS},
             "compute": digits_spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
             "tracking": digits_spec.tracking.model_copy(
                 update={"uri": f"http://127.0.0.1:{port}", "register_model": False}

@@ -22,7 +22,7 @@ from prefect import flow
 from gpuflow.cluster.backends import cluster_name_for
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.flows.quota.pools import LIMIT_PREFIX, WAITING
-from tests.loops import PLAIN_LOOP
+from tests.loops import PLAIN_LOOP, WAITING_RUN_OVERRIDES
 from tests.support.processes import processes_of, wait_until
 from tests.support.repo import REPO
 from tests.support.servers import BIN, base_env, gpuflow_serve, prefect_server, prefect_server_process, stable_port
@@ -100,6 +100,7 @@ def served_with_quota(tmp_path, size: int, grace_minutes: float = 2):
         f"train.loop={PLAIN_LOOP}",
         "train.epochs=4",
         "train.params={offset: 0, pace_s: 1}",
+        *WAITING_RUN_OVERRIDES,
         "compute.workers_per_node=1",
         f"limits.orphan_grace_minutes={grace_minutes}",
         "tracking.register_model=false",

@@ -7,7 +7,7 @@ import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
-from tests.loops import PACED_LOOP_IN_MEMORY
+from tests.loops import PACED_LOOP_IN_MEMORY, WAITING_RUN_ENVS
 from tests.support.processes import processes_of
 
 pytestmark = pytest.mark.full
@@ -31,6 +31,7 @@ def long_job(spec, **limits):
                 update={"loop": PACED_LOOP_IN_MEMORY, "epochs": 5000, "params": {**spec.train.params, "pace_s": 1.0}}
             ),
             "data": None,
+            "envs": {**spec.envs, **WAITING_RUN_ENVS},
             "compute": spec.compute.model_copy(update={"workers_per_node": 1, "num_workers": 1}),
             "limits": spec.limits.model_copy(update=limits),
             "tracking": spec.tracking.model_copy(update={"register_model": False}),

@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     if args.handoff:
         EXIT_CODE_FILE[:] = [wait_for_handoff(args)]
     spec = job_spec(Path(args.spec).read_text()).anchored()
+    # The run's envs are this driver's environment too, as on a SkyPilot node (its task's envs): Ray Train reads its
+    # settings (RAY_TRAIN_*) here and hands them on to its controller and workers, over this job's own defaults.
+    os.environ.update(spec.envs)
     job = JobEnv.from_env()
     preemption_settings = expect_notices(spec)  # Ray Train's watch of drained nodes: on where a notice can come
     JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too: the flow may die
