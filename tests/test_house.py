@@ -586,3 +586,28 @@ def test_the_ruff_check_finds_a_lint_and_a_format_finding(tmp_path):
         "flows/bad.py:3:8: F401 [*] `os` imported but unused",
         "flows/bad.py:5:6: unformatted: File would be reformatted",
     ]
+
+
+def test_every_fault_in_the_readme_names_tests_that_the_whole_matrix_collects():
+    """The README's fault table: each row names the tests that inject that fault, and `pytest --full` collects each
+    (a test renamed, moved or dropped fails here, not silently in the table)."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| fault | cluster |") :].split("\n\n", 1)[0].splitlines()[2:]
+    assert len(table) >= 10
+    named = []
+    for row in table:
+        found = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.split("|")[-2])
+        assert found, f"a fault with no test named: {row.split('|')[1].strip()}"
+        named += [f"tests/{file}::{test}" for file, test in found]
+    files = sorted({name.split("::")[0] for name in named})
+    # its own session, collecting only: no addopts (the CPU report's and the workers'), the tiers for --full
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "tests.support.tiers", "--full", "--co", "-q", *files],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    ids = {line.split("[")[0] for line in collected.stdout.splitlines() if "::" in line}
+    assert ids, collected.stdout[-2000:] + collected.stderr[-2000:]
+    assert [name for name in named if name not in ids] == [], "named by the fault table, not collected by --full"

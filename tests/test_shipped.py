@@ -170,16 +170,3 @@ def test_every_shipped_spec_has_a_tiny_run():
     # digits.yaml runs in tests/test_digits_run.py, chargpt-cpu.yaml as shipped in tests/test_telemetry.py;
     # `gpuflow init`'s starter in tests/test_own_project.py
     assert {path.name for path in SHIPPED_SPECS} - {"digits.yaml", "chargpt-cpu.yaml"} == set(TINY)
-
-
-def test_every_fault_in_the_readme_names_tests_that_inject_it():
-    """The README's fault table: each row names the tests that inject that fault, and each named test exists."""
-    text = (REPO / "README.md").read_text()
-    table = text[text.index("| fault | cluster |") :].split("\n\n", 1)[0].splitlines()[2:]
-    assert len(table) >= 10
-    for row in table:
-        named = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.split("|")[-2])
-        assert named, f"a fault with no test named: {row.split('|')[1].strip()}"
-        for file, test in named:
-            source = (REPO / "tests" / file).read_text()
-            assert f"def {test}(" in source, f"{file}::{test} (named by the fault table) does not exist"
