@@ -2,7 +2,8 @@
 Prefect, every GPUFLOW_* variable read in the settings or the contract module only (however spelled), MLflow tags
 named in the contract module only, at most 12 modules a folder, flows/ in rooms (no arrow back up, at most 5
 floors), the flow's functions of at most 4 parameters, no print-function sinks in cluster/, a README under 400
-lines, ruff's lint and format clean. Each check has a companion test that shows it catching a deliberate offence."""
+lines, ruff's lint and format clean, every test the README's fault table names collected by the whole matrix. Each
+check has a companion test that shows it catching a deliberate offence."""
 
 from __future__ import annotations
 
@@ -588,19 +589,22 @@ def test_the_ruff_check_finds_a_lint_and_a_format_finding(tmp_path):
     ]
 
 
-def test_every_fault_in_the_readme_names_tests_that_the_whole_matrix_collects():
-    """The README's fault table: each row names the tests that inject that fault, and `pytest --full` collects each
-    (a test renamed, moved or dropped fails here, not silently in the table)."""
-    text = (REPO / "README.md").read_text()
-    table = text[text.index("| fault | cluster |") :].split("\n\n", 1)[0].splitlines()[2:]
+def fault_table_tests(readme: str) -> list[str]:
+    """The tests each row of the README's fault table names (`file::test`), refusing a row that names none."""
+    table = readme[readme.index("| fault | cluster |") :].split("\n\n", 1)[0].splitlines()[2:]
     assert len(table) >= 10
     named = []
     for row in table:
         found = re.findall(r"`(test_\w+\.py)::(test_\w+)`", row.split("|")[-2])
         assert found, f"a fault with no test named: {row.split('|')[1].strip()}"
         named += [f"tests/{file}::{test}" for file, test in found]
-    files = sorted({name.split("::")[0] for name in named})
-    # its own session, collecting only: no addopts (the CPU report's and the workers'), the tiers for --full
+    return named
+
+
+def not_collected_by_the_whole_matrix(names: list[str]) -> list[str]:
+    """Those of `names` that `pytest --full` does not collect: a session of its own, collecting only (no addopts:
+    neither the CPU report nor the workers; the tiers for --full)."""
+    files = sorted({name.split("::")[0] for name in names})
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "tests.support.tiers", "--full", "--co", "-q", *files],
         cwd=REPO,
@@ -610,4 +614,16 @@ def test_every_fault_in_the_readme_names_tests_that_the_whole_matrix_collects():
     )
     ids = {line.split("[")[0] for line in collected.stdout.splitlines() if "::" in line}
     assert ids, collected.stdout[-2000:] + collected.stderr[-2000:]
-    assert [name for name in named if name not in ids] == [], "named by the fault table, not collected by --full"
+    return [name for name in names if name not in ids]
+
+
+def test_every_fault_in_the_readme_names_tests_that_the_whole_matrix_collects():
+    assert not_collected_by_the_whole_matrix(fault_table_tests((REPO / "README.md").read_text())) == []
+
+
+def test_the_fault_table_check_finds_a_test_that_is_not_there():
+    readme = "| fault | cluster |\n| --- | --- |\n" + "| a fault | `test_faults.py::test_no_such_fault` |\n" * 10
+    assert (
+        not_collected_by_the_whole_matrix(fault_table_tests(readme))
+        == ["tests/test_faults.py::test_no_such_fault"] * 10
+    )
