@@ -8,9 +8,8 @@
                               "manual": runs use one that `gpuflow up` started, and leave none; "off": runs ignore it
     GPUFLOW_STACK_IDLE_MINUTES  how long the stack a run leaves behind waits for the next run (default 10)
     GPUFLOW_LOCAL_RAY         the local backend's Ray: unset or "lean", without what a run does not use (Ray's and
-                              Ray Train's metrics export, task events for Ray's state API, event-handler timing, the
-                              autoscaler's monitor, idle prestarted workers); "full": Ray's defaults, e.g. to scrape
-                              Ray's metrics with Prometheus
+                              Ray Train's metrics export, the autoscaler's monitor); "full": Ray's defaults, e.g. to
+                              scrape Ray's metrics with Prometheus
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON

@@ -41,11 +41,6 @@ def ray_env(base: dict[str, str] | None = None) -> dict[str, str]:
 LEAN_RAY = {
     "RAY_enable_metrics_collection": "0",  # the daemons' and workers' metrics, exported to the dashboard agent
     "RAY_TRAIN_METRICS_ENABLED": "0",  # Ray Train's controller and worker metrics callbacks
-    "RAY_task_events_report_interval_ms": "0",  # every worker's task events, sent each second for the state API
-    "RAY_event_stats": "0",  # the timing of every event handler in every Ray process, for Ray's debug dumps
-    # The first driver gets a worker per CPU prestarted without a runtime env; a run's job has one (its PYTHONPATH,
-    # its MLflow run), so none of them would ever be used: a run's actors start the workers they need.
-    "RAY_prestart_worker_first_driver": "0",
 }
 
 
