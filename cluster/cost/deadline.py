@@ -100,14 +100,23 @@ def expected_progress_s(s: Situation, at_elapsed_s: float) -> float:
     return at_elapsed_s * s.compute_total_s / s.deadline_s if s.deadline_s > 0 else s.compute_total_s
 
 
-def greedy(s: Situation) -> Choice:
-    """SkyPilot's managed jobs: spot whenever it can be had, else wait, until the safety net."""
+def kept_by_every_policy(s: Situation) -> Choice | None:
+    """The rules every policy keeps, in their order: thrifty (done: hold nothing), exploitation (on spot: stay until
+    preempted; also within the last changeover's slack, where a switch could only lose time) and the safety net.
+    None where none of them decides."""
     if s.compute_left_s <= 0:
         return Choice(Decision.WAIT, "done")
     if s.mode is Mode.SPOT:
         return Choice(Decision.SPOT, "on spot: stay until preempted")
     if safety_net(s):
         return Choice(Decision.ON_DEMAND, "safety net: R <= C + 2d, on-demand to the end")
+    return None
+
+
+def greedy(s: Situation) -> Choice:
+    """SkyPilot's managed jobs: spot whenever it can be had, else wait, until the safety net."""
+    if kept := kept_by_every_policy(s):
+        return kept
     if s.spot_available:
         return Choice(Decision.SPOT, "spot available")
     return Choice(Decision.WAIT, "no spot: wait")
@@ -115,13 +124,8 @@ def greedy(s: Situation) -> Choice:
 
 def uniform_progress(s: Situation) -> Choice:
     """The paper's Uniform Progress, with its hysteresis and the safety net."""
-    if s.compute_left_s <= 0:
-        return Choice(Decision.WAIT, "done")
-    if s.mode is Mode.SPOT:
-        # exploitation; also within the last changeover's slack, where a switch could only lose time
-        return Choice(Decision.SPOT, "on spot: stay until preempted")
-    if safety_net(s):
-        return Choice(Decision.ON_DEMAND, "safety net: R <= C + 2d, on-demand to the end")
+    if kept := kept_by_every_policy(s):
+        return kept
     progress_s = s.compute_done_s
     if s.spot_available:
         ahead_s = progress_s - expected_progress_s(s, s.elapsed_s + 2 * s.changeover_s)
