@@ -213,8 +213,8 @@ def slurm_infra():
             print(harness.stop())
 
 
-# The whole matrix runs in four pytest-xdist workers, one per lane (`lanes_as_workers` below), each in file order, the
-# files that start a session's server last. Most of a lane's time is spent waiting (a launch, a lease, a limit, a
+# The whole matrix runs in four pytest-xdist workers, one per lane (`pytest_cmdline_main` below), each in file order,
+# the files that start a session's server last. Most of a lane's time is spent waiting (a launch, a lease, a limit, a
 # cleanup: each lane keeps about half a core busy), so four lanes keep the two cores busier than three did; the
 # longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
 # - "slurm": the Slurm tier (one Slurm cluster on this machine, one harness: its launches wait on SkyPilot and Slurm);
