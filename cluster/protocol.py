@@ -80,6 +80,7 @@ OWNER_DIED = signal.SIGUSR1
 # -- what the job says on its log ------------------------------------------------------------------------------------
 MARK = "[gpuflow]"  # gpuflow's own lines; the rest is Ray's, MLflow's or the loop's
 SETUP_DONE = f"{MARK} setup finished"  # rank 0's first line on a cloud node: the job's runtime counts from here
+SPEC_LOADED = f"{MARK} job loaded its spec"  # the job's first line: the node accepted what the flow handed it
 RESULT_PREFIX = f"{MARK} result "  # the job's last line: its summary as JSON
 STOP_PREFIX = f"{MARK} stopped "  # "<prefix><reason>: <detail>": the job stopped the run itself
 CHECKPOINT_PERSISTED = f"{MARK} checkpoint persisted"

@@ -1,11 +1,13 @@
 """Runs killed where no lease of ours covers them (#38): while waiting for the quota, before their MLflow run opens.
 Real processes killed with SIGKILL, a real Prefect API, one reaper pass: Crashed, not live in `gpuflow status`."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -80,7 +82,8 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(
             for _ in range(2)
         )
     processes = [holder(api_url, pool, holding)]
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(stop_all, processes, pool)
         assert processes[0].stdout.readline().startswith("held")
         processes.append(holder(api_url, pool, waiting))  # waits behind the holder, stamping its state
         # and one killed before its MLflow run opens: a real flow run of its own, sending Prefect's heartbeats
@@ -117,9 +120,15 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(
 
         for process in processes[1:]:
             killed(process)
-        monkeypatch.setattr(pools, "STALE_S", 2.0)  # the reaper's reading: no waiting the 75 s out here
-        monkeypatch.setattr(liveness, "HEARTBEAT_LATE_S", 2.0)
-        time.sleep(3)
+        # the reaper's reading: no waiting the 75 s and 180 s out here. The holder beats as a live run's process
+        # does (it is a flow run made through the API: nothing else would); the killed run's last beat gets late.
+        monkeypatch.setattr(pools, "STALE_S", 2.0)
+        monkeypatch.setattr(liveness, "HEARTBEAT_LATE_S", LATE_S)
+        beating = heartbeats_of(str(holding))
+        stack.callback(beating.set)
+        with get_client(sync_client=True) as client:
+            wait_until(lambda: last_heartbeat(client, str(holding)), 30, "the holder's heartbeats")
+        time.sleep(max(3.0, LATE_S + 1 - (time.time() - beat)))
         shown = {row.flow_run_id: row.state for row in status()}
         assert shown[str(waiting)].startswith("dead, not yet marked Crashed: its process died while waiting")
         assert shown[provisioning].startswith("dead, not yet marked Crashed: its process died before")
@@ -137,9 +146,26 @@ def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(
         assert [row.flow_run_id for row in status() if row.flow_run_id in ours] == [str(holding)]  # the dead: gone
         assert quota_of(pool).active_slots == 1  # the holder's: the dead waiter holds none
         assert state_of(holding).type.value == "RUNNING"
-    finally:
-        stop_all(processes, pool)
     assert alive([process.pid for process in processes]) == []
+
+
+LATE_S = 8.0  # a beat each second, kept by the server within a few: late past this
+
+
+def heartbeats_of(flow_run_id: str) -> threading.Event:
+    """Sends Prefect's heartbeat of the flow run each second until the returned event is set."""
+    from prefect.events import emit_event
+
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(1.0):
+            emit_event(
+                "prefect.flow-run.heartbeat", resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}"}
+            )
+
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
 
 
 @pytest.mark.full  # `gpuflow run` prewarms a local Ray cluster: tens of seconds on a shared machine
@@ -301,3 +327,26 @@ def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left
             process.kill()
             process.wait()
         backend.down(names[2])
+
+
+def live_run(**facts) -> liveness.LiveRun:
+    known = dict(waiting=False, state_age_s=0.0, heartbeat_age_s=None, heartbeats_kept=True, has_cluster=False)
+    return liveness.LiveRun("run", **{**known, "has_mlflow_run": False, **facts})
+
+
+@pytest.mark.parametrize(
+    "facts, dead",
+    [
+        ({"heartbeat_age_s": 30.0, "state_age_s": 900.0}, False),  # beating: alive however old
+        ({"heartbeat_age_s": 200.0}, True),  # six beats missed
+        ({"state_age_s": 200.0}, True),  # killed before its first beat reached the server
+        ({"state_age_s": 60.0}, False),  # may not have sent its first yet
+        ({"state_age_s": 200.0, "heartbeats_kept": False}, False),  # a server that keeps none: the provisioning grace
+        ({"state_age_s": 700.0, "heartbeats_kept": False}, True),
+        ({"state_age_s": 900.0, "has_mlflow_run": True}, False),  # its lease judges it
+        ({"state_age_s": 900.0, "has_mlflow_run": None}, False),  # a tracking server down: cannot be told
+        ({"state_age_s": 900.0, "has_cluster": True}, False),
+    ],
+)
+def test_a_silent_run_is_dead_once_its_heartbeats_are_late(facts, dead):
+    assert (liveness.silent_death(live_run(**facts), pools.STALE_S) is not None) == dead

@@ -22,7 +22,7 @@ from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.job.guard import JobGuard, block_owner_signal
 from gpuflow.cluster.job.spot_watch import expect_notices, is_preemption, start_local_watches, stop_watches
 from gpuflow.cluster.job.trainer import run_training
-from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, JobEnv, result_line
+from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, SPEC_LOADED, JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec, job_spec
 from gpuflow.cluster.usercode import on_sys_path
 from gpuflow.cluster.util.preload import finish_background_imports, import_in_background
@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     job = JobEnv.from_env()
     preemption_settings = expect_notices(spec)  # Ray Train's watch of drained nodes: on where a notice can come
     JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too: the flow may die
+    print(f"{SPEC_LOADED}: {spec.name}, {spec.train.epochs} epoch(s); limits and lease watched here too", flush=True)
     preload(spec)
     import ray
 

@@ -3,7 +3,9 @@
 A run killed while it waits for the quota, or before its MLflow run opens, has no MLflow lease and no cluster: the
 reaper judges it by what Prefect keeps. A waiter re-stamps its state every few seconds (flows/quota/); any other
 run is judged by Prefect's flow-run heartbeats when it sends them (PREFECT_FLOWS_HEARTBEAT_FREQUENCY), else by how
-long it has gone without a cluster or an MLflow run. Prefect-free: the facts are read in flows/reconcile/dead_runs.py.
+long it has gone without a cluster or an MLflow run. A run killed in its first seconds may never have sent one: where
+the server keeps other runs' heartbeats, its silence since it started counts as heartbeats missed. Prefect-free: the
+facts are read in flows/reconcile/dead_runs.py.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ class LiveRun:
     flow_run_id: str
     waiting: bool  # in the quota's queue, stamping its state
     state_age_s: float  # since its state was last set or stamped
-    heartbeat_age_s: float | None  # since its last Prefect heartbeat; None: it sends none
+    heartbeat_age_s: float | None  # since its last Prefect heartbeat; None: none of it was kept
+    heartbeats_kept: bool  # the server keeps flow runs' heartbeats (it holds some): a run without any sent none
     has_cluster: bool  # a backend lists a cluster of it
     has_mlflow_run: bool | None  # None: a tracking server could not be read
 
@@ -37,11 +40,12 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
         return None
     if run.has_cluster or run.has_mlflow_run is not False:
         return None  # the reaper's cluster and lease checks judge it, or it cannot be told now
-    if run.heartbeat_age_s is not None:
-        if run.heartbeat_age_s > HEARTBEAT_LATE_S:
+    if run.heartbeat_age_s is not None or run.heartbeats_kept:
+        silent_s = run.state_age_s if run.heartbeat_age_s is None else run.heartbeat_age_s
+        if silent_s > HEARTBEAT_LATE_S:
             return (
                 f"its process died before its MLflow run opened (no Prefect heartbeat for "
-                f"{run.heartbeat_age_s:.0f} s, no cluster): found by the reaper"
+                f"{silent_s:.0f} s, no cluster): found by the reaper"
             )
         return None
     if run.state_age_s > PROVISION_GRACE_S:

@@ -32,7 +32,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))),
             limit=200,
         )
-        dead = {}
+        dead, kept = {}, None
         for run in runs:
             run_id, waiting = str(run.id), run.state.name == pools.WAITING
             has_cluster = run_id.replace("-", "") in {found.replace("-", "") for found in cluster_run_ids}
@@ -43,11 +43,14 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
                 else mlflow_run_exists([MlflowClient(uri) for uri in dict.fromkeys([*own, *tracking_uris])], run_id)
             )
             beat = None if waiting or has_cluster or mlflow is not False else last_heartbeat(client, run_id)
+            if beat is None and mlflow is False and kept is None:
+                kept = last_heartbeat(client, None) is not None
             live = LiveRun(
                 run_id,
                 waiting,
                 age_s(now, run.state.timestamp.timestamp()),
                 None if beat is None else age_s(now, beat),
+                bool(kept),
                 has_cluster,
                 mlflow,
             )
@@ -56,8 +59,9 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     return dead
 
 
-def last_heartbeat(client, flow_run_id: str) -> float | None:
-    """When the flow run's last Prefect heartbeat (prefect.flow-run.heartbeat) was sent; None: it sends none."""
+def last_heartbeat(client, flow_run_id: str | None) -> float | None:
+    """When the flow run's last Prefect heartbeat (prefect.flow-run.heartbeat) was sent, in the last day; None: none
+    was kept. flow_run_id None: any flow run's."""
     from datetime import timedelta
 
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
@@ -67,7 +71,7 @@ def last_heartbeat(client, flow_run_id: str) -> float | None:
         EventFilter(
             occurred=EventOccurredFilter(since=since),
             event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
-            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]) if flow_run_id else None,
         ),
         limit=1,
     )
