@@ -213,44 +213,27 @@ def slurm_infra():
             print(harness.stop())
 
 
-# The whole matrix runs in four pytest-xdist workers, one per lane (`pytest_cmdline_main` below), each in file order,
-# the files that start a session's server last. Most of a lane's time is spent waiting (a launch, a lease, a limit, a
-# cleanup: each lane keeps about half a core busy), so four lanes keep the two cores busier than three did; the
-# longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
-# - "slurm": the Slurm tier (one Slurm cluster on this machine, one harness: its launches wait on SkyPilot and Slurm);
-# - "faults": the team stack and its load test, the GPU quota's queue, the fault tests and the watchdog's limits;
-#   most of them wait for a signal, a lease or a cleanup (their loops train an epoch a second);
-# - "runs": recovery, the chaos soak, the warm stack, and real runs that need no session server of their own (each
-#   shipped spec, the CPU chargpt run, the worker in a fresh venv, the lifecycle's cancel and SIGTERM);
-# - "main": everything else: the quick tier's tests, the served deployments, the sweep and the browser.
+# The whole matrix runs in three pytest-xdist workers (`-n 3 --dist loadgroup`, pyproject's addopts), one per lane,
+# each in file order, the files that start a session's server last. The two cores are the limit: a fourth lane kept
+# them busier here (46 minutes, not 50) but every test's CPU rose with the contention (4,866 CPU-s, not 4,234) and CI's
+# slower cores took longer, not less (57 minutes, not 55). The lanes pair tests that mostly wait with tests that
+# compute; the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
+# - "slurm": the recovery tests, then the Slurm tier (one Slurm cluster on this machine, one harness: its launches
+#   wait on SkyPilot and Slurm);
+# - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests, the chaos
+#   soak and the watchdog's limits; most of them wait for a signal, a lease or a cleanup (an epoch a second);
+# - "main": everything else, the worker in a fresh venv included.
 LANES = {
-    "slurm": ("tests/infra/slurm/", "tests/test_slurm.py"),
+    "slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py"),
     "faults": (
         "tests/test_team_stack.py",
         "tests/test_quota.py",
+        "tests/test_stack.py",
         "tests/test_faults.py",
+        "tests/test_chaos.py",
         "tests/test_watchdog.py",
     ),
-    "runs": (
-        "tests/test_recovery.py",
-        "tests/test_chaos.py",
-        "tests/test_stack.py",
-        "tests/test_shipped.py",
-        "tests/test_telemetry.py",
-        "tests/test_workers.py",
-        "tests/test_lifecycle.py",
-    ),
 }
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the number of workers into its list of them
-def pytest_cmdline_main(config):
-    """The whole matrix: a worker per lane (the quick tier keeps pyproject's three, its files spread over them)."""
-    if config.getoption("full") and config.getoption("numprocesses", None) == QUICK_TIER_WORKERS:
-        config.option.numprocesses = len(LANES) + 1
-
-
-QUICK_TIER_WORKERS = 3  # pyproject.toml's `-n 3`; another -n on the command line is kept as it is
 
 
 def lane_of(nodeid: str) -> str:
