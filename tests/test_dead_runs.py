@@ -315,6 +315,10 @@ def test_a_run_killed_while_its_local_cluster_starts_is_crashed_and_what_it_left
             half_made.name: "ORPHANED",
         }
 
+        # `gpuflow status` says what the pass will do: one verdict
+        shown = {row.flow_run_id: row.state for row in status()}
+        assert shown[str(dead_run)] == "dead, not yet marked Crashed: its process and cluster are gone", shown
+        assert shown[str(live_run)] == "Running"
         reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
         assert [c.name for c in backend.status()] == [names[2]]  # what the dead run left is gone
         assert (

@@ -12,13 +12,13 @@ with its message not delivered (the reaper's pass tries again).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gpuflow.cluster.backends import flow_run_id_of
-from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.cost.spend import HOURLY_METRIC
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, NOTIFIED_TAG, NOTIFY_FAILED_TAG, RENEWED_TAG
 from gpuflow.cluster.run.lease import stale
@@ -27,9 +27,9 @@ from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import dead_without_lease
+from gpuflow.flows.reconcile.records import DEFAULT_GRACE_S, DEFAULT_TTL_S, tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
-DEFAULT_GRACE_S = 120.0
 
 
 @dataclass
@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     api_url = PREFECT_API_URL.value() or (read_stack() or {}).get("api_url")
     if not api_url:  # each `gpuflow run` had a temporary API of its own, gone with it
-        rows = add_clusters([], {"local"})
+        with listed_clusters({"local"}) as found:
+            rows = add_clusters([], found)
         if not args.json:
             print("no Prefect server (PREFECT_API_URL) nor warm stack: this machine's clusters only")
     else:
@@ -118,23 +119,36 @@ def read_status(now: float | None = None) -> list[RunStatus]:
             if row.flow_run_id in queue and row.state == WAITING:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
     add_mlflow_facts(rows, runs, now)
-    rows += add_clusters(rows, {row.backend or "local" for row in rows} | {"local"})
-    with_cluster = {
-        row.flow_run_id for row in rows if row.cluster and not row.cluster.endswith(("(GONE)", "(ORPHANED)"))
-    }
-    dead = dead_without_lease(with_cluster, [default_tracking_uri()], now)
+    uris = tracking_uris_or_local()
+    with listed_clusters({row.backend or "local" for row in rows} | {"local"}) as found:
+        rows += add_clusters(rows, found)
+        dead = dead_runs(found, uris, now)
     for row in rows:
         if row.flow_run_id in dead:
-            row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id].split(':')[0]}", None
-    return rows + add_unsaid(rows, now)
+            row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id]}", None
+    return rows + add_unsaid(rows, uris, now)
 
 
-def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
+def dead_runs(found, tracking_uris: list[str], now: float) -> dict[str, str]:
+    """The live runs the reaper's next pass marks Crashed, flow run id → why, by its own verdicts: their cluster's
+    (lease stale, or their process and local cluster gone), else their silence (flows/reconcile/dead_runs.py)."""
+    from gpuflow.flows.reconcile.records import RunRecords, judge_found, lease_reader
+
+    verdicts = [
+        verdict
+        for _, verdict in judge_found(found, RunRecords(lease_stale=lease_reader(tracking_uris)), DEFAULT_TTL_S, now)
+    ]
+    dead = {verdict.flow_run_id: verdict.why_dead for verdict in verdicts if verdict.run_is_dead}
+    kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
+    silent = dead_without_lease(kept, tracking_uris, now)
+    return {**{run_id: why.split(":")[0] for run_id, why in silent.items()}, **dead}
+
+
+def add_unsaid(rows: list[RunStatus], tracking_uris: list[str], now: float) -> list[RunStatus]:
     """The runs whose end message is not delivered (the reaper's pass tries again): on their row, or a row each."""
     from mlflow import MlflowClient
     from mlflow.entities import ViewType
 
-    from gpuflow.flows.reconcile.records import tracking_uris_or_local
     from gpuflow.flows.run_messages import UNSAID_WITHIN_S
 
     by_id, added = {row.flow_run_id: row for row in rows}, []
@@ -142,7 +156,7 @@ def add_unsaid(rows: list[RunStatus], now: float) -> list[RunStatus]:
         f"tags.`{NOTIFY_FAILED_TAG}` IS NOT NULL AND tags.`{NOTIFIED_TAG}` IS NULL "
         f"AND attributes.end_time > {int((now - UNSAID_WITHIN_S) * 1000)}"
     )
-    for uri in tracking_uris_or_local():
+    for uri in tracking_uris:
         try:
             client = MlflowClient(uri)
             experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ACTIVE_ONLY)]
@@ -230,27 +244,37 @@ def renewed(now: float, at: float) -> str:
     )
 
 
-def add_clusters(rows: list[RunStatus], backends: set[str]) -> list[RunStatus]:
-    """Each cluster of ours goes on its run's row; one whose run is not going gets a row of its own."""
+@contextlib.contextmanager
+def listed_clusters(backends: set[str]):
+    """Every cluster the backends usable here list, as (backend, its status); the backends closed afterwards."""
     from gpuflow.cluster.backends import get_backend
-    from gpuflow.flows.reconcile.records import statuses
+    from gpuflow.flows.reconcile.records import listed
 
-    by_id = {row.flow_run_id.replace("-", ""): row for row in rows}
-    orphans = []
+    usable = []
     for name in sorted(backends):
         try:
-            backend = get_backend(name)
+            usable.append(get_backend(name))
         except Exception:  # not set up here (SkyPilot without credentials)
             continue
-        for cluster in statuses(backend):
-            run_id = flow_run_id_of(cluster.name)
-            if not run_id:
-                continue
-            row = by_id.get(run_id.replace("-", ""))
-            if row is None:
-                orphans.append(row := RunStatus("(none)", run_id, "over or gone: the reaper downs it", name))
-            row.cluster = f"{cluster.name} ({cluster.status})"
-        getattr(backend, "close", lambda: None)()
+    try:
+        yield listed(usable)
+    finally:
+        for backend in usable:
+            getattr(backend, "close", lambda: None)()
+
+
+def add_clusters(rows: list[RunStatus], found) -> list[RunStatus]:
+    """Each cluster of ours goes on its run's row; one whose run is not going gets a row of its own."""
+    by_id = {row.flow_run_id.replace("-", ""): row for row in rows}
+    orphans = []
+    for backend, cluster in found:
+        run_id = flow_run_id_of(cluster.name)
+        if not run_id:
+            continue
+        row = by_id.get(run_id.replace("-", ""))
+        if row is None:
+            orphans.append(row := RunStatus("(none)", run_id, "over or gone: the reaper downs it", backend.name))
+        row.cluster = f"{cluster.name} ({cluster.status})"
     return orphans
 
 

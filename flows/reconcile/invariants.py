@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from gpuflow.cluster.backends import Backend
 from gpuflow.flows.reconcile.dead_runs import dead_without_lease
 from gpuflow.flows.reconcile.records import (
-    DEAD,
+    DEFAULT_TTL_S,
     ORPHANED,
     RunRecords,
     Verdict,
@@ -32,7 +32,7 @@ class Pass:
 
     backends: list[Backend]
     tracking_uris: list[str]
-    ttl_seconds: float = 24 * 3600
+    ttl_seconds: float = DEFAULT_TTL_S
     dry_run: bool = False
     verdicts: list[Verdict] = field(default_factory=list)
     dead: set[str] = field(default_factory=set)  # flow runs found dead: their lease is stale, or they are orphaned
@@ -50,11 +50,10 @@ def down_clusters(run: Pass) -> list[str]:
         dry_run=run.dry_run,
         records=RunRecords(lease_stale=lease_reader(run.tracking_uris)),
     )
-    run.dead |= {verdict.flow_run_id for verdict in run.verdicts if DEAD in verdict.reason}
+    run.dead |= {verdict.flow_run_id for verdict in run.verdicts if verdict.run_is_dead}
     run.orphaned = {
-        verdict.flow_run_id for verdict in run.verdicts if ORPHANED in verdict.reason and verdict.flow_run_id
+        verdict.flow_run_id for verdict in run.verdicts if verdict.run_is_dead and ORPHANED in verdict.reason
     }
-    run.dead |= run.orphaned
     return [
         f"{v.action} {v.backend} cluster {v.cluster}: {v.reason}"
         + (" (dry run)" * (run.dry_run and v.action == "down"))

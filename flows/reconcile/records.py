@@ -21,6 +21,7 @@ from gpuflow.flows.reconcile.backfill import fill_from_checkpoints
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
+DEFAULT_TTL_S = 24 * 3600.0  # the reaper's: a cluster up longer is downed whatever its run says
 DEAD = "dead (lease stale)"
 ORPHANED = "dead (its process and its cluster's are gone)"  # the local backend knows the process that launched it
 
@@ -39,6 +40,15 @@ class Verdict:
     action: str  # "down" or "keep"
     reason: str
     downed: bool = False
+
+    @property
+    def run_is_dead(self) -> bool:
+        """Its flow run is live in Prefect but its process is gone: the pass marks it Crashed."""
+        return bool(self.flow_run_id) and (DEAD in self.reason or ORPHANED in self.reason)
+
+    @property
+    def why_dead(self) -> str:
+        return "its lease is stale: its process is gone" if DEAD in self.reason else "its process and cluster are gone"
 
 
 def flow_run_states(flow_run_ids: set[str]) -> dict[str, tuple[str, bool]]:
@@ -73,8 +83,19 @@ def judge(
 ) -> list[tuple[Backend, Verdict]]:
     """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
     or it is older than the TTL."""
+    return judge_found(listed(backends), records, ttl_seconds, now)
+
+
+def listed(backends: list[Backend]) -> list[tuple[Backend, object]]:
+    """Every cluster each backend lists, as (backend, its status)."""
+    return [(backend, status) for backend in backends for status in statuses(backend)]
+
+
+def judge_found(
+    found: list[tuple[Backend, object]], records: RunRecords, ttl_seconds: float, now: float
+) -> list[tuple[Backend, Verdict]]:
+    """judge() of clusters already listed (`gpuflow status` shows them too)."""
     states_of, lease_stale = records.states_of, records.lease_stale
-    found = [(backend, status) for backend in backends for status in statuses(backend)]
     # what is left of a cluster of ours whose launcher died (the local backend's spare or early cluster): gone anyway
     verdicts = [
         (backend, Verdict(status.name, backend.name, None, None, "down", ORPHANED))
