@@ -32,7 +32,7 @@ class LiveRun:
 def silent_death(run: LiveRun, stale_s: float) -> str | None:
     """Why the run is dead (for its Crashed message), or None when it may live or a lease or cluster judges it."""
     if run.waiting:
-        if run.state_age_s > stale_s:
+        if waiter_is_dead(run.state_age_s, stale_s):
             return (
                 f"its process died while waiting for GPUs (state unstamped for {run.state_age_s:.0f} s): "
                 "found by the reaper"
@@ -54,6 +54,11 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
             f"{run.state_age_s / 60:.0f} min after it started): found by the reaper"
         )
     return None
+
+
+def waiter_is_dead(state_age_s: float, stale_s: float) -> bool:
+    """A run in the quota's queue re-stamps its state every few seconds: one not stamped for stale_s was killed."""
+    return state_age_s > stale_s
 
 
 def age_s(now: float, then: float) -> float:

@@ -23,7 +23,6 @@ from gpuflow.flows.quota.pools import (
     POLL_S,
     POOL_TAG_PREFIX,
     SLOTS_TAG_PREFIX,
-    STALE_S,
     STAMP_S,
     TAKING_TAG_PREFIX,
     WAIT_TAG_PREFIX,
@@ -33,6 +32,7 @@ from gpuflow.flows.quota.pools import (
     lease_seconds,
     need_of,
     submitted,
+    waiting_alive,
     waiting_state,
 )
 
@@ -160,7 +160,7 @@ class QuotaHold:
             ):
                 return False
             if run.state.name == WAITING:
-                return (now - run.state.timestamp).total_seconds() < STALE_S  # else killed while it waited
+                return waiting_alive(run, now)  # else killed while it waited
             return run.start_time is not None and (now - run.start_time).total_seconds() < JOIN_S
 
         return mine, [run for run in runs if ahead(run)]

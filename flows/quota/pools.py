@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from gpuflow.cluster.protocol import triggered_by
+from gpuflow.cluster.run.liveness import age_s, waiter_is_dead
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
 
@@ -122,13 +123,16 @@ def waiting_runs(pool: str, client=None) -> list:
         )
     now = datetime.now(timezone.utc)
     return sorted(
-        (
-            run
-            for run in runs
-            if run.state and run.state.name == WAITING and (now - run.state.timestamp).total_seconds() < STALE_S
-        ),
+        (run for run in runs if waiting_alive(run, now)),
         key=submitted,
     )
+
+
+def waiting_alive(run, now: datetime) -> bool:
+    """In the queue, its state freshly stamped (one killed while it waited is not: the reaper's rule, the same)."""
+    if not (run.state and run.state.name == WAITING):
+        return False
+    return not waiter_is_dead(age_s(now.timestamp(), run.state.timestamp.timestamp()), STALE_S)
 
 
 def submitted(run) -> tuple:
