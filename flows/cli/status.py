@@ -26,8 +26,8 @@ from gpuflow.cluster.run.liveness import age_s
 from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
-from gpuflow.flows.reconcile.dead_runs import dead_without_lease
-from gpuflow.flows.reconcile.records import DEFAULT_GRACE_S, DEFAULT_TTL_S, tracking_uris_or_local
+from gpuflow.flows.reconcile.dead_runs import found_dead
+from gpuflow.flows.reconcile.records import DEFAULT_GRACE_S, tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
 
@@ -122,26 +122,11 @@ def read_status(now: float | None = None) -> list[RunStatus]:
     uris = tracking_uris_or_local()
     with listed_clusters({row.backend or "local" for row in rows} | {"local"}) as found:
         rows += add_clusters(rows, found)
-        dead = dead_runs(found, uris, now)
+        dead = found_dead(found, uris, now)
     for row in rows:
         if row.flow_run_id in dead:
             row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id]}", None
     return rows + add_unsaid(rows, uris, now)
-
-
-def dead_runs(found, tracking_uris: list[str], now: float) -> dict[str, str]:
-    """The live runs the reaper's next pass marks Crashed, flow run id → why, by its own verdicts: their cluster's
-    (lease stale, or their process and local cluster gone), else their silence (flows/reconcile/dead_runs.py)."""
-    from gpuflow.flows.reconcile.records import RunRecords, judge_found, lease_reader
-
-    verdicts = [
-        verdict
-        for _, verdict in judge_found(found, RunRecords(lease_stale=lease_reader(tracking_uris)), DEFAULT_TTL_S, now)
-    ]
-    dead = {verdict.flow_run_id: verdict.why_dead for verdict in verdicts if verdict.run_is_dead}
-    kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
-    silent = dead_without_lease(kept, tracking_uris, now)
-    return {**{run_id: why.split(":")[0] for run_id, why in silent.items()}, **dead}
 
 
 def add_unsaid(rows: list[RunStatus], tracking_uris: list[str], now: float) -> list[RunStatus]:

@@ -1,7 +1,7 @@
 """Live flow runs that died where no lease of ours covers them (killed while waiting for the quota, or before their
 MLflow run opened): the facts read from Prefect and MLflow, judged by cluster/run/liveness.py.
 
-    used by the reconciler's pass (invariants.py) and `gpuflow status`
+    used by the reconciler's pass (invariants.py) and `gpuflow status` (found_dead: what the next pass will crash)
 """
 
 from __future__ import annotations
@@ -57,6 +57,20 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
             if why := silent_death(live, pools.STALE_S):
                 dead[run_id] = why
     return dead
+
+
+def found_dead(found, tracking_uris: list[str], now: float) -> dict[str, str]:
+    """The live runs the reconciler's next pass marks Crashed, flow run id → why, by its own verdicts: their
+    cluster's (lease stale, or their process and local cluster gone), else their silence. found: the clusters the
+    backends list, as (backend, status)."""
+    from gpuflow.flows.reconcile.records import DEFAULT_TTL_S, RunRecords, judge_found, lease_reader
+
+    judged = judge_found(found, RunRecords(lease_stale=lease_reader(tracking_uris)), DEFAULT_TTL_S, now)
+    verdicts = [verdict for _, verdict in judged]
+    dead = {verdict.flow_run_id: verdict.why_dead for verdict in verdicts if verdict.run_is_dead}
+    kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
+    silent = dead_without_lease(kept, tracking_uris, now)
+    return {**{run_id: why.split(":")[0] for run_id, why in silent.items()}, **dead}
 
 
 def last_heartbeat(client, flow_run_id: str | None) -> float | None:
