@@ -137,7 +137,7 @@ def log_lineage_meanwhile(job: JobEnv, uris: dict[str, str | None]) -> threading
 
 def release_for(job: JobEnv):
     """How this job frees its cluster if it stops the run itself: a local cluster's session is stopped at once, a
-    SkyPilot node's autostop is cut to a minute (autodown)."""
+    SkyPilot node's autostop is cut to nothing (autodown once the job ends)."""
     if job.local_cluster_session:
         from gpuflow.cluster.util.processes import stop_sessions
 

@@ -132,9 +132,10 @@ def worker_slots() -> dict[str, float]:
     return node_resources(per_node) if per_node else {}
 
 
-def shorten_autostop_on_node(idle_minutes: int = 1) -> bool:
+def shorten_autostop_on_node(idle_minutes: int = 0) -> bool:
     """On a cluster's head node: make its autostop (with autodown) fire after `idle_minutes`, as `sky autostop`
-    would. The job calls it when it stops itself, so a cluster whose flow is gone does not idle for long."""
+    would. The job calls it when it stops itself, so a cluster whose flow is gone does not idle for long: with 0,
+    SkyPilot's skylet downs it at its next check once the job has ended (it checks every 60 s), not a minute later."""
     try:
         from sky.skylet import autostop_lib
 
