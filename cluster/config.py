@@ -10,6 +10,8 @@
     GPUFLOW_LOCAL_RAY         the local backend's Ray: unset or "lean", without what a run does not use (Ray's and
                               Ray Train's metrics export, the autoscaler's monitor); "full": Ray's defaults, e.g. to
                               scrape Ray's metrics with Prometheus
+    GPUFLOW_REUSE             unset or "finished": a run whose work key is a FINISHED run's reuses it and trains
+                              nothing (cluster/rerun/reuse.py); "never": this machine's runs always train
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
@@ -109,6 +111,18 @@ def local_ray_mode(environ: dict[str, str] | None = None) -> str:
     mode = environ.get(LOCAL_RAY_ENV, "").strip().lower() or "lean"
     if mode not in LOCAL_RAY_MODES:
         raise SettingError(f"{LOCAL_RAY_ENV}={environ[LOCAL_RAY_ENV]!r}: set it to lean or full, or unset it")
+    return mode
+
+
+REUSE_ENV = "GPUFLOW_REUSE"
+REUSE_MODES = ("finished", "never")
+
+
+def reuse_mode() -> str:
+    """finished (the default) or never: see GPUFLOW_REUSE above."""
+    mode = os.environ.get(REUSE_ENV, "").strip().lower() or "finished"
+    if mode not in REUSE_MODES:
+        raise SettingError(f"{REUSE_ENV}={os.environ[REUSE_ENV]!r}: set it to finished or never, or unset it")
     return mode
 
 

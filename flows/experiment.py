@@ -31,9 +31,10 @@ from gpuflow.flows.quota.hold import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.run_spec import form_policy_of_this_run, hooks_spec, spec_from
-from gpuflow.flows.run_tags import flow_run_ui_url, tag_flow_run
+from gpuflow.flows.run_tags import REUSED_TAG_PREFIX, flow_run_ui_url, tag_flow_run
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
+from gpuflow.tasks.reuse import find_finished_twin, reused_summary
 from gpuflow.tasks.tracking import open_mlflow_run, publish_summary, register_model
 
 end_without_heartbeat_wait()  # a second at most, after every run
@@ -145,9 +146,11 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
     on_completion=[notify_end],
     log_prints=True,
 )
-def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of: str | None = None):
-    """Validate → wait for the team's GPU quota → stage data + open the MLflow run + provision (side by side) →
-    train → teardown → register.
+def run_experiment(
+    spec: ExperimentSpec, spec_file: str | None = None, rerun_of: str | None = None, force: bool = False
+):
+    """Validate → reuse a finished run of the same work, if any → wait for the team's GPU quota → stage data + open
+    the MLflow run + provision (side by side) → train → teardown → register.
 
     Args:
         spec: The experiment: what to train, on what data and compute, tracked where, within which limits.
@@ -155,14 +158,21 @@ def run_experiment(spec: ExperimentSpec, spec_file: str | None = None, rerun_of:
         rerun_of: An MLflow run id (or a Prefect flow run id) to run again as it ran: its spec, its commit and
             uncommitted changes, its data checked by digest (`gpuflow rerun`); the two runs are linked both ways.
             From the UI, `spec` then says only where the run is tracked.
+        force: Train even when a FINISHED run has this run's work key (its code, data and training fields); off,
+            such a run is reused: linked, with no cluster and nothing billed (the spec's `reuse: never` turns it off).
     """
+    started = time.time()
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     if rerun_of:  # the run as it ran: its spec, its code checked out, its data checked; then a run as any other
         spec = prepare_rerun(rerun_of, spec, form_policy_of_this_run())
-    tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
+    tags = tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec, prediction = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here
+    twin = find_finished_twin(spec, force or bool(rerun_of))  # a rerun reproduces a run: it always trains
+    if twin.run:
+        tag_flow_run(runtime.flow_run.id, [*tags, REUSED_TAG_PREFIX + twin.run.info.run_id], spec)
+        return reused_summary(spec, twin, time.time() - started)
     flow_run = {**this_flow_run(), "rerun_of": rerun_of}
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down

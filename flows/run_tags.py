@@ -9,6 +9,8 @@ from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.deployments.known_servers import tracking_tag
 from gpuflow.flows.quota.pools import POOL_TAG_PREFIX, need_of
 
+REUSED_TAG_PREFIX = "reused-run:"  # + the MLflow run id a run reused instead of training (cluster/rerun/reuse.py)
+
 
 def run_tags(spec: ExperimentSpec) -> list[str]:
     """experiment:, backend:, tracking: (read by the reaper, so that it closes the runs of every server) and quota:

@@ -25,6 +25,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # A run leaves no warm stack behind in tests (tests/test_stack.py turns that on where it tests it): each test's
 # processes are its own, and stop with it.
 os.environ.setdefault("GPUFLOW_STACK", "manual")
+# Nor is a run reused for another's work key (cluster/rerun/reuse.py): a test's second run trains, as it always did,
+# unless the test is about reuse.
+os.environ.setdefault("GPUFLOW_REUSE", "never")
 
 
 def pytest_configure(config):

@@ -173,3 +173,47 @@ def test_a_dead_runs_persisted_reports_fill_its_mlflow_run_once(digits_run):
         finished.data.tags[CHECKPOINT_TAG + "_step"],
     )
     assert fill_from_checkpoints(client, client.get_run(lost)) == 0
+
+
+def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits_run, monkeypatch):
+    """The same spec, code and data again: no cluster, no MLflow run of its own, Completed, linking the run it
+    reused. A changed learning rate, --force, `reuse: never` or GPUFLOW_REUSE=never train (the decision, read
+    against this store)."""
+    from gpuflow.cluster.backends.local import LocalBackend
+    from gpuflow.cluster.rerun.reuse import REUSE_ENV, finished_twin
+    from gpuflow.flows.experiment import run_experiment
+    from gpuflow.flows.run_tags import REUSED_TAG_PREFIX
+
+    monkeypatch.delenv(REUSE_ENV)
+    monkeypatch.setenv("GPUFLOW_HOME", str(digits_run.home))
+    spec = digits_run.spec
+    client, first = digits_run.mlflow_run()
+    assert finished_twin(spec).run.info.run_id == first.info.run_id
+    for changed, why in [
+        (spec.model_copy(update={"train": spec.train.model_copy(update={"lr": spec.train.lr * 2})}), "no finished"),
+        (spec.model_copy(update={"reuse": "never"}), "reuse: never"),
+    ]:
+        twin = finished_twin(changed)
+        assert twin.run is None and why in twin.why, twin.why
+    assert finished_twin(spec, force=True).run is None
+    monkeypatch.setenv(REUSE_ENV, "never")
+    assert finished_twin(spec).run is None
+    monkeypatch.delenv(REUSE_ENV)
+
+    runs_before = client.search_runs([first.info.experiment_id], max_results=100)
+    state = run_experiment(spec, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary["reused"] and summary["run_id"] == first.info.run_id
+    assert summary["metrics"]["val_accuracy"] == first.data.metrics["val_accuracy"]
+    flow_run_id = state.state_details.flow_run_id
+    logs = flow_logs(flow_run_id)
+    assert f"reusing it: nothing to train; the finished run {first.info.run_name}" in logs, logs
+    cluster = cluster_name_for(flow_run_id)
+    assert f"local Ray cluster {cluster}" not in logs and cluster not in {c.name for c in LocalBackend().status()}
+    assert len(client.search_runs([first.info.experiment_id], max_results=100)) == len(runs_before)
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as prefect:
+        assert REUSED_TAG_PREFIX + first.info.run_id in prefect.read_flow_run(flow_run_id).tags
+    assert prefect_artifact_of(flow_run_id).startswith(f"# {spec.name}")

@@ -160,6 +160,11 @@ class ExperimentSpec(Strict):
         default_factory=list,
         description="Names of environment variables passed to the job but never printed or logged.",
     )
+    reuse: Literal["finished", "never"] = Field(
+        "finished",
+        description="finished: a run whose work key (its code, data, training fields and packages) is a FINISHED "
+        "run's does not train: it links that run, with no cluster. never: it always trains (--force: one run).",
+    )
 
     @field_validator("envs")
     @classmethod

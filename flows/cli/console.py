@@ -256,7 +256,11 @@ def print_summary(spec, summary: dict, seconds: float, log_file: Path | None) ->
     from gpuflow.tasks.compute import metrics_line
 
     phases = summary["phases"]
-    print(f"\ngpuflow: {spec.name} finished in {seconds:.1f}s")
+    if summary.get("reused"):
+        print(f"\ngpuflow: {spec.name} reused a finished run of the same work in {seconds:.1f}s: nothing trained")
+        print("               (its code, data and training fields are this run's; --force trains again)")
+    else:
+        print(f"\ngpuflow: {spec.name} finished in {seconds:.1f}s")
     print(f"  MLflow run   {summary['run_id']} (experiment {summary['experiment']!r}, {summary['tracking_uri']})")
     if open_command(spec):
         print(f"  open it      {open_command(spec)}")
@@ -270,7 +274,8 @@ def print_summary(spec, summary: dict, seconds: float, log_file: Path | None) ->
             + " ".join(f"{path}={value}" for path, value in sweep["best_values"].items())
             + f" (MLflow run {sweep['best_run_id']}, a child of the run above; metrics above are its)"
         )
-    print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
+    if not summary.get("reused"):
+        print("  phases       " + "  ".join(f"{k.removesuffix('_seconds')} {v:.1f}s" for k, v in phases.items()))
     print(f"  checkpoint   {summary['checkpoint']}")
     if log_file:
         print(f"  full log     {log_file} (or gpuflow run -v)")

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpuflow.cluster.config import stack_idle_minutes, stack_mode
+from gpuflow.cluster.config import reuse_mode, stack_idle_minutes, stack_mode
 from gpuflow.cluster.spec import check_entrypoints, load_spec, validate_spec
 from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.flows.cli import add_overrides
@@ -39,6 +39,11 @@ def add_parser(commands, name: str) -> None:
         "--verbose",
         action="store_true",
         help="show the job's every line here (Ray's, MLflow's), not only gpuflow's progress",
+    )
+    command.add_argument(
+        "--force",
+        action="store_true",
+        help="train even if a finished run has the same code, data and training fields (else it is reused)",
     )
     add_overrides(command, "override a spec field, e.g. --set train.lr=0.01 (repeatable)")
 
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.spec:
         print("gpuflow run: give a spec file, or --deployment FLOW/NAME", file=sys.stderr)
         return 2
-    return run_spec(load_spec(args.spec, args.overrides), args.verbose)
+    return run_spec(load_spec(args.spec, args.overrides), args.verbose, force=args.force)
 
 
 def interrupt_on_sigterm() -> None:
@@ -160,9 +165,9 @@ def exit_without_prefect(spec, outcome: str, log_file, interrupted: bool = False
     os._exit(130 if interrupted else 1)
 
 
-def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
+def run_spec(spec, verbose: bool = False, rerun_of: str | None = None, force: bool = False) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    stack_mode(), stack_idle_minutes()  # a setting gpuflow cannot use is refused before anything starts
+    stack_mode(), stack_idle_minutes(), reuse_mode()  # a setting gpuflow cannot use is refused before anything starts
     interrupt_on_sigterm()
     started = time.time()
     check_entrypoints(spec)  # the loop's import takes seconds: it starts first, in a process of its own
@@ -183,7 +188,7 @@ def run_spec(spec, verbose: bool = False, rerun_of: str | None = None) -> int:
         if api:
             api.ready()
         try:
-            state = run_experiment(spec, rerun_of=rerun_of, return_state=True)
+            state = run_experiment(spec, rerun_of=rerun_of, force=force, return_state=True)
         except Exception as exc:
             if prefect_api_answers():
                 raise

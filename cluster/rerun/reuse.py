@@ -1,0 +1,51 @@
+"""Reuse: a run whose work key (cluster/rerun/work_key.py) matches a FINISHED run of its experiment does not train
+again; it points at that run. The flow asks `finished_twin` once its spec is valid, before the quota or a cluster.
+
+    reuse: never             in a spec: its runs always train (a schedule that wants a fresh run every night)
+    gpuflow run --force      one run trains anyway (the flow's `force` parameter, a switch in the Prefect UI form)
+    GPUFLOW_REUSE=never      this machine's runs always train (the test suite's default, as GPUFLOW_STACK=manual)
+
+A rerun (`gpuflow rerun`) always trains: reproducing a run is its point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuflow.cluster.config import REUSE_ENV, reuse_mode
+from gpuflow.cluster.lineage import source_tags, uncommitted_changes
+from gpuflow.cluster.rerun.work_key import WorkKey, finished_run_with_key, work_key
+from gpuflow.cluster.spec import ExperimentSpec
+
+
+@dataclass(frozen=True)
+class Twin:
+    """What the reuse check found: the finished run to point at (None: train), and why, for the run's log."""
+
+    run: object | None  # an MLflow Run
+    why: str
+
+
+def finished_twin(spec: ExperimentSpec, force: bool = False) -> Twin:
+    """The newest FINISHED run of the spec's experiment with this spec's work key, or why the run trains."""
+    if force:
+        return Twin(None, "--force: trains whatever ran before")
+    if spec.reuse == "never" or reuse_mode() == "never":
+        return Twin(None, "reuse is off (reuse: never)" if spec.reuse == "never" else f"reuse is off ({REUSE_ENV})")
+    key = key_here(spec)
+    if key.key is None:
+        return Twin(None, f"never reused: {key.missing}")
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    found = finished_run_with_key(client, experiment.experiment_id, key.key) if experiment else None
+    if found is None:
+        return Twin(None, f"no finished run has its work key {key.key[:12]}")
+    return Twin(found, f"the finished run {found.info.run_name} ({found.info.run_id}) has its work key {key.key[:12]}")
+
+
+def key_here(spec: ExperimentSpec) -> WorkKey:
+    """The work key the run's MLflow run would record (tasks/tracking.py open_mlflow_run reads the same inputs)."""
+    changes, diff = uncommitted_changes(spec.workdir)
+    return work_key(spec, {**source_tags(spec.workdir), **changes}, diff)
