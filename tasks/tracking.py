@@ -184,6 +184,10 @@ def publish_summary(spec: ExperimentSpec, run_id: str, summary: dict) -> None:
         f"**MLflow run** `{run_id}`: [{url}]({url})",
         f"(tracking URI `{spec.tracking_uri}`"
         + (f"; open with `{open_command(spec)}`)" if open_command(spec) else ")"),
+        *(
+            ["", "**Reused**: its work key is this run's: nothing was trained (`force` trains)"]
+            * bool(summary.get("reused"))
+        ),
         "",
         "| metric | value |",
         "| --- | --- |",
