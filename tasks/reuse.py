@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from gpuflow.cluster.protocol import CHECKPOINTS_TAG
+from gpuflow.cluster.cost.spend import COST_METRICS
+from gpuflow.cluster.protocol import CHECKPOINTS_TAG, HOURLY_METRIC
 from gpuflow.cluster.rerun.reuse import Twin, finished_twin
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.tasks.tracking import publish_summary
@@ -25,7 +26,7 @@ def reused_summary(spec: ExperimentSpec, twin: Twin, seconds: float) -> dict:
     summary = {
         "run_id": run.info.run_id,
         "reused": True,
-        "metrics": dict(run.data.metrics),
+        "metrics": trained_metrics(run.data.metrics),
         "checkpoint": run.data.tags.get(CHECKPOINTS_TAG),
         "phases": {"wall_seconds": seconds},
         "experiment": spec.experiment_name,
@@ -37,3 +38,13 @@ def reused_summary(spec: ExperimentSpec, twin: Twin, seconds: float) -> dict:
     }
     publish_summary(spec, run.info.run_id, summary)
     return summary
+
+
+# What the flow and MLflow log beside the loop's reports (its bill, its phases, the node's system metrics)
+RECORD_METRICS = (*COST_METRICS, HOURLY_METRIC, "teardown_seconds")
+RECORD_PREFIXES = ("system/", "gpuflow.", "attempt_")
+
+
+def trained_metrics(metrics: dict) -> dict:
+    """The loop's last reports, as the run's own summary showed them."""
+    return {k: v for k, v in metrics.items() if k not in RECORD_METRICS and not k.startswith(RECORD_PREFIXES)}
