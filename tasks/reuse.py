@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from gpuflow.cluster.cost.spend import COST_METRICS
-from gpuflow.cluster.protocol import CHECKPOINTS_TAG, HOURLY_METRIC
+from gpuflow.cluster.protocol import CHECKPOINTS_TAG, HOURLY_METRIC, PHASE_METRIC_PREFIX
 from gpuflow.cluster.rerun.reuse import Twin, finished_twin
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.tasks.tracking import publish_summary
@@ -42,7 +42,7 @@ def reused_summary(spec: ExperimentSpec, twin: Twin, seconds: float) -> dict:
 
 # What the flow and MLflow log beside the loop's reports (its bill, its phases, the node's system metrics)
 RECORD_METRICS = (*COST_METRICS, HOURLY_METRIC, "teardown_seconds")
-RECORD_PREFIXES = ("system/", "gpuflow.", "attempt_")
+RECORD_PREFIXES = ("system/", PHASE_METRIC_PREFIX, "attempt_")
 
 
 def trained_metrics(metrics: dict) -> dict:
