@@ -61,6 +61,21 @@ def key_of(spec: ExperimentSpec) -> WorkKey:
     return work_key(spec, {**tags, **changes}, diff)
 
 
+def test_the_reuse_check_computes_the_key_the_run_records(project):
+    from gpuflow.cluster.rerun.reuse import key_here
+
+    assert key_here(spec_of(project)) == key_of(spec_of(project))
+
+
+def test_a_tracking_server_that_cannot_be_read_makes_the_run_train_saying_why(project, monkeypatch):
+    from gpuflow.cluster.rerun.reuse import REUSE_ENV, finished_twin
+
+    monkeypatch.delenv(REUSE_ENV, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    twin = finished_twin(spec_of(project, tracking={"uri": "http://127.0.0.1:9"}))
+    assert twin.run is None and twin.why.startswith("could not look for a finished run"), twin.why
+
+
 def commit_all(repo):
     git(repo, "add", "-A")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "next")

@@ -38,8 +38,11 @@ def finished_twin(spec: ExperimentSpec, force: bool = False) -> Twin:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=spec.tracking_uri)
-    experiment = client.get_experiment_by_name(spec.experiment_name)
-    found = finished_run_with_key(client, experiment.experiment_id, key.key) if experiment else None
+    try:
+        experiment = client.get_experiment_by_name(spec.experiment_name)
+        found = finished_run_with_key(client, experiment.experiment_id, key.key) if experiment else None
+    except Exception as exc:  # the tracking server refuses or is down: opening the run says how, with its retries
+        return Twin(None, f"could not look for a finished run ({type(exc).__name__}: {str(exc)[:200]})")
     if found is None:
         return Twin(None, f"no finished run has its work key {key.key[:12]}")
     return Twin(found, f"the finished run {found.info.run_name} ({found.info.run_id}) has its work key {key.key[:12]}")
