@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
+from gpuflow.cluster.config import store_missing
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.record import run_url
@@ -241,7 +242,7 @@ def notify_owed() -> list[str]:
             try:
                 spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
                 failure = None
-                if says(spec, flow_run.state) and not main_run(MlflowClient(spec.tracking_uri), spec, str(flow_run.id)):
+                if says(spec, flow_run.state) and not has_a_run(spec, str(flow_run.id)):
                     failure = send(webhook_of(spec.notify.block), end_event(spec, None, flow_run, flow_run.state))
                     said.append(f"flow run {flow_run.id}: {failure or 'message delivered'}")
             except Exception as exc:  # one run's message must not stop the others'
@@ -250,6 +251,11 @@ def notify_owed() -> list[str]:
             if not failure:
                 prefect.update_flow_run(flow_run.id, tags=[tag for tag in flow_run.tags if tag != OWED_TAG])
     return said
+
+
+def has_a_run(spec: ExperimentSpec, flow_run_id: str) -> bool:
+    """Whether the flow run opened its MLflow run; a store that is not there holds none (and is not created)."""
+    return not store_missing(spec.tracking_uri) and bool(main_run(MlflowClient(spec.tracking_uri), spec, flow_run_id))
 
 
 def add_webhook(name: str, url: str, format: str = "json") -> str:

@@ -158,10 +158,19 @@ def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpu
 
 
 def test_a_reaper_pass_makes_no_local_store_where_there_is_none(prefect_server, gpuflow_home):
+    from prefect.states import Crashed
+
     from gpuflow.cluster.config import local_store
+    from gpuflow.flows.run_messages import OWED_TAG
 
     local_store().unlink()  # a team's serve folder: its runs track to the team's server
-    reap_clusters(ttl_hours=24, backends=["local"])
+    with get_client(sync_client=True) as client:  # a crashed run owed its message, its spec on this machine's store
+        spec = {"name": "x", "train": {"loop": "train:loop"}, "notify": {"block": f"gone-{uuid.uuid4().hex[:8]}"}}
+        owed = client.create_flow_run(finished_experiment, parameters={"spec": spec}, tags=[OWED_TAG], state=Crashed())
+        try:
+            reap_clusters(ttl_hours=24, backends=["local"])
+        finally:
+            client.update_flow_run(owed.id, tags=[])  # the session's server is shared: no other pass owes it
     assert not local_store().exists()
 
 

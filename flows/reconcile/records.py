@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
-from gpuflow.cluster.config import default_tracking_uri, local_store_exists
+from gpuflow.cluster.config import default_tracking_uri, store_missing
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
@@ -274,4 +274,4 @@ def tracking_uris_or_local() -> list[str]:
     except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
         log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
         uris = [local]
-    return [uri for uri in uris if uri != local or local_store_exists()]
+    return [uri for uri in uris if not store_missing(uri)]
