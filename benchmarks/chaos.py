@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.chaos_checks import Check, check  # noqa: E402
 from benchmarks.chaos_faults import NOT_YET, Run, done, draw, launch, soak_overrides, stop, strike  # noqa: E402
 from benchmarks.chaos_stack import Stack  # noqa: E402
+from gpuflow.cluster.run.liveness import NEVER_BEGUN_S  # noqa: E402
 
 QUOTA = 2
 RUN_BOUND_S = 300  # a run still going after this is killed and counted as hung
@@ -91,7 +92,10 @@ def soak(
         stack.start(QUOTA, soak_overrides(stack) if any(r.via == "serve" for r in plan) else None)
         drive(plan, stack, overlap, say)
         stack.stop_serve()  # its runs are over; a serve process carries the soak's GPUFLOW_HOME too
-        time.sleep(LEASE_LAPSE_S)
+        # a dead run's lease must read stale, and a flow run `gpuflow run` never began (an API restart as it was made)
+        # must be old enough to be judged
+        last_launch_s = time.monotonic() - max(run.started for run in plan)
+        time.sleep(max(LEASE_LAPSE_S, NEVER_BEGUN_S - last_launch_s))
         reaped_at = time.monotonic()
         reaper_output = reap(stack)
         said = [

@@ -350,7 +350,24 @@ def live_run(**facts) -> liveness.LiveRun:
         ({"state_age_s": 900.0, "has_mlflow_run": True}, False),  # its lease judges it
         ({"state_age_s": 900.0, "has_mlflow_run": None}, False),  # a tracking server down: cannot be told
         ({"state_age_s": 900.0, "has_cluster": True}, False),
+        ({"pending_without_deployment": True, "state_age_s": 130.0}, True),  # `gpuflow run`'s, never begun
+        ({"pending_without_deployment": True, "state_age_s": 60.0}, False),
     ],
 )
 def test_a_silent_run_is_dead_once_its_heartbeats_are_late(facts, dead):
     assert (liveness.silent_death(live_run(**facts), pools.STALE_S) is not None) == dead
+
+
+def test_a_run_that_gpuflow_run_left_pending_is_dead_once_late(prefect_server):
+    """A `gpuflow run` whose process died as it created its flow run (or whose create was retried across an API
+    restart, leaving the first copy) stays Pending: no worker will begin it. The pass judges it by its age."""
+    from prefect.states import Pending
+
+    from gpuflow.flows.reconcile.dead_runs import dead_without_lease
+
+    with get_client(sync_client=True) as client:
+        left = str(client.create_flow_run(run_experiment_standin, state=Pending()).id)
+    now = time.time()
+    assert left not in dead_without_lease(set(), [], now)  # it may still begin
+    late = dead_without_lease(set(), [], now + liveness.NEVER_BEGUN_S + 10)
+    assert "its process never began it" in late[left], late

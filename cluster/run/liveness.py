@@ -4,8 +4,10 @@ A run killed while it waits for the quota, or before its MLflow run opens, has n
 reaper judges it by what Prefect keeps. A waiter re-stamps its state every few seconds (flows/quota/); any other
 run is judged by Prefect's flow-run heartbeats when it sends them (PREFECT_FLOWS_HEARTBEAT_FREQUENCY), else by how
 long it has gone without a cluster or an MLflow run. A run killed in its first seconds may never have sent one: where
-the server keeps other runs' heartbeats, its silence since it started counts as heartbeats missed. Prefect-free: the
-facts are read in flows/reconcile/dead_runs.py.
+the server keeps other runs' heartbeats, its silence since it started counts as heartbeats missed. A run that
+`gpuflow run` created but never began (its process died, or Prefect's API did as the run was created, and the
+client's retry made another) stays Pending: no deployment's worker will start it. Prefect-free: the facts are read in
+flows/reconcile/dead_runs.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 PROVISION_GRACE_S = 600.0  # with no heartbeats: validate and stage may be slow before the MLflow run opens
 HEARTBEAT_LATE_S = 180.0  # Prefect's heartbeats come every 30 s or more often: six missed
+# `gpuflow run` begins its flow run in the second it creates it; Prefect's client gives up retrying within ~75 s
+NEVER_BEGUN_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -27,10 +31,18 @@ class LiveRun:
     heartbeats_kept: bool  # the server keeps flow runs' heartbeats (it holds some): a run without any sent none
     has_cluster: bool  # a backend lists a cluster of it
     has_mlflow_run: bool | None  # None: a tracking server could not be read
+    pending_without_deployment: bool = False  # created by its own process (gpuflow run), never begun
 
 
 def silent_death(run: LiveRun, stale_s: float) -> str | None:
     """Why the run is dead (for its Crashed message), or None when it may live or a lease or cluster judges it."""
+    if run.pending_without_deployment:
+        if run.state_age_s > NEVER_BEGUN_S:
+            return (
+                f"its process never began it (Pending for {run.state_age_s:.0f} s, and no deployment's worker "
+                "starts a run of `gpuflow run`): found by the reaper"
+            )
+        return None
     if run.waiting:
         if waiter_is_dead(run.state_age_s, stale_s):
             return (

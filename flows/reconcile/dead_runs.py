@@ -29,12 +29,21 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"]))),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING", "PENDING"]))
+            ),
             limit=200,
         )
         dead, kept = {}, None
         for run in runs:
             run_id, waiting = str(run.id), run.state.name == pools.WAITING
+            if run.state.type.value == "PENDING":  # a served run's worker begins it; else only its own process would
+                if run.deployment_id is None:
+                    state_age_s = age_s(now, run.state.timestamp.timestamp())
+                    never_begun = LiveRun(run_id, False, state_age_s, None, False, False, None, True)
+                    if why := silent_death(never_begun, pools.STALE_S):
+                        dead[run_id] = why
+                continue
             has_cluster = run_id.replace("-", "") in {found.replace("-", "") for found in cluster_run_ids}
             own = [tag.removeprefix(TRACKING_TAG_PREFIX) for tag in run.tags if tag.startswith(TRACKING_TAG_PREFIX)]
             mlflow = (
