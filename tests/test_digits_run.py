@@ -181,6 +181,7 @@ def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits
     against this store)."""
     from gpuflow.cluster.backends.local import LocalBackend
     from gpuflow.cluster.rerun.reuse import REUSE_ENV, finished_twin
+    from gpuflow.flows.cli.check import reuse_line
     from gpuflow.flows.experiment import run_experiment
     from gpuflow.flows.run_tags import REUSED_TAG_PREFIX
 
@@ -189,6 +190,8 @@ def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits
     spec = digits_run.spec
     client, first = digits_run.mlflow_run()
     assert finished_twin(spec).run.info.run_id == first.info.run_id
+    plan_says = reuse_line(spec)  # `gpuflow plan` says so before anything runs
+    assert plan_says.startswith("gpuflow run reuses the finished run") and first.info.run_id in plan_says, plan_says
     for changed, why in [
         (spec.model_copy(update={"train": spec.train.model_copy(update={"lr": spec.train.lr * 2})}), "no finished"),
         (spec.model_copy(update={"reuse": "never"}), "reuse: never"),

@@ -76,6 +76,17 @@ def test_a_tracking_server_that_cannot_be_read_makes_the_run_train_saying_why(pr
     assert twin.run is None and twin.why.startswith("could not look for a finished run"), twin.why
 
 
+def test_the_reuse_check_and_plan_create_no_store_that_is_not_there(project, monkeypatch, tmp_path):
+    from gpuflow.cluster.rerun.reuse import REUSE_ENV
+    from gpuflow.flows.cli.check import reuse_line
+
+    monkeypatch.delenv(REUSE_ENV, raising=False)
+    store = tmp_path / "new" / "mlflow.db"
+    line = reuse_line(spec_of(project, tracking={"uri": f"sqlite:///{store}"}))
+    assert line.startswith("gpuflow run trains: no finished run") and "store is new" in line, line
+    assert not store.exists() and not store.parent.exists()
+
+
 def commit_all(repo):
     git(repo, "add", "-A")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "next")

@@ -104,6 +104,7 @@ def plan(spec) -> int:
 
     check_infra(validate_spec(spec))
     print(f"# {describe(spec)}")
+    print(f"# {reuse_line(spec)}")
     if spec.compute.backend == "local":
         price = hourly_cost(spec)
         for line in sweep_lines(spec, price):
@@ -146,6 +147,16 @@ def plan(spec) -> int:
         print(f"# choice {rank}: {spec.compute.num_nodes} × {resources}")
     print(task_yaml(spec), end="")
     return 0
+
+
+def reuse_line(spec) -> str:
+    """Whether `gpuflow run` of the spec would train, or reuse a finished run (cluster/rerun/reuse.py decides)."""
+    from gpuflow.cluster.rerun.reuse import finished_twin
+
+    twin = finished_twin(spec)
+    if twin.run is None:
+        return f"gpuflow run trains: {twin.why}"
+    return f"gpuflow run reuses {twin.why}: nothing trains, nothing is billed (--force trains anyway)"
 
 
 def print_prediction(spec, price) -> None:
