@@ -156,7 +156,11 @@ def reuse_line(spec) -> str:
     twin = finished_twin(spec)
     if twin.run is None:
         return f"gpuflow run trains: {twin.why}"
-    return f"gpuflow run reuses {twin.why}: nothing trains, nothing is billed (--force trains anyway)"
+    run = twin.run.info
+    return (
+        f"gpuflow run reuses the finished run {run.run_name} ({run.run_id}), of the same work: nothing trains or is "
+        "billed (--force trains anyway)"
+    )
 
 
 def print_prediction(spec, price) -> None:
