@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.chaos_checks import Check, check  # noqa: E402
 from benchmarks.chaos_faults import NOT_YET, Run, done, draw, launch, soak_overrides, stop, strike  # noqa: E402
 from benchmarks.chaos_stack import Stack  # noqa: E402
-from gpuflow.cluster.run.liveness import NEVER_BEGUN_S  # noqa: E402
+from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S, NEVER_BEGUN_S  # noqa: E402
 
 QUOTA = 2
 RUN_BOUND_S = 300  # a run still going after this is killed and counted as hung
@@ -92,10 +92,7 @@ def soak(
         stack.start(QUOTA, soak_overrides(stack) if any(r.via == "serve" for r in plan) else None)
         drive(plan, stack, overlap, say)
         stack.stop_serve()  # its runs are over; a serve process carries the soak's GPUFLOW_HOME too
-        # a dead run's lease must read stale, and a flow run `gpuflow run` never began (an API restart as it was made)
-        # must be old enough to be judged
-        last_launch_s = time.monotonic() - max(run.started for run in plan)
-        time.sleep(max(LEASE_LAPSE_S, NEVER_BEGUN_S - last_launch_s))
+        time.sleep(until_judged(plan))
         reaped_at = time.monotonic()
         reaper_output = reap(stack)
         said = [
@@ -114,6 +111,16 @@ def soak(
     finally:
         clean_up(plan, stack)
         stack.close(keep=keep)
+
+
+def until_judged(plan: list[Run]) -> float:
+    """How long the reaper's pass must wait for every dead run to be judged dead: a lease to read stale, a flow run
+    `gpuflow run` never began (an API restart as it was made) to be old enough, and a served run found without its
+    process (its engine died as the API restarted) to be silent long enough (cluster/run/liveness.py)."""
+    now = time.monotonic()
+    waits = [LEASE_LAPSE_S, NEVER_BEGUN_S - (now - max(run.started for run in plan))]
+    waits += [HEARTBEAT_LATE_S - (now - run.started - (run.struck_s or 0)) for run in plan if run.without_process]
+    return max(waits)
 
 
 def drive(plan: list[Run], stack: Stack, overlap: int, say) -> None:

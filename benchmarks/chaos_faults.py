@@ -71,6 +71,7 @@ class Run:
     applied: str = ""  # what the fault did, or why it could not
     struck_s: float | None = None  # when it was applied (later than drawn while another fault held the soak)
     hung: bool = False
+    without_process: bool = False  # a served run found over with no process running it
     lines: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -160,12 +161,14 @@ def done(run: Run, stack) -> bool:
         state = client.read_flow_run(run.flow_run_id).state
         if state and state.is_final():
             return True
-        # a served run whose engine is gone (killed) stays Running forever: over once nothing runs it
-        return (
-            bool(state and (state.is_running() or state.is_pending()))
+        # a served run whose engine is gone (killed, or it died as the API restarted) stays Running, Pending or
+        # Cancelling: over once nothing runs it, for the reaper to judge by its silence
+        run.without_process = (
+            bool(state and (state.is_running() or state.is_pending() or state.is_cancelling()))
             and not flow_processes(run)
             and time.monotonic() - run.started > 60
         )
+        return run.without_process
     return False
 
 

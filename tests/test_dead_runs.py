@@ -371,3 +371,18 @@ def test_a_run_that_gpuflow_run_left_pending_is_dead_once_late(prefect_server):
     assert left not in dead_without_lease(set(), [], now)  # it may still begin
     late = dead_without_lease(set(), [], now + liveness.NEVER_BEGUN_S + 10)
     assert "its process never began it" in late[left], late
+
+
+def test_a_cancelling_run_whose_process_is_gone_is_dead_once_silent(prefect_server):
+    """A served run whose engine died (the API restarting as it began) and was then cancelled stays Cancelling:
+    its runner has no process to stop. Silent, with no cluster and no MLflow run, it is dead as a Running run is."""
+    from prefect.states import Cancelling
+
+    from gpuflow.flows.reconcile.dead_runs import dead_without_lease
+
+    with get_client(sync_client=True) as client:
+        cancelling = str(client.create_flow_run(run_experiment_standin, state=Cancelling()).id)
+    now = time.time()
+    assert cancelling not in dead_without_lease(set(), [default_tracking_uri()], now)
+    late = dead_without_lease(set(), [default_tracking_uri()], now + liveness.PROVISION_GRACE_S + 10)
+    assert "its process died" in late[cancelling], late

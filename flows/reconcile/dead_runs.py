@@ -30,7 +30,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING", "PENDING"]))
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING", "PENDING", "CANCELLING"]))
             ),
             limit=200,
         )
