@@ -1,8 +1,10 @@
-"""A Ray Train driver for tests/test_ingest.py: trains tests.loops.plain:record_shards with gpuflow's ingest.
+"""A Ray Train driver for tests/test_ingest.py: trains tests.loops.plain:record_shards with gpuflow's ingest, its
+trainer as the job builds it (no actor it does not use: no placement-group cleaner, no preemption watcher).
 
 python -m tests.support.shards_driver ADDRESS OUT_FOLDER STREAMED_PARQUET ROWS
 """
 
+import os
 import sys
 
 import pyarrow as pa
@@ -12,16 +14,18 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from gpuflow.cluster.job.ingest import SplitInMemory
+from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV, without_unused_actors
 from tests.loops.plain import record_shards
 from tests.support.repo import REPO
 
 address, out, streamed, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+os.environ[PREEMPTION_WATCHER_ENV] = "0"  # as the job sets it where no spot notice can come
 ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ADDRESS": address}})
 datasets = {
     "in_memory": ray.data.from_arrow(pa.table({"id": list(range(rows))})),  # materialized, as job.datasets_of
     "streamed": ray.data.read_parquet(streamed),
 }  # lazy: Ray Data streams it
-TorchTrainer(
+without_unused_actors(TorchTrainer)(
     record_shards,
     train_loop_config={"epochs": 2, "out": out, "datasets": list(datasets)},
     datasets=datasets,
