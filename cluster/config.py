@@ -58,16 +58,6 @@ def local_store() -> Path:
     return state_dir() / "mlflow.db"
 
 
-def local_store_exists() -> bool:
-    return local_store().exists()
-
-
-def store_missing(tracking_uri: str) -> bool:
-    """A SQLite store whose file is not there: it holds no run, and opening it would create it (in a team's serve
-    folder, say, whose runs track to the team's server)."""
-    return tracking_uri.startswith("sqlite:///") and not Path(tracking_uri.removeprefix("sqlite:///")).exists()
-
-
 def daily_budget() -> str | None:
     """The daily budget as written (cluster/cost/budget.py checks that it is a number of dollars), or None."""
     return os.environ.get(DAILY_BUDGET_ENV) or None

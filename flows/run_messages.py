@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
-from gpuflow.cluster.config import store_missing
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, NOTIFIED_TAG, NOTIFY_BLOCK_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
+from gpuflow.cluster.util.local_store import store_exists
 from gpuflow.flows.run_spec import spec_from
 from gpuflow.flows.run_tags import flow_run_ui_url, prefect_link
 
@@ -255,7 +255,7 @@ def notify_owed() -> list[str]:
 
 def has_a_run(spec: ExperimentSpec, flow_run_id: str) -> bool:
     """Whether the flow run opened its MLflow run; a store that is not there holds none (and is not created)."""
-    return not store_missing(spec.tracking_uri) and bool(main_run(MlflowClient(spec.tracking_uri), spec, flow_run_id))
+    return store_exists(spec.tracking_uri) and bool(main_run(MlflowClient(spec.tracking_uri), spec, flow_run_id))
 
 
 def add_webhook(name: str, url: str, format: str = "json") -> str:

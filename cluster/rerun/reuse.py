@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuflow.cluster.config import REUSE_ENV, reuse_mode, store_missing
+from gpuflow.cluster.config import REUSE_ENV, reuse_mode
 from gpuflow.cluster.lineage import source_tags, uncommitted_changes
 from gpuflow.cluster.rerun.work_key import WorkKey, finished_run_with_key, work_key
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.util.local_store import store_exists
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def finished_twin(spec: ExperimentSpec, force: bool = False) -> Twin:
     key = key_here(spec)
     if key.key is None:
         return Twin(None, f"never reused: {key.missing}")
-    if store_missing(spec.tracking_uri):  # no run there yet; opening it would create it
+    if not store_exists(spec.tracking_uri):  # no run there yet; opening it would create it
         return Twin(None, f"no finished run has its work key {key.key[:12]}: its tracking store is new")
     from mlflow import MlflowClient
 

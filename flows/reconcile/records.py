@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
-from gpuflow.cluster.config import default_tracking_uri, store_missing
+from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
+from gpuflow.cluster.util.local_store import store_exists
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
 from gpuflow.flows.reconcile.backfill import fill_from_checkpoints
 
@@ -274,4 +275,4 @@ def tracking_uris_or_local() -> list[str]:
     except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
         log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
         uris = [local]
-    return [uri for uri in uris if not store_missing(uri)]
+    return [uri for uri in uris if store_exists(uri)]
