@@ -39,8 +39,16 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
             run_id, waiting = str(run.id), run.state.name == pools.WAITING
             if run.state.type.value == "PENDING":  # a served run's worker begins it; else only its own process would
                 if run.deployment_id is None:
-                    state_age_s = age_s(now, run.state.timestamp.timestamp())
-                    never_begun = LiveRun(run_id, False, state_age_s, None, False, False, None, True)
+                    never_begun = LiveRun(
+                        run_id,
+                        waiting=False,
+                        state_age_s=age_s(now, run.state.timestamp.timestamp()),
+                        heartbeat_age_s=None,
+                        heartbeats_kept=False,
+                        has_cluster=False,
+                        has_mlflow_run=None,
+                        pending_without_deployment=True,
+                    )
                     if why := silent_death(never_begun, pools.STALE_S):
                         dead[run_id] = why
                 continue
