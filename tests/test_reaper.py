@@ -160,17 +160,24 @@ def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpu
 def test_a_reaper_pass_makes_no_local_store_where_there_is_none(prefect_server, gpuflow_home):
     from prefect.states import Crashed
 
-    from gpuflow.cluster.config import local_store
+    from gpuflow.cluster.config import default_tracking_uri, local_store
+    from gpuflow.flows.deployments.known_servers import tracking_tag
     from gpuflow.flows.run_messages import OWED_TAG
+    from tests.test_dead_runs import run_experiment_standin
 
     local_store().unlink()  # a team's serve folder: its runs track to the team's server
     with get_client(sync_client=True) as client:  # a crashed run owed its message, its spec on this machine's store
         spec = {"name": "x", "train": {"loop": "train:loop"}, "notify": {"block": f"gone-{uuid.uuid4().hex[:8]}"}}
         owed = client.create_flow_run(finished_experiment, parameters={"spec": spec}, tags=[OWED_TAG], state=Crashed())
+        # and a live run whose tag names this machine's store: the pass looks there for its MLflow run
+        silent = client.create_flow_run(
+            run_experiment_standin, tags=[tracking_tag(default_tracking_uri())], state=Running()
+        )
         try:
             reap_clusters(ttl_hours=24, backends=["local"])
         finally:
             client.update_flow_run(owed.id, tags=[])  # the session's server is shared: no other pass owes it
+            client.set_flow_run_state(silent.id, Crashed(), force=True)
     assert not local_store().exists()
 
 

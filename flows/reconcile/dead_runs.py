@@ -23,6 +23,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     )
 
     from gpuflow.cluster.run.liveness import LiveRun, age_s, mlflow_run_exists, silent_death
+    from gpuflow.cluster.util.local_store import store_exists
     from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
     from gpuflow.flows.quota import pools
 
@@ -57,7 +58,9 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
             mlflow = (
                 None
                 if waiting or has_cluster
-                else mlflow_run_exists([MlflowClient(uri) for uri in dict.fromkeys([*own, *tracking_uris])], run_id)
+                else mlflow_run_exists(
+                    [MlflowClient(uri) for uri in dict.fromkeys([*own, *tracking_uris]) if store_exists(uri)], run_id
+                )  # a store that is not there holds no run; opening it would create it
             )
             beat = None if waiting or has_cluster or mlflow is not False else last_heartbeat(client, run_id)
             if beat is None and mlflow is False and kept is None:
