@@ -210,7 +210,7 @@ def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
         if not (flow_run.state and flow_run.state.is_final() and says(spec, flow_run.state)):
             return None
         event = end_event(spec, run, flow_run, flow_run.state)
-        failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event)
+        failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event, retry_for_s=0)
     except ObjectNotFound:  # no flow run, no spec: nothing to say it with
         return None
     except Exception as exc:  # one run's message must not stop the others'
@@ -243,7 +243,8 @@ def notify_owed() -> list[str]:
                 spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
                 failure = None
                 if says(spec, flow_run.state) and not has_a_run(spec, str(flow_run.id)):
-                    failure = send(webhook_of(spec.notify.block), end_event(spec, None, flow_run, flow_run.state))
+                    event = end_event(spec, None, flow_run, flow_run.state)
+                    failure = send(webhook_of(spec.notify.block), event, retry_for_s=0)  # the next pass retries
                     said.append(f"flow run {flow_run.id}: {failure or 'message delivered'}")
             except Exception as exc:  # one run's message must not stop the others'
                 failure = f"notification not sent: {type(exc).__name__}"

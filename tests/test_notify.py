@@ -219,38 +219,41 @@ def test_a_webhook_never_up_leaves_the_end_as_it_was_and_says_so(prefect_server,
     assert len(lines) == 1 and run.info.run_name in lines[0] and "ConnectionRefusedError" in lines[0], lines
 
 
-def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, digits_spec, monkeypatch):
+def crashed_run_owing_its_message(spec, block: str, **tags: str) -> tuple[object, MlflowClient, str]:
+    """A run-experiment flow run Crashed (its flow and job killed) and its MLflow run FAILED, its end unsaid: the
+    flow run, the MLflow client and the run's id."""
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
     from gpuflow.flows.reaper import reap_clusters
 
+    spec = spec.model_copy(update={"notify": NotifySpec(block=block)})
+    with get_client(sync_client=True) as prefect:
+        flow_run = prefect.create_flow_run(
+            reap_clusters.with_options(name="run-experiment"), parameters={"spec": spec.model_dump(mode="json")}
+        )
+        prefect.set_flow_run_state(flow_run.id, Crashed(message="its process died"), force=True)
+    client = MlflowClient(spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    experiment = experiment.experiment_id if experiment else client.create_experiment(spec.experiment_name)
+    tags = {FLOW_RUN_TAG: str(flow_run.id), NOTIFY_BLOCK_TAG: block, STOPPED_BY_TAG: "orphaned", **tags}
+    run_id = client.create_run(experiment, tags=tags).info.run_id
+    client.set_terminated(run_id, "FAILED")
+    return flow_run, client, run_id
+
+
+def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, digits_spec, monkeypatch):
+    from gpuflow.flows.reaper import reap_clusters
+
     quick_retries(monkeypatch, 5)
     with webhook_receiver() as (url, messages):
         assert gpuflow(["notify", "add", "reaped", url]) == 0
-        spec = digits_spec.model_copy(update={"notify": NotifySpec(block="reaped")})
-        with get_client(sync_client=True) as prefect:  # the flow and its job killed: nobody said the end
-            flow_run = prefect.create_flow_run(
-                reap_clusters.with_options(name="run-experiment"), parameters={"spec": spec.model_dump(mode="json")}
-            )
-            prefect.set_flow_run_state(flow_run.id, Crashed(message="its process died"), force=True)
-        client = MlflowClient(spec.tracking_uri)
-        experiment = client.get_experiment_by_name(spec.experiment_name) or client.create_experiment(
-            spec.experiment_name
+        # its claim is an hour old: the sender died holding it
+        flow_run, client, run_id = crashed_run_owing_its_message(
+            digits_spec, "reaped", **{NOTIFY_SENDING_TAG: f"{time.time() - 3600:.3f} dead"}
         )
-        experiment = getattr(experiment, "experiment_id", experiment)
-        run_id = client.create_run(
-            experiment,
-            tags={
-                FLOW_RUN_TAG: str(flow_run.id),
-                NOTIFY_BLOCK_TAG: "reaped",
-                STOPPED_BY_TAG: "orphaned",
-                NOTIFY_SENDING_TAG: f"{time.time() - 3600:.3f} dead",
-            },
-        ).info.run_id
-        client.set_terminated(run_id, "FAILED")  # its claim is an hour old: the sender died holding it
         said_before = client.create_run(
-            experiment,
+            client.get_run(run_id).info.experiment_id,
             tags={
                 FLOW_RUN_TAG: str(flow_run.id),
                 NOTIFY_BLOCK_TAG: "reaped",
@@ -259,13 +262,29 @@ def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, 
         ).info.run_id
         client.set_terminated(said_before, "FAILED")
 
-        reap_clusters(backends=["local"], tracking_uris=[spec.tracking_uri])
+        reap_clusters(backends=["local"], tracking_uris=[digits_spec.tracking_uri])
         assert len(messages) == 1 and messages[0]["subject"] == f"gpuflow: {flow_run.name} crashed", messages
-        reap_clusters(backends=["local"], tracking_uris=[spec.tracking_uri])
+        reap_clusters(backends=["local"], tracking_uris=[digits_spec.tracking_uri])
         time.sleep(0.5)
         assert len(messages) == 1, "a second pass sends nothing"
     tags = client.get_run(run_id).data.tags
     assert tags[NOTIFIED_TAG].startswith("crashed 20") and NOTIFY_SENDING_TAG not in tags
+
+
+def test_a_pass_tries_a_webhook_that_is_down_once_and_the_next_pass_says_it(prefect_server, digits_spec):
+    """The passes are a message's retries: one try each, so that a webhook down holds no pass for the two minutes
+    a flow's own send retries (a team's serve passes every ten minutes, and may owe many messages)."""
+    from gpuflow.flows.reaper import reap_clusters
+
+    with webhook_receiver(down_for=1) as (url, messages):
+        assert gpuflow(["notify", "add", "down-for-a-pass", url]) == 0
+        flow_run, client, run_id = crashed_run_owing_its_message(digits_spec, "down-for-a-pass")
+        reap_clusters(backends=["local"], tracking_uris=[digits_spec.tracking_uri])
+        tags = client.get_run(run_id).data.tags
+        assert messages == [] and "after 1 tries: HTTP 503" in tags[NOTIFY_FAILED_TAG], tags
+        reap_clusters(backends=["local"], tracking_uris=[digits_spec.tracking_uri])
+        assert len(messages) == 1 and messages[0]["subject"] == f"gpuflow: {flow_run.name} crashed", messages
+    assert client.get_run(run_id).data.tags[NOTIFIED_TAG].startswith("crashed 20")
 
 
 def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_spec):

@@ -10,7 +10,8 @@ reaches the job in its environment only (JobEnv.notify_json), never a log, a tag
 
 At least once, said once: `send` retries a webhook that is down for up to RETRY_BOUND_S; `send_once` claims the
 run's message (NOTIFY_SENDING_TAG) before sending and records the outcome on the run (NOTIFIED_TAG, or
-NOTIFY_FAILED_TAG); what no one delivered, the reaper's next pass sends (flows/run_messages.py: notify_undelivered)."""
+NOTIFY_FAILED_TAG); what no one delivered, the reaper's next pass sends (flows/run_messages.py: notify_undelivered),
+one try a message: the passes are its retries, and a webhook down does not hold a pass for minutes a message."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def render(template, values: dict[str, str]):
     return template
 
 
-def send(webhook: dict, event: Event) -> str | None:
-    """Posts the event to the webhook; returns None, or why it could not (a notification never fails a run)."""
+def send(webhook: dict, event: Event, retry_for_s: float | None = None) -> str | None:
+    """Posts the event to the webhook, retrying for retry_for_s (RETRY_BOUND_S by default; 0: one try); returns
+    None, or why it could not (a notification never fails a run)."""
     values = {
         **webhook.get("values", {}),
         **{k: "" if v is None else str(v) for k, v in asdict(event).items()},
@@ -118,11 +120,13 @@ def send(webhook: dict, event: Event) -> str | None:
         form = render(webhook["form_data"], values)
         data = (form if isinstance(form, str) else urllib.parse.urlencode(form)).encode()
     request = urllib.request.Request(url, data=data, headers=headers, method=webhook.get("method", "POST"))
-    deadline, delay, tries = time.monotonic() + RETRY_BOUND_S, FIRST_RETRY_S, 0
+    retry_for_s = RETRY_BOUND_S if retry_for_s is None else retry_for_s
+    deadline, delay, tries = time.monotonic() + retry_for_s, FIRST_RETRY_S, 0
     while True:
         tries += 1
+        timeout_s = SEND_TIMEOUT_S if tries == 1 else max(0.1, min(SEND_TIMEOUT_S, deadline - time.monotonic()))
         try:
-            with urllib.request.urlopen(request, timeout=max(0.1, min(SEND_TIMEOUT_S, deadline - time.monotonic()))):
+            with urllib.request.urlopen(request, timeout=timeout_s):
                 return None
         except Exception as exc:
             error, final = failure_of(exc)
@@ -147,14 +151,14 @@ def failure_of(exc: Exception) -> tuple[str, bool]:
     return type(exc).__name__, False
 
 
-def send_once(client, run_id: str, webhook: dict, event: Event) -> str | None:
+def send_once(client, run_id: str, webhook: dict, event: Event, retry_for_s: float | None = None) -> str | None:
     """Sends the run's end event unless it is delivered already or someone else is sending it now; records on the
     run what came of it: delivered (NOTIFIED_TAG) or the failure (NOTIFY_FAILED_TAG), for the reaper to retry."""
     if not claim(client, run_id):
         return None
     failure = None
     try:
-        failure = send(webhook, event)
+        failure = send(webhook, event, retry_for_s)
     except Exception as exc:  # e.g. a template that does not render: recorded like any failure
         failure = f"notification not sent: {type(exc).__name__}"
     finally:
