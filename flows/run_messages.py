@@ -158,6 +158,7 @@ def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:
         log.warning(failure)
 
 
+PASS_RETRY_FOR_S = 0.0  # a pass tries each message once: the next pass is its retry, not minutes of this one
 UNSAID_WITHIN_S = 3 * 24 * 3600  # an end older than this is no news any more: the reaper stops trying to say it
 
 
@@ -210,7 +211,7 @@ def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
         if not (flow_run.state and flow_run.state.is_final() and says(spec, flow_run.state)):
             return None
         event = end_event(spec, run, flow_run, flow_run.state)
-        failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event, retry_for_s=0)
+        failure = send_once(client, run.info.run_id, webhook_of(spec.notify.block), event, PASS_RETRY_FOR_S)
     except ObjectNotFound:  # no flow run, no spec: nothing to say it with
         return None
     except Exception as exc:  # one run's message must not stop the others'
@@ -244,7 +245,7 @@ def notify_owed() -> list[str]:
                 failure = None
                 if says(spec, flow_run.state) and not has_a_run(spec, str(flow_run.id)):
                     event = end_event(spec, None, flow_run, flow_run.state)
-                    failure = send(webhook_of(spec.notify.block), event, retry_for_s=0)  # the next pass retries
+                    failure = send(webhook_of(spec.notify.block), event, PASS_RETRY_FOR_S)
                     said.append(f"flow run {flow_run.id}: {failure or 'message delivered'}")
             except Exception as exc:  # one run's message must not stop the others'
                 failure = f"notification not sent: {type(exc).__name__}"
