@@ -136,6 +136,7 @@ def test_the_whole_matrix_over_its_cpu_budget_fails_naming_the_costliest_files(t
 
     report = tmp_path / "cpu.jsonl"
     monkeypatch.setattr(cpu_report, "REPORT", report)
+    monkeypatch.setattr(cpu_report, "PACE", tmp_path / "pace.jsonl")  # none measured: not this session's own
     rows = [
         {"test": f"tests/test_{name}.py::test_{i}", "cpu_s": cpu_s, "wall_s": 1.0}
         for name, cpu_s in (("cheap", 1.0), ("dear", 30.0), ("middling", 5.0))
@@ -152,3 +153,25 @@ def test_the_whole_matrix_over_its_cpu_budget_fails_naming_the_costliest_files(t
     monkeypatch.setattr(cpu_report, "WHOLE_MATRIX_BUDGET_CPU_S", 50)
     assert cpu_report.main(["--budget"]) == 1
     assert cpu_report.main([]) == 0  # without --budget it only reports
+
+
+def test_the_budget_is_checked_at_the_reference_pace_the_controller_measured(tmp_path, monkeypatch):
+    from tests.support import cpu_report
+
+    monkeypatch.setattr(cpu_report, "REPORT", tmp_path / "cpu.jsonl")
+    monkeypatch.setattr(cpu_report, "PACE", tmp_path / "pace.jsonl")
+    rows = [{"test": "tests/test_dear.py::test_it", "cpu_s": 150.0, "wall_s": 1.0}]
+    cpu_report.REPORT.write_text(json.dumps(rows[0]) + "\n")
+    monkeypatch.setattr(cpu_report, "WHOLE_MATRIX_BUDGET_CPU_S", 100)
+    assert cpu_report.main(["--budget"]) == 1  # no pace measured: the raw CPU-seconds decide
+
+    slow = 2 * cpu_report.REFERENCE_PROBE_CPU_S  # a machine at half pace; one outlier does not move the median
+    samples = [slow, slow, 10 * slow]
+    cpu_report.PACE.write_text("".join(json.dumps({"probe_cpu_s": s}) + "\n" for s in samples))
+    assert cpu_report.pace_of(cpu_report.read_pace()) == pytest.approx(2.0)
+    assert cpu_report.main(["--budget"]) == 0
+    within, text = cpu_report.check_budget(rows, budget_s=70, pace=2.0)
+    assert not within and "75 at the reference pace" in text and "OVER BUDGET by 5" in text
+
+    probe = cpu_report.probe_cpu_s()  # the probe times real work on this machine
+    assert 0 < probe < 60
