@@ -146,3 +146,40 @@ def test_a_runs_trainer_starts_no_actor_it_does_not_use():
     assert {PlacementGroupCleanerCallback, DatasetsCallback} <= everything
     assert kinds(lean) == everything - {PlacementGroupCleanerCallback, DatasetsCallback}
     assert kinds(lean, train=[1, 2]) == everything - {PlacementGroupCleanerCallback}
+
+
+def test_a_fixed_size_run_asks_no_autoscaler_for_its_workers(monkeypatch):
+    """Ray Train's fixed policy starts Ray Data's AutoscalingCoordinator actor to request resources from an autoscaler
+    our clusters do not have: the lean trainer's policy sizes the worker group the same and sends nothing (a request
+    would fail here: no Ray is up). An elastic run keeps Ray's own policy, which reads the coordinator."""
+    from types import SimpleNamespace
+
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy, FixedScalingPolicy
+    from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+        TrainAutoscalingCoordinatorClient,
+    )
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    from gpuflow.cluster.util.ray_internals import without_unused_actors
+
+    def no_request(*_, **__):
+        raise AssertionError("a resource request was sent")
+
+    monkeypatch.setattr(TrainAutoscalingCoordinatorClient, "send_resource_request", no_request)
+    monkeypatch.setattr(TrainAutoscalingCoordinatorClient, "cancel_resource_request", no_request)
+    handed = []
+    monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller", lambda _, **kw: handed.append(kw))
+    lean = without_unused_actors(TorchTrainer)
+    for workers in (3, (1, 3)):
+        lean(lambda: None, scaling_config=ScalingConfig(num_workers=workers))._initialize_and_run_controller(
+            scaling_policy=FixedScalingPolicy(ScalingConfig(num_workers=workers))
+            if workers == 3
+            else ElasticScalingPolicy(ScalingConfig(num_workers=workers))
+        )
+    fixed, elastic = (kw["scaling_policy"] for kw in handed)
+    assert isinstance(fixed, FixedScalingPolicy) and type(elastic) is ElasticScalingPolicy
+    fixed.after_controller_start(SimpleNamespace(run_id="r"))
+    assert fixed.make_decision_for_non_running_worker_group().num_workers == 3
+    fixed.before_controller_abort()

@@ -42,12 +42,18 @@ On a Ray upgrade, check these first.
     SNAPSHOT_FILE          ray.train.v2's checkpoint manager snapshot, beside a run's checkpoints: the reports it
                            registered, each checkpoint's metrics (cluster/job/tracking.py logs those a lost controller
                            took with it).
-    without_unused_actors  DataParallelTrainer._create_default_callbacks: the callbacks Ray Train's controller starts
-                           with. Two start an actor a gpuflow run does not use, each a worker process of its own (about
+    without_unused_actors  DataParallelTrainer._create_default_callbacks (the callbacks Ray Train's controller starts
+                           with) and _initialize_and_run_controller (its scaling policy). Two callbacks start an actor
+                           a gpuflow run does not use, each a worker process of its own (about
                            2 CPU-seconds apiece to start): the PlacementGroupCleaner (a detached actor that frees the
                            run's placement group if the controller dies; gpuflow downs the whole cluster instead, and
                            the cleaner needs the dashboard, which is off) and, in a run without datasets, the
-                           DatasetsCallback's DatasetManager.
+                           DatasetsCallback's DatasetManager. And a fixed-size run's scaling policy talks to
+                           Ray Data's AutoscalingCoordinator actor (started for it, another worker process: about
+                           1.4 CPU-seconds) only to ask an autoscaler for its workers' resources: our clusters have
+                           a fixed set of nodes and no autoscaler, so the request goes nowhere and is not sent
+                           (FixedScalingPolicy's _send/_maybe_send/_cancel_resource_request). An elastic run's policy
+                           reads the coordinator to size its worker group, and keeps it.
     PREEMPTION_WATCHER_ENV ray.train.v2._internal.constants: the switch of Ray Train's PreemptionWatcher (default on in
                            2.60; gpuflow turns it on only where a notice can come), propagated to the workers.
 
@@ -78,12 +84,30 @@ def without_unused_actors(trainer_class: type) -> type:
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
+    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
+
+    class FixedWithoutAutoscaler(FixedScalingPolicy):
+        def _send_resource_request(self):
+            pass
+
+        def _maybe_send_resource_request(self):
+            pass
+
+        def _cancel_resource_request(self):
+            pass
+
     class Trainer(trainer_class):
         def _create_default_callbacks(self):
             unused = (
                 (PlacementGroupCleanerCallback,) if self.datasets else (PlacementGroupCleanerCallback, DatasetsCallback)
             )
             return [callback for callback in super()._create_default_callbacks() if not isinstance(callback, unused)]
+
+        def _initialize_and_run_controller(self, **controller_init_kwargs):
+            policy = controller_init_kwargs["scaling_policy"]
+            if type(policy) is FixedScalingPolicy:
+                controller_init_kwargs["scaling_policy"] = FixedWithoutAutoscaler(policy.scaling_config)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     Trainer.__name__ = Trainer.__qualname__ = trainer_class.__name__
     return Trainer
