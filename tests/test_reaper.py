@@ -194,6 +194,36 @@ def test_a_pass_never_turns_a_run_that_ended_since_its_verdict_crashed(prefect_s
         assert client.read_flow_run(dead.id).state.is_crashed()
 
 
+def test_a_run_that_ends_between_the_passs_last_read_and_its_write_keeps_its_end(prefect_server, monkeypatch):
+    """The pass reads a run just before it marks it Crashed; a run whose own end lands in between keeps that end
+    (Prefect refuses Crashed to a final run: the pass proposes it, never forces it). A Cancelling run whose process
+    is gone is still Crashed: Prefect lets Cancelling move only to Cancelled, so that one is forced."""
+    from prefect.client.orchestration import SyncPrefectClient
+    from prefect.states import Cancelling, Completed
+
+    from gpuflow.flows.reconcile.records import mark_crashed
+
+    with get_client(sync_client=True) as client:
+        racing = client.create_flow_run(finished_experiment, state=Running())
+        cancelling = client.create_flow_run(finished_experiment, state=Running())
+        client.set_flow_run_state(cancelling.id, Cancelling(), force=True)
+    read = SyncPrefectClient.read_flow_run
+
+    def read_then_the_run_ends(self, flow_run_id):
+        found = read(self, flow_run_id)
+        if flow_run_id == racing.id:  # its process was alive after all: it completes right after the pass's read
+            with get_client(sync_client=True) as other:
+                other.set_flow_run_state(racing.id, Completed())
+        return found
+
+    monkeypatch.setattr(SyncPrefectClient, "read_flow_run", read_then_the_run_ends)
+    assert mark_crashed({str(racing.id), str(cancelling.id)}, "found dead") == [str(cancelling.id)]
+    monkeypatch.undo()
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(racing.id).state.is_completed()
+        assert client.read_flow_run(cancelling.id).state.is_crashed()
+
+
 def test_the_reaper_lists_only_the_backends_runs_used(prefect_server):
     from gpuflow.flows.deployments.known_servers import backends_in_use
 

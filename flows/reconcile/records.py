@@ -173,6 +173,8 @@ def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import Crashed
 
     from gpuflow.flows.run_messages import OWED_TAG
@@ -181,11 +183,16 @@ def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     with get_client(sync_client=True) as client:
         for flow_run_id in flow_run_ids:
             # read again right before: a run that ended since the verdict (its process was alive after all) keeps its
-            # true end. Forced, as a Cancelling run's process that died never moves it on.
+            # true end. And the server decides last: Crashed is proposed, not forced, and Prefect refuses it to a run
+            # that reached a final state between that read and this write. Only a Cancelling run is forced (Prefect
+            # lets Cancelling go nowhere but Cancelled, which a process that died never sends).
             run = client.read_flow_run(UUID(flow_run_id))
             if run.state is not None and run.state.is_final():
                 continue
-            client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=True)
+            cancelling = run.state is not None and run.state.type == StateType.CANCELLING
+            result = client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=cancelling)
+            if result.status != SetStateStatus.ACCEPT:
+                continue
             client.update_flow_run(UUID(flow_run_id), tags=sorted({*run.tags, OWED_TAG}))
             marked.append(flow_run_id)
     return sorted(marked)
