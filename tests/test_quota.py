@@ -171,7 +171,7 @@ def test_gpuflow_status_reads_as_a_table():
     rows = [
         RunStatus(
             "digits-mlp-1",
-            "1",
+            "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0",
             "Running",
             "local",
             "gpuflow-1 (UP)",
@@ -182,11 +182,19 @@ def test_gpuflow_status_reads_as_a_table():
             None,
             "http://mlflow:5000/#/experiments/1/runs/a",
         ),
-        RunStatus("digits-mlp-2", "2", WAITING, "local", gpus="1 worker", queue="1 of 1 in local"),
+        RunStatus(
+            "digits-mlp-1",
+            "9a8b7c6d-5e4f-3a2b-1c0d-e9f8a7b6c5d4",
+            WAITING,
+            "local",
+            gpus="1 worker",
+            queue="1 of 1 in local",
+        ),
     ]
     header, first, second = table(rows).splitlines()
-    assert header.split() == ["run", "state", "cluster", "GPUs", "$/h", "spent", "lease", "queue", "MLflow", "message"]
+    assert header.split() == "run id state cluster GPUs $/h spent lease queue MLflow message".split()
     assert "$0.50" in first and "$0.01" in first and "alive, renewed 3 s ago" in first
+    assert first.split()[:2] == ["digits-mlp-1", "0f1e2d3c"] and second.split()[:2] == ["digits-mlp-1", "9a8b7c6d"]
     assert "Waiting for GPUs" in second and "1 of 1 in local" in second
     assert second.index("1 of 1 in local") == header.index("queue")  # columns line up
     assert table([]) == "nothing running or waiting"

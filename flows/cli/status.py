@@ -263,11 +263,15 @@ def add_clusters(rows: list[RunStatus], found) -> list[RunStatus]:
     return orphans
 
 
+SHORT_ID = 8  # of the flow run's id: what `prefect flow-run inspect` and the Prefect UI's address start with
+
+
 def table(rows: list[RunStatus]) -> str:
     if not rows:
         return "nothing running or waiting"
     columns = [
         ("run", lambda r: r.flow_run),
+        ("id", lambda r: r.flow_run_id[:SHORT_ID]),  # two runs of one spec started in the same second differ here
         ("state", lambda r: r.state),
         ("cluster", lambda r: r.cluster or "-"),
         ("GPUs", lambda r: r.gpus or "-"),
