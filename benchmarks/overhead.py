@@ -199,6 +199,7 @@ def main() -> None:
         "GPUFLOW_HOME": str(home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_HOME": str(home / "prefect"),
+        "GPUFLOW_REUSE": "never",  # every run trains: the same spec again would reuse the finished run (no cluster)
     }
     env.pop("PREFECT_API_URL", None)
     python = sys.executable
