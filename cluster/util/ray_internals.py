@@ -83,7 +83,6 @@ def without_unused_actors(trainer_class: type) -> type:
     """`trainer_class` (Ray Train's TorchTrainer) less the callbacks that would start actors the run does not use."""
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-
     from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 
     class FixedWithoutAutoscaler(FixedScalingPolicy):
