@@ -12,6 +12,8 @@
                               scrape Ray's metrics with Prometheus
     GPUFLOW_REUSE             unset or "finished": a run whose work key is a FINISHED run's reuses it and trains
                               nothing (cluster/rerun/reuse.py); "never": this machine's runs always train
+    GPUFLOW_OVERDUE_PASS      unset or "ask": `gpuflow run`, `status` and `quota list` against a Prefect server start a
+                              reaper pass when none ran within its schedule (flows/reconcile/overdue.py); "never": not
     GPUFLOW_SHARED_PATH       a folder that every node of a cluster mounts too (a Slurm cluster's shared disk, an NFS
                               mount): stores under it count as reachable from the cluster, like a bucket
     GPUFLOW_SERVE_OVERRIDES   set by `gpuflow serve --set ...` for the flow runs it starts: the overrides, as JSON
@@ -119,6 +121,18 @@ def reuse_mode() -> str:
     mode = os.environ.get(REUSE_ENV, "").strip().lower() or "finished"
     if mode not in REUSE_MODES:
         raise SettingError(f"{REUSE_ENV}={os.environ[REUSE_ENV]!r}: set it to finished or never, or unset it")
+    return mode
+
+
+OVERDUE_PASS_ENV = "GPUFLOW_OVERDUE_PASS"
+OVERDUE_PASS_MODES = ("ask", "never")
+
+
+def overdue_pass_mode() -> str:
+    """ask (the default) or never: see GPUFLOW_OVERDUE_PASS above."""
+    mode = os.environ.get(OVERDUE_PASS_ENV, "").strip().lower() or "ask"
+    if mode not in OVERDUE_PASS_MODES:
+        raise SettingError(f"{OVERDUE_PASS_ENV}={os.environ[OVERDUE_PASS_ENV]!r}: set it to ask or never, or unset it")
     return mode
 
 

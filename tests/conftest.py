@@ -28,6 +28,9 @@ os.environ.setdefault("GPUFLOW_STACK", "manual")
 # Nor is a run reused for another's work key (cluster/rerun/reuse.py): a test's second run trains, as it always did,
 # unless the test is about reuse.
 os.environ.setdefault("GPUFLOW_REUSE", "never")
+# Nor does a command start a reaper pass of its own on the tests' Prefect servers (flows/reconcile/overdue.py): a pass
+# in the background would end other tests' runs made dead on purpose; tests/test_reaper.py turns it on to test it.
+os.environ.setdefault("GPUFLOW_OVERDUE_PASS", "never")
 
 
 def pytest_configure(config):

@@ -43,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
             client.delete_global_concurrency_limit_by_name(pools.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
+        from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
         from gpuflow.flows.reconcile.quota_recount import recount
 
+        ask_for_a_pass_if_overdue()
         counts = recount()  # held: what the runs truly hold, once a leak is given back
         rows = [
             (found.pool, found.size, found.counted - found.freed, len(pools.waiting_runs(found.pool)))

@@ -78,6 +78,9 @@ def add_rerun_parser(commands, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
+
+    ask_for_a_pass_if_overdue()  # on a team's server whose serves are all down, dead runs are still ended
     if args.command == "rerun":
         return rerun(args)
     if args.deployment:

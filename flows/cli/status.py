@@ -65,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print("no Prefect server (PREFECT_API_URL) nor warm stack: this machine's clusters only")
     else:
+        from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
+
         with temporary_settings({PREFECT_API_URL: api_url}):
+            ask_for_a_pass_if_overdue()
             rows = status()
     if args.json:
         print(json.dumps([asdict(row) for row in rows], indent=2))
