@@ -148,10 +148,11 @@ def test_a_runs_trainer_starts_no_actor_it_does_not_use():
     assert kinds(lean, train=[1, 2]) == everything - {PlacementGroupCleanerCallback}
 
 
-def test_a_fixed_size_run_asks_no_autoscaler_for_its_workers(monkeypatch):
+def test_a_fixed_size_run_without_data_asks_no_autoscaler_for_its_workers(monkeypatch):
     """Ray Train's fixed policy starts Ray Data's AutoscalingCoordinator actor to request resources from an autoscaler
     our clusters do not have: the lean trainer's policy sizes the worker group the same and sends nothing (a request
-    would fail here: no Ray is up). An elastic run keeps Ray's own policy, which reads the coordinator."""
+    would fail here: no Ray is up). An elastic run keeps Ray's own policy, which reads the coordinator, and so does a
+    run with datasets, whose ingest reads the request."""
     from types import SimpleNamespace
 
     from ray.train import ScalingConfig
@@ -172,14 +173,14 @@ def test_a_fixed_size_run_asks_no_autoscaler_for_its_workers(monkeypatch):
     handed = []
     monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller", lambda _, **kw: handed.append(kw))
     lean = without_unused_actors(TorchTrainer)
-    for workers in (3, (1, 3)):
-        lean(lambda: None, scaling_config=ScalingConfig(num_workers=workers))._initialize_and_run_controller(
-            scaling_policy=FixedScalingPolicy(ScalingConfig(num_workers=workers))
-            if workers == 3
-            else ElasticScalingPolicy(ScalingConfig(num_workers=workers))
-        )
-    fixed, elastic = (kw["scaling_policy"] for kw in handed)
-    assert isinstance(fixed, FixedScalingPolicy) and type(elastic) is ElasticScalingPolicy
+    for workers, datasets in ((3, {}), ((1, 3), {}), (3, {"train": [1, 2]})):
+        config = ScalingConfig(num_workers=workers)
+        policy = FixedScalingPolicy(config) if workers == 3 else ElasticScalingPolicy(config)
+        trainer = lean(lambda: None, scaling_config=config, datasets=datasets)
+        trainer._initialize_and_run_controller(scaling_policy=policy)
+    fixed, elastic, with_data = (kw["scaling_policy"] for kw in handed)
+    assert isinstance(fixed, FixedScalingPolicy) and type(fixed) is not FixedScalingPolicy
+    assert type(elastic) is ElasticScalingPolicy and type(with_data) is FixedScalingPolicy  # Ray Data reads its request
     fixed.after_controller_start(SimpleNamespace(run_id="r"))
     assert fixed.make_decision_for_non_running_worker_group().num_workers == 3
     fixed.before_controller_abort()

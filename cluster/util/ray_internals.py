@@ -48,12 +48,13 @@ On a Ray upgrade, check these first.
                            2 CPU-seconds apiece to start): the PlacementGroupCleaner (a detached actor that frees the
                            run's placement group if the controller dies; gpuflow downs the whole cluster instead, and
                            the cleaner needs the dashboard, which is off) and, in a run without datasets, the
-                           DatasetsCallback's DatasetManager. And a fixed-size run's scaling policy talks to
-                           Ray Data's AutoscalingCoordinator actor (started for it, another worker process: about
-                           1.4 CPU-seconds) only to ask an autoscaler for its workers' resources: our clusters have
-                           a fixed set of nodes and no autoscaler, so the request goes nowhere and is not sent
-                           (FixedScalingPolicy's _send/_maybe_send/_cancel_resource_request). An elastic run's policy
-                           reads the coordinator to size its worker group, and keeps it.
+                           DatasetsCallback's DatasetManager. And in a fixed-size run without datasets, the scaling
+                           policy starts Ray Data's AutoscalingCoordinator actor (another worker process: about 1.4
+                           CPU-seconds) only to ask an autoscaler for its workers' resources: our clusters have a
+                           fixed set of nodes and no autoscaler, so the request is not sent (FixedScalingPolicy's
+                           _send/_maybe_send/_cancel_resource_request). With datasets it is: Ray Data's ingest starts
+                           that actor anyway and reads Train's request to know what is left for itself. An elastic
+                           run's policy reads the coordinator to size its worker group, and keeps it.
     PREEMPTION_WATCHER_ENV ray.train.v2._internal.constants: the switch of Ray Train's PreemptionWatcher (default on in
                            2.60; gpuflow turns it on only where a notice can come), propagated to the workers.
 
@@ -104,7 +105,7 @@ def without_unused_actors(trainer_class: type) -> type:
 
         def _initialize_and_run_controller(self, **controller_init_kwargs):
             policy = controller_init_kwargs["scaling_policy"]
-            if type(policy) is FixedScalingPolicy:
+            if type(policy) is FixedScalingPolicy and not self.datasets:  # Ray Data reads Train's share there
                 controller_init_kwargs["scaling_policy"] = FixedWithoutAutoscaler(policy.scaling_config)
             return super()._initialize_and_run_controller(**controller_init_kwargs)
 
