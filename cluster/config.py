@@ -75,12 +75,7 @@ STACK_IDLE_ENV = "GPUFLOW_STACK_IDLE_MINUTES"
 
 def stack_mode() -> str:
     """auto (the default), manual or off: see GPUFLOW_STACK above."""
-    mode = os.environ.get(STACK_ENV, "").strip().lower() or "auto"
-    if mode not in STACK_MODES:
-        raise SettingError(
-            f"{STACK_ENV}={os.environ[STACK_ENV]!r}: set it to one of {', '.join(STACK_MODES)}, or unset it"
-        )
-    return mode
+    return mode_of(STACK_ENV, STACK_MODES)
 
 
 def stack_enabled() -> bool:
@@ -105,11 +100,7 @@ LOCAL_RAY_MODES = ("lean", "full")
 
 def local_ray_mode(environ: dict[str, str] | None = None) -> str:
     """lean (the default) or full: see GPUFLOW_LOCAL_RAY above; `environ` is the environment a Ray process gets."""
-    environ = os.environ if environ is None else environ
-    mode = environ.get(LOCAL_RAY_ENV, "").strip().lower() or "lean"
-    if mode not in LOCAL_RAY_MODES:
-        raise SettingError(f"{LOCAL_RAY_ENV}={environ[LOCAL_RAY_ENV]!r}: set it to lean or full, or unset it")
-    return mode
+    return mode_of(LOCAL_RAY_ENV, LOCAL_RAY_MODES, environ)
 
 
 REUSE_ENV = "GPUFLOW_REUSE"
@@ -118,10 +109,7 @@ REUSE_MODES = ("finished", "never")
 
 def reuse_mode() -> str:
     """finished (the default) or never: see GPUFLOW_REUSE above."""
-    mode = os.environ.get(REUSE_ENV, "").strip().lower() or "finished"
-    if mode not in REUSE_MODES:
-        raise SettingError(f"{REUSE_ENV}={os.environ[REUSE_ENV]!r}: set it to finished or never, or unset it")
-    return mode
+    return mode_of(REUSE_ENV, REUSE_MODES)
 
 
 OVERDUE_PASS_ENV = "GPUFLOW_OVERDUE_PASS"
@@ -130,9 +118,16 @@ OVERDUE_PASS_MODES = ("ask", "never")
 
 def overdue_pass_mode() -> str:
     """ask (the default) or never: see GPUFLOW_OVERDUE_PASS above."""
-    mode = os.environ.get(OVERDUE_PASS_ENV, "").strip().lower() or "ask"
-    if mode not in OVERDUE_PASS_MODES:
-        raise SettingError(f"{OVERDUE_PASS_ENV}={os.environ[OVERDUE_PASS_ENV]!r}: set it to ask or never, or unset it")
+    return mode_of(OVERDUE_PASS_ENV, OVERDUE_PASS_MODES)
+
+
+def mode_of(name: str, modes: tuple[str, ...], environ: dict[str, str] | None = None) -> str:
+    """The setting `name`: one of `modes`, the first when unset; any other value is refused, naming the choices."""
+    environ = os.environ if environ is None else environ
+    mode = environ.get(name, "").strip().lower() or modes[0]
+    if mode not in modes:
+        choices = " or ".join(modes) if len(modes) == 2 else f"one of {', '.join(modes)}"
+        raise SettingError(f"{name}={environ[name]!r}: set it to {choices}, or unset it")
     return mode
 
 

@@ -73,24 +73,10 @@ def interval_s(client) -> float:
 
 
 def decided_here(client) -> bool:
-    """Takes the one-slot limit that lets one asker start the pass; False when another asker has it."""
-    import httpx
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists
+    """Takes the one-slot limit that lets one asker start the pass, left to decay; False when another asker has it."""
+    from gpuflow.flows.reconcile.turns import take_a_turn
 
-    try:
-        client.create_global_concurrency_limit(
-            GlobalConcurrencyLimitCreate(name=DECIDE, limit=1, slot_decay_per_second=1 / DECIDE_S)
-        )
-    except ObjectAlreadyExists:
-        pass
-    try:
-        client.increment_concurrency_slots(names=[DECIDE], slots=1, mode="concurrency")
-        return True
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code != 423:
-            raise
-        return False
+    return take_a_turn(client, DECIDE, DECIDE_S)
 
 
 def start_pass(api_url: str) -> str:

@@ -255,22 +255,10 @@ class turn:
         self.client, self.ours = client, False
 
     def __enter__(self) -> bool:
-        import httpx
-        from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-        from prefect.exceptions import ObjectAlreadyExists
+        from gpuflow.flows.reconcile.turns import take_a_turn
 
-        try:
-            self.client.create_global_concurrency_limit(
-                GlobalConcurrencyLimitCreate(name=LOCK, limit=1, slot_decay_per_second=1 / LOCK_S)
-            )
-        except ObjectAlreadyExists:
-            pass
-        try:
-            self.client.increment_concurrency_slots(names=[LOCK], slots=1, mode="concurrency")
-            self.ours, self.taken = True, time.monotonic()
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code != 423:
-                raise
+        self.ours = take_a_turn(self.client, LOCK, LOCK_S)
+        self.taken = time.monotonic()
         return self.ours
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,26 @@
+"""One process at a time, across machines: a one-slot global concurrency limit on the Prefect server they share,
+whose slot decays, so that a holder that dies never keeps it (the recount's turn, the overdue pass's asker)."""
+
+from __future__ import annotations
+
+
+def take_a_turn(client, name: str, decay_s: float) -> bool:
+    """Takes the one slot of limit `name` (made on first use, its slot gone within `decay_s`); False when another
+    process holds it."""
+    import httpx
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    try:
+        client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=name, limit=1, slot_decay_per_second=1 / decay_s)
+        )
+    except ObjectAlreadyExists:
+        pass
+    try:
+        client.increment_concurrency_slots(names=[name], slots=1, mode="concurrency")
+        return True
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 423:  # 423: the slot is held
+            raise
+        return False
