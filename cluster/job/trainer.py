@@ -51,12 +51,14 @@ def datasets_of(spec: ExperimentSpec) -> dict:
     import pyarrow.parquet as pq
     import ray.data
 
+    from gpuflow.cluster.util.ray_internals import dataset_of_table
+
     # Outside a terminal each bar update is a log line (~120 a digits run in a served run's log); epochs show progress.
     ray.data.DataContext.get_current().enable_progress_bars = False
     datasets = {}
     for name, uri in data_uris(spec).items():
         small = parquet_bytes(uri) <= SMALL_DATASET_BYTES
-        datasets[name] = ray.data.from_arrow(pq.read_table(uri)) if small else ray.data.read_parquet(uri)
+        datasets[name] = dataset_of_table(pq.read_table(uri)) if small else ray.data.read_parquet(uri)
     return datasets
 
 

@@ -14,7 +14,7 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from gpuflow.cluster.job.ingest import SplitInMemory
-from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV, without_unused_actors
+from gpuflow.cluster.util.ray_internals import PREEMPTION_WATCHER_ENV, dataset_of_table, without_unused_actors
 from tests.loops.plain import record_shards
 from tests.support.repo import REPO
 
@@ -22,7 +22,7 @@ address, out, streamed, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.ar
 os.environ[PREEMPTION_WATCHER_ENV] = "0"  # as the job sets it where no spot notice can come
 ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "RAY_ADDRESS": address}})
 datasets = {
-    "in_memory": ray.data.from_arrow(pa.table({"id": list(range(rows))})),  # materialized, as job.datasets_of
+    "in_memory": dataset_of_table(pa.table({"id": list(range(rows))})),  # in the store, as job.datasets_of
     "streamed": ray.data.read_parquet(streamed),
 }  # lazy: Ray Data streams it
 without_unused_actors(TorchTrainer)(
