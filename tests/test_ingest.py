@@ -1,5 +1,6 @@
 """How the workers share the data (cluster/job/ingest.py): a table in memory is split into equal, disjoint parts, the
-same every epoch; a dataset read lazily still streams, split as Ray Data does. Real Ray Train, real local cluster.
+same every epoch, by the controller where every dataset is such a table; a dataset read lazily still streams,
+split as Ray Data does. Real Ray Train, real local cluster.
 (What the in-memory split saves, Ray Data's coordinator actors, is measured by benchmarks/overhead.py.)"""
 
 import json
@@ -52,16 +53,18 @@ def test_each_worker_reads_an_equal_disjoint_share_of_each_dataset(gpuflow_home,
         assert driver.returncode == 0, driver.stdout[-3000:] + driver.stderr[-3000:]
     finally:
         backend.down(handle.name)
-    seen = {
-        (rank, epoch): json.loads((tmp_path / f"{rank}-{epoch}.json").read_text())
-        for rank in (0, 1)
-        for epoch in (0, 1)
-    }
-    for name, ids in (("in_memory", range(ROWS)), ("streamed", range(ROWS, 2 * ROWS))):
-        for epoch in (0, 1):
-            first, second = seen[(0, epoch)][name], seen[(1, epoch)][name]
-            assert len(first) == len(second) == ROWS // 2, (name, epoch)
-            assert sorted(first + second) == list(ids), (name, epoch)
-    # the in-memory split is fixed: each worker has the same share every epoch (a loop shuffles within it)
-    assert all(seen[(rank, 0)]["in_memory"] == seen[(rank, 1)]["in_memory"] for rank in (0, 1))
+    both = {"in_memory": range(ROWS), "streamed": range(ROWS, 2 * ROWS)}
+    for run, datasets in (("in_store", {"in_memory": range(ROWS)}), ("mixed", both)):
+        seen = {
+            (rank, epoch): json.loads((tmp_path / run / f"{rank}-{epoch}.json").read_text())
+            for rank in (0, 1)
+            for epoch in (0, 1)
+        }
+        for name, ids in datasets.items():
+            for epoch in (0, 1):
+                first, second = seen[(0, epoch)][name], seen[(1, epoch)][name]
+                assert len(first) == len(second) == ROWS // 2, (run, name, epoch)
+                assert sorted(first + second) == list(ids), (run, name, epoch)
+        # the in-memory split is fixed: each worker has the same share every epoch (a loop shuffles within it)
+        assert all(seen[(rank, 0)]["in_memory"] == seen[(rank, 1)]["in_memory"] for rank in (0, 1)), run
     assert processes_of(gpuflow_home) == []

@@ -128,12 +128,12 @@ def test_the_local_ray_is_lean_unless_asked_for_in_full(monkeypatch):
 
 def test_a_runs_trainer_starts_no_actor_it_does_not_use():
     """Ray Train's placement-group cleaner never, its dataset manager only for a run with datasets (each a worker
-    process of its own); everything else Ray Train starts with stays."""
+    process of its own), and only where one streams; everything else Ray Train starts with stays."""
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    from gpuflow.cluster.util.ray_internals import without_unused_actors
+    from gpuflow.cluster.util.ray_train_internals import without_unused_actors
 
     def kinds(trainer_class, **datasets) -> set[type]:
         return {
@@ -145,7 +145,10 @@ def test_a_runs_trainer_starts_no_actor_it_does_not_use():
     everything = kinds(TorchTrainer)
     assert {PlacementGroupCleanerCallback, DatasetsCallback} <= everything
     assert kinds(lean) == everything - {PlacementGroupCleanerCallback, DatasetsCallback}
-    assert kinds(lean, train=[1, 2]) == everything - {PlacementGroupCleanerCallback}
+    with_data = kinds(lean, train=[1, 2])
+    (datasets_callback,) = with_data - everything  # its tables split by the controller (tests/test_ingest.py)
+    assert issubclass(datasets_callback, DatasetsCallback)
+    assert with_data - {datasets_callback} == everything - {PlacementGroupCleanerCallback, DatasetsCallback}
 
 
 def test_a_fixed_size_run_without_data_asks_no_autoscaler_for_its_workers(monkeypatch):
@@ -163,7 +166,7 @@ def test_a_fixed_size_run_without_data_asks_no_autoscaler_for_its_workers(monkey
     )
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-    from gpuflow.cluster.util.ray_internals import without_unused_actors
+    from gpuflow.cluster.util.ray_train_internals import without_unused_actors
 
     def no_request(*_, **__):
         raise AssertionError("a resource request was sent")

@@ -13,7 +13,7 @@ import ray.train
 from ray.data import DataIterator
 from ray.data.dataset import Schema
 
-from gpuflow.cluster.util.ray_internals import bundle_of_table, table_in_store
+from gpuflow.cluster.util.ray_train_internals import bundle_of_table, table_in_store
 
 
 class SplitInMemory(ray.train.DataConfig):

@@ -51,7 +51,7 @@ def datasets_of(spec: ExperimentSpec) -> dict:
     import pyarrow.parquet as pq
     import ray.data
 
-    from gpuflow.cluster.util.ray_internals import dataset_of_table
+    from gpuflow.cluster.util.ray_train_internals import dataset_of_table
 
     # Outside a terminal each bar update is a log line (~120 a digits run in a served run's log); epochs show progress.
     ray.data.DataContext.get_current().enable_progress_bars = False
@@ -80,7 +80,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     from gpuflow.cluster.job.ingest import SplitInMemory
     from gpuflow.cluster.job.stacks import with_stack_dumps
     from gpuflow.cluster.job.tracking import tracking_callbacks
-    from gpuflow.cluster.util.ray_internals import without_unused_actors
+    from gpuflow.cluster.util.ray_train_internals import without_unused_actors
 
     compute = spec.compute
     job = JobEnv.from_env()

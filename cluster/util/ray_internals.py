@@ -42,28 +42,10 @@ On a Ray upgrade, check these first.
     SNAPSHOT_FILE          ray.train.v2's checkpoint manager snapshot, beside a run's checkpoints: the reports it
                            registered, each checkpoint's metrics (cluster/job/tracking.py logs those a lost controller
                            took with it).
-    without_unused_actors  DataParallelTrainer._create_default_callbacks (the callbacks Ray Train's controller starts
-                           with) and _initialize_and_run_controller (its scaling policy). Two callbacks start an actor
-                           a gpuflow run does not use, each a worker process of its own (about
-                           2 CPU-seconds apiece to start): the PlacementGroupCleaner (a detached actor that frees the
-                           run's placement group if the controller dies; gpuflow downs the whole cluster instead, and
-                           the cleaner needs the dashboard, which is off) and, in a run without datasets, the
-                           DatasetsCallback's DatasetManager. And in a fixed-size run whose datasets (if any) are
-                           all `held_in_store`, the scaling policy starts Ray Data's AutoscalingCoordinator actor
-                           (another worker process: about 1.4 CPU-seconds) only to ask an autoscaler for its workers'
-                           resources: our clusters have a fixed set of nodes and no autoscaler, so the request is not
-                           sent (FixedScalingPolicy's _send/_maybe_send/_cancel_resource_request). With a streamed
-                           dataset it is: Ray Data's ingest starts that actor anyway and reads Train's request to know
-                           what is left for itself. An elastic run's policy reads the coordinator to size its worker
-                           group, and keeps it.
-    dataset_of_table,      ray.data's FromArrow logical operator, RefBundle and BlockEntry, and DataIterator's one
-    held_in_store,         hook (_to_ref_bundle_iterator): ray.data.from_arrow reads a table's metadata in a task
-    table_in_store,        (a Ray worker process started for it: about 1.5 CPU-seconds) and every pass over a dataset
-    bundle_of_table        starts Ray Data's executor, which starts its _StatsActor (another worker process); a small
-                           table gpuflow reads whole (cluster/job/trainer.py) is put in Ray's object store as one block
-                           here, and its workers' shares are iterated straight from the store (cluster/job/ingest.py).
     PREEMPTION_WATCHER_ENV ray.train.v2._internal.constants: the switch of Ray Train's PreemptionWatcher (default on in
                            2.60; gpuflow turns it on only where a notice can come), propagated to the workers.
+
+Ray Train's and Ray Data's internals that a run's trainer is built with are in cluster/util/ray_train_internals.py.
 
 Nothing of Ray is imported with this module: the callback classes load when first asked for (a module __getattr__,
 so that `from ... import ControllerCallback` still works), the rest inside their functions. The local supervisor
@@ -85,40 +67,6 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_CALLBACK_MODULE), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def without_unused_actors(trainer_class: type) -> type:
-    """`trainer_class` (Ray Train's TorchTrainer) less the callbacks that would start actors the run does not use."""
-    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
-
-    class FixedWithoutAutoscaler(FixedScalingPolicy):
-        def _send_resource_request(self):
-            pass
-
-        def _maybe_send_resource_request(self):
-            pass
-
-        def _cancel_resource_request(self):
-            pass
-
-    class Trainer(trainer_class):
-        def _create_default_callbacks(self):
-            unused = (
-                (PlacementGroupCleanerCallback,) if self.datasets else (PlacementGroupCleanerCallback, DatasetsCallback)
-            )
-            return [callback for callback in super()._create_default_callbacks() if not isinstance(callback, unused)]
-
-        def _initialize_and_run_controller(self, **controller_init_kwargs):
-            policy = controller_init_kwargs["scaling_policy"]
-            streams = any(not held_in_store(dataset) for dataset in (self.datasets or {}).values())
-            if type(policy) is FixedScalingPolicy and not streams:  # Ray Data's ingest reads Train's share
-                controller_init_kwargs["scaling_policy"] = FixedWithoutAutoscaler(policy.scaling_config)
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
-
-    Trainer.__name__ = Trainer.__qualname__ = trainer_class.__name__
-    return Trainer
 
 
 def placement_group_of(worker_group):
@@ -209,47 +157,3 @@ def refresh_autoscaling_view(timeout_s: float = 10) -> None:
 
     coordinator = get_or_create_autoscaling_coordinator()
     ray.get(coordinator.get_reserved_resources.remote("gpuflow-refresh", recompute=True), timeout=timeout_s)
-
-
-def dataset_of_table(table):
-    """`ray.data.from_arrow(table)`, the table's metadata read here rather than in a Ray task."""
-    import ray
-    from ray.data._internal.logical.interfaces import LogicalPlan
-    from ray.data._internal.logical.operators.from_operators import FromArrow
-    from ray.data._internal.stats import DatasetStats
-    from ray.data.block import BlockMetadataWithSchema
-    from ray.data.context import DataContext
-    from ray.data.dataset import MaterializedDataset
-
-    metadata = [BlockMetadataWithSchema.from_block(table)]
-    context = DataContext.get_current().copy()
-    plan = LogicalPlan(FromArrow([ray.put(table)], metadata), context)
-    return MaterializedDataset(plan, context, DatasetStats(metadata={"FromArrow": metadata}, parent=None))
-
-
-def held_in_store(dataset) -> bool:
-    """True for a dataset made by `dataset_of_table` (or ray.data.from_arrow): its table is in Ray's object store as
-    it is, with nothing to execute; False for any other (a lazy read, a transformed one)."""
-    from ray.data._internal.logical.operators.from_operators import FromArrow
-
-    return isinstance(getattr(getattr(dataset, "_logical_plan", None), "dag", None), FromArrow)
-
-
-def table_in_store(dataset):
-    """The whole table of a dataset `held_in_store`, read from the store; None for any other dataset."""
-    import pyarrow as pa
-    import ray
-
-    if not held_in_store(dataset):
-        return None
-    bundles = dataset._logical_plan.dag.output_data()
-    return pa.concat_tables(ray.get([entry.ref for bundle in bundles for entry in bundle.blocks]))
-
-
-def bundle_of_table(block_ref, table):
-    """The RefBundle of one table already in Ray's object store (`block_ref`), as Ray Data's iterators take it."""
-    from ray.data._internal.execution.interfaces.ref_bundle import BlockEntry, RefBundle
-    from ray.data.block import BlockMetadataWithSchema
-
-    metadata = BlockMetadataWithSchema.from_block(table)
-    return RefBundle([BlockEntry(block_ref, metadata)], owns_blocks=False, schema=metadata.schema)
