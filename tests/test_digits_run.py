@@ -156,8 +156,8 @@ def test_a_dead_runs_persisted_reports_fill_its_mlflow_run_once(digits_run):
     """What the reaper does for a run whose job died with reports still unlogged: Ray Train's record of this run's
     checkpoints, read into an MLflow run that has none of them, gives each epoch's metrics once and the last
     checkpoint; a second pass adds nothing."""
+    from gpuflow.cluster.job.reports import fill_from_checkpoints
     from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
-    from gpuflow.flows.reconcile.backfill import fill_from_checkpoints
 
     client, finished = digits_run.mlflow_run()
     folder = finished.data.tags[CHECKPOINTS_TAG]
@@ -173,6 +173,9 @@ def test_a_dead_runs_persisted_reports_fill_its_mlflow_run_once(digits_run):
         finished.data.tags[CHECKPOINT_TAG + "_step"],
     )
     assert fill_from_checkpoints(client, client.get_run(lost)) == 0
+    # each at the time the job's tracker logged it: a fill racing the tracker adds nothing MLflow keeps twice
+    logged_at = {m.step: m.timestamp for m in client.get_metric_history(finished.info.run_id, "train_loss")}
+    assert {m.step: m.timestamp for m in client.get_metric_history(lost, "train_loss")} == logged_at
 
 
 def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits_run, monkeypatch):

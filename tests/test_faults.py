@@ -100,21 +100,27 @@ def test_sigkill_of_gpuflow_run_mid_training_leaves_nothing(digits_spec, gpuflow
         assert len(checkpoints_under(gpuflow_home)) >= 3, "the checkpoints made before the kill are kept"
         flow_run_id = mlflow_run.data.tags["prefect.flow_run_id"]
         the_one_message(messages, "orphaned", mlflow_run.info.run_id, flow_run_id)
+        # No reaper yet: the job's guard stopped the training and logged what it had, and what was persisted
+        every_persisted_epoch_once(digits_spec, mlflow_run)
 
         # The flow run still reads RUNNING (nothing was left to update it): the reaper tells the truth.
         out = reaper_in(gpuflow_home, ephemeral_api=True)
         assert len(messages) == 1, messages  # the job's guard said it already: the reaper does not again
     assert "Crashed" in out and flow_run_id in out, out[-3000:]
-    # every epoch Ray Train persisted with its checkpoint is in MLflow once, and its last checkpoint is the run's,
-    # though the job died with its last reports still on their way
-    client = MlflowClient(digits_spec.tracking_uri)
+    every_persisted_epoch_once(digits_spec, mlflow_run)
+    assert processes_of(gpuflow_home) == [], "the reaper stops what it started (its API server)"
+    assert files_holding(gpuflow_home, url.rsplit("/", 1)[1]) == [], "the webhook's URL is a secret"
+
+
+def every_persisted_epoch_once(spec, mlflow_run) -> None:
+    """Every epoch Ray Train persisted with its checkpoint is in the MLflow run once, and its last checkpoint is the
+    run's, though the job was stopped with its last reports still on their way."""
+    client = MlflowClient(spec.tracking_uri)
     snapshot = f"{mlflow_run.data.tags[CHECKPOINTS_TAG]}/{SNAPSHOT_FILE}"
     persisted = [report.step for report in persisted_reports(snapshot)]
     logged = sorted(m.step for m in client.get_metric_history(mlflow_run.info.run_id, "val_accuracy"))
     assert persisted and set(persisted) <= set(logged) and len(logged) == len(set(logged)), (persisted, logged)
     assert int(client.get_run(mlflow_run.info.run_id).data.tags[CHECKPOINT_TAG + "_step"]) >= max(persisted)
-    assert processes_of(gpuflow_home) == [], "the reaper stops what it started (its API server)"
-    assert files_holding(gpuflow_home, url.rsplit("/", 1)[1]) == [], "the webhook's URL is a secret"
 
 
 def notify_add_in(gpuflow_home: Path, name: str, url: str) -> str:

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     os.environ.update(spec.envs)
     job = JobEnv.from_env()
     preemption_settings = expect_notices(spec)  # Ray Train's watch of drained nodes: on where a notice can come
-    JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too: the flow may die
+    guard = JobGuard(spec, job, release_for(job)).start()  # limits and the flow's lease, enforced here too
     print(f"{SPEC_LOADED}: {spec.name}, {spec.train.epochs} epoch(s); limits and lease watched here too", flush=True)
     preload(spec)
     import ray
@@ -224,6 +224,7 @@ def main(argv=None) -> int:
         print(f"[gpuflow] training ended: a node was preempted ({exc})", flush=True)
         return PREEMPTED_EXIT_CODE
     finally:
+        guard.settle()  # a guard that stopped the training ends the job itself, once the run is closed
         stop_watches(watches)
         if node_count:
             node_count.stop()

@@ -23,6 +23,7 @@ from gpuflow.cluster.run.limits import Watchdog, cost_check, deadline_check
 from gpuflow.cluster.spec import ExperimentSpec
 
 SELF_STOP_EXIT_CODE = 3
+ABORT_TIMEOUT_S = 20.0  # for the training to stop and its tracker to log what it holds: within the owner's wait
 
 
 def block_owner_signal() -> None:
@@ -76,10 +77,33 @@ class JobGuard:
             self.save_stacks()
         print(stop_line(reason, detail), flush=True)
         try:
+            self.keep_what_was_made()
             self.close_run(reason, detail)
         finally:
             self.release()  # the cluster must not idle once the job is gone
             os._exit(SELF_STOP_EXIT_CODE)
+
+    def settle(self) -> None:
+        """Where the job's main thread ends, training over: while this guard stops the run (its abort ends the
+        training), the guard ends the process once the run is closed; the main thread must not end it first."""
+        if self._stopping.locked():
+            threading.Event().wait()
+
+    def keep_what_was_made(self) -> None:
+        """Before the run is closed: its training stopped as Ctrl-C stops it (the reports the tracker still holds are
+        logged), then what Ray Train persisted with a checkpoint and MLflow still lacks (cluster/job/reports.py)."""
+        from gpuflow.cluster.util.ray_train_internals import abort_training
+
+        abort_training(ABORT_TIMEOUT_S)
+        if not self.run_id:
+            return
+        from gpuflow.cluster.job.reports import fill_from_checkpoints
+
+        try:
+            if filled := fill_from_checkpoints(self.client(), self.client().get_run(self.run_id)):
+                print(f"[gpuflow] {filled} metric(s) logged from the persisted checkpoints", flush=True)
+        except Exception as exc:  # the close goes on: a pass of the reaper cannot fill a closed run, say so
+            print(f"[gpuflow] could not log the checkpoints' metrics: {type(exc).__name__}: {exc}", flush=True)
 
     def save_stacks(self) -> None:
         """Each worker's stacks, to the run's artifacts (hung/stacks.txt) and this log, before anything stops."""

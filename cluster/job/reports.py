@@ -1,5 +1,6 @@
 """A `ray.train.report` as gpuflow logs it (cluster/job/tracking.py): its numbers as MLflow metric keys, its step,
-its checkpoint's URI; and the reports of the checkpoints Ray Train persisted, which a resumed attempt logs again."""
+its checkpoint's URI; and the reports of the checkpoints Ray Train persisted, which a resumed attempt logs again, and
+a run closed before its job logged them gets from there (`fill_from_checkpoints`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import numbers
 import re
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG, FILLED_TAG
+from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
 KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
@@ -69,15 +74,26 @@ def persisted_reports(snapshot_uri: str | None) -> list[Report]:
 
 
 def reports_of(snapshot: dict) -> list[Report]:
-    """The persisted reports of a snapshot read already (read_snapshot), by step."""
+    """The persisted reports of a snapshot read already (read_snapshot), by step, each at its checkpoint's time."""
     reports = []
     for result in snapshot.get("checkpoint_results", []):
         step_key, step = step_of(result.get("metrics", {}))
         if step is not None:
-            reports.append(
-                Report(-1, step, numbers_of({k: v for k, v in result["metrics"].items() if k != step_key}), None)
-            )
+            values = numbers_of({k: v for k, v in result["metrics"].items() if k != step_key})
+            at_ms = checkpoint_time_ms(result.get("checkpoint_dir_name", ""))
+            reports.append(Report(-1, step, values, None, **({"at_ms": at_ms} if at_ms else {})))
     return sorted(reports, key=lambda report: report.step)
+
+
+def checkpoint_time_ms(path: str) -> int | None:
+    """When Ray Train named a checkpoint's folder (checkpoint_<local date and time>, its default), as MLflow's metric
+    time of the report it came with: the job's tracker and `fill_from_checkpoints` then log a step with
+    the same time, value and step, which MLflow keeps once. None for a folder the loop named itself."""
+    try:
+        named = datetime.strptime(path.rstrip("/").rsplit("/", 1)[-1], "checkpoint_%Y-%m-%d_%H-%M-%S.%f")
+    except ValueError:
+        return None
+    return int(named.timestamp() * 1000)
 
 
 def read_snapshot(snapshot_uri: str | None) -> dict | None:
@@ -94,3 +110,47 @@ def read_snapshot(snapshot_uri: str | None) -> dict | None:
             return json.loads(stream.read())
     except Exception:
         return None
+
+
+# What a dying run's job reported and Ray Train persisted with a checkpoint, but MLflow never got. The job logs its
+# reports in batches, seconds behind training: stopped with its flow, it takes the last ones with it, while their
+# checkpoints, and Ray Train's record of each checkpoint's metrics, are in storage. Before the job's guard
+# (cluster/job/guard.py) or, where the job died unwarned, the reaper leaves such a run closed, it logs each persisted
+# report's metrics at its step (those the run lacks, once, at the checkpoint's time) and tags the last checkpoint as
+# the job would have.
+def fill_from_checkpoints(client, run) -> int:
+    """Logs what the run's persisted checkpoints reported and the run lacks; returns how many metrics."""
+    from mlflow.entities import Metric, RunTag
+
+    folder = run.data.tags.get(CHECKPOINTS_TAG)
+    if not folder or FILLED_TAG in run.data.tags:
+        return 0
+    snapshot = read_snapshot(f"{folder.rstrip('/')}/{SNAPSHOT_FILE}") or {}
+    held: dict[str, set[int]] = {}
+    metrics = []
+    for report in reports_of(snapshot):
+        for key, value in report.metrics.items():
+            if key not in held:
+                history = client.get_metric_history(run.info.run_id, key) if key in run.data.metrics else []
+                held[key] = {metric.step for metric in history}
+            if report.step not in held[key]:
+                held[key].add(report.step)
+                metrics.append(Metric(key, value, report.at_ms, report.step))
+    tags = [RunTag(FILLED_TAG, str(len(metrics)))]
+    last = last_checkpoint(snapshot)
+    if last and int(run.data.tags.get(CHECKPOINT_TAG + "_step", -1)) < last[1]:
+        tags += [
+            RunTag(CHECKPOINT_TAG, f"{folder.rstrip('/')}/{last[0]}"),
+            RunTag(CHECKPOINT_TAG + "_step", str(last[1])),
+        ]
+    for start in range(0, max(len(metrics), 1), 1000):
+        client.log_batch(run.info.run_id, metrics=metrics[start : start + 1000], tags=tags if start == 0 else [])
+    return len(metrics)
+
+
+def last_checkpoint(snapshot: dict) -> tuple[str, int] | None:
+    """The last persisted checkpoint's folder name and step (its report's epoch), if any."""
+    results = snapshot.get("checkpoint_results", [])
+    stepped = [(result["checkpoint_dir_name"], step_of(result.get("metrics", {}))[1]) for result in results]
+    stepped = [(name, step) for name, step in stepped if step is not None]
+    return max(stepped, key=lambda found: found[1]) if stepped else None

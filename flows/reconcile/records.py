@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
 from gpuflow.cluster.config import default_tracking_uri
+from gpuflow.cluster.job.reports import fill_from_checkpoints
 from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.util.local_store import store_exists
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
-from gpuflow.flows.reconcile.backfill import fill_from_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ def close_stale_mlflow_runs(
 
 
 def fill_quietly(client, run) -> None:
-    """The run's persisted reports into MLflow before it is left closed (flows/reconcile/backfill.py)."""
+    """The run's persisted reports into MLflow before it is left closed (cluster/job/reports.py)."""
     try:
         if filled := fill_from_checkpoints(client, run):
             log.info(f"reaper: MLflow run {run.info.run_id}: {filled} metric(s) from its persisted checkpoints")
