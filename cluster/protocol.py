@@ -187,10 +187,11 @@ BACKEND_TAG = "gpuflow.backend"  # every run gpuflow opens has it
 CLUSTER_TAG = "gpuflow.cluster"
 CHECKPOINT_TAG = "gpuflow.checkpoint"  # the last persisted checkpoint
 CHECKPOINTS_TAG = "gpuflow.checkpoints"  # where Ray Train keeps this run's checkpoints
-FILLED_TAG = "gpuflow.filled_from_checkpoints"  # metrics the reaper logged from a dead run's persisted checkpoints
+FILLED_TAG = "gpuflow.filled_from_checkpoints"  # metrics logged from a closing run's persisted checkpoints
 RENEWED_TAG = "gpuflow.lease_renewed_at"  # the flow's lease on the run (cluster/run/lease.py)
 GRACE_TAG = "gpuflow.lease_grace_seconds"
 STOPPED_BY_TAG = "stopped_by"  # why the run ended early: a key of STATUS_FOR_STOP
+TRAINED_TAG = "gpuflow.trained"  # the job's training ended well (its seconds): the run is FINISHED, its flow or not
 STOP_DETAIL_TAG = "gpuflow.stop_detail"
 PREEMPTION_NOTICE_TAG = "gpuflow.preemption_notice"  # the latest spot notice: its cloud, node, deadline (UTC)
 HOURLY_METRIC = "hourly_cost_usd"  # logged when the run opens, so a run still going can be priced
@@ -250,6 +251,13 @@ WORK_KEY_WITHOUT_EPOCHS_TAG = "gpuflow.work_key_without_epochs"  # the same with
 WORK_KEY_MISSING_TAG = "gpuflow.work_key_missing"  # why the run has no work key
 
 QUOTA_LOST = "quota_lost"  # the team's quota lease lapsed or was revoked while the run held it
+
+
+def true_status(status: str, tags: dict[str, str]) -> str:
+    """The status a run ends with where its flow did not close it: FINISHED once its job had trained to the end
+    (TRAINED_TAG), though its flow died after; a stop the user asked for (KILLED) stays."""
+    return "FINISHED" if status == "FAILED" and TRAINED_TAG in tags else status
+
 
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
 STATUS_FOR_STOP = {

@@ -77,6 +77,7 @@ def test_the_mlflow_run_has_every_epoch_its_params_and_its_cluster(digits_run):
     assert run.info.status == "FINISHED"
     assert run.data.metrics["val_accuracy"] >= 0.95
     assert run.data.tags["gpuflow.backend"] == "local"
+    assert run.data.tags["gpuflow.trained"].endswith("Z")  # the job's word: had the flow died, still FINISHED
     summary = digits_run.state.result()
     assert run.data.tags["gpuflow.cluster"] == cluster_name_for(digits_run.flow_run_id) == summary["cluster"]
     name = run.data.tags["prefect.flow_run_name"]  # what, when, and which: runs started in one second differ

@@ -136,6 +136,36 @@ def test_an_orphaned_run_of_last_month_is_not_read_again(gpuflow_home):
     assert asked == [ids[0]]
 
 
+def test_a_run_that_trained_to_the_end_is_finished_though_its_flow_died(gpuflow_home):
+    """The job said its training ended well (it tags the run), then its flow died before closing the run: the pass
+    ends it FINISHED, saying the flow died, whether the flow run still reads Running (its lease lapsed) or Crashed.
+    A run that had not trained to the end is FAILED as before."""
+    from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG, TRAINED_TAG
+    from gpuflow.cluster.run.lease import lease_tags
+
+    uri = f"sqlite:///{gpuflow_home}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("ends", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    lapsed = lease_tags(60, now=time.time() - 3600)
+    flows, runs = {}, {}
+    for trained in (True, False):
+        for flow_state in (("RUNNING", False), ("CRASHED", True)):
+            flow_run_id = str(uuid.uuid4())
+            tags = {FLOW_RUN_TAG: flow_run_id, **lapsed, **({TRAINED_TAG: "2026-12-06T05:00:00Z"} if trained else {})}
+            runs[(trained, flow_state[0])] = client.create_run(experiment, tags=tags).info.run_id
+            flows[flow_run_id] = flow_state
+    close_stale_mlflow_runs(uri, states_of=lambda flow_run_ids: {run: flows[run] for run in flow_run_ids})
+    ended = {key: client.get_run(run_id) for key, run_id in runs.items()}
+    assert {key: run.info.status for key, run in ended.items()} == {
+        (True, "RUNNING"): "FINISHED",
+        (True, "CRASHED"): "FINISHED",
+        (False, "RUNNING"): "FAILED",
+        (False, "CRASHED"): "FAILED",
+    }
+    said = ended[(True, "RUNNING")].data.tags
+    assert said[STOPPED_BY_TAG] == "orphaned" and "trained to the end" in said[STOP_DETAIL_TAG], said
+
+
 def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpuflow_home):
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.flows.deployments.known_servers import known_tracking_uris, tracking_tag

@@ -20,7 +20,7 @@ from typing import Any
 from ray.train.v2.api.callback import UserCallback
 
 from gpuflow.cluster.job.reports import Report, checkpoint_time_ms, numbers_of, persisted_reports, step_of, uri_of
-from gpuflow.cluster.protocol import CHECKPOINT_TAG, checkpoint_line, epoch_line
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
@@ -195,10 +195,17 @@ class MlflowTracker:
 
     # -- at the end of the run ------------------------------------------------------------------------------
     def close_run_records(self, checkpoint, succeeded: bool) -> None:
-        """The list of checkpoints as an artifact; and a run that logged no model gets its last checkpoint."""
+        """That the training ended well; the list of checkpoints as an artifact; and a run that logged no model gets
+        its last checkpoint."""
         from gpuflow.cluster.run.mlflow_run import artifact_repo, log_text_to
 
         self.finish()
+        if succeeded:  # said first: a flow that dies from here on leaves a run that trained, FINISHED (true_status)
+            self._call(
+                lambda: self.client.set_tag(
+                    self.run_id, TRAINED_TAG, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                )
+            )
         artifacts = lambda: artifact_repo(self._read_run().artifact_uri, self.tracking_uri)  # noqa: E731
         if self.checkpoints:
             self._call(lambda: log_text_to(artifacts(), json.dumps(self.checkpoints, indent=1), "checkpoints.json"))

@@ -75,7 +75,7 @@ def crash_flow_runs(run: Pass) -> list[str]:
         return []
     run.crashed = mark_crashed(
         run.dead - run.orphaned,
-        "its process died: found by the reaper (lease stale); cluster downed, MLflow run FAILED (stopped_by=orphaned)",
+        "its process died: found by the reaper (lease stale); cluster downed, MLflow run closed (stopped_by=orphaned)",
     )
     said = [f"marked flow run {flow_run_id} Crashed: its lease is stale" for flow_run_id in run.crashed]
     orphaned = mark_crashed(run.orphaned, "its process died: found by the reaper (its local cluster stopped with it)")
@@ -136,7 +136,8 @@ INVARIANTS = (
     Invariant(
         "MLflow run",
         "it is RUNNING and its lease is stale, or its flow run is over or missing",
-        "FAILED (stopped_by=orphaned) or the flow run's end, closed_by=reaper",
+        "FAILED (stopped_by=orphaned) or the flow run's end, closed_by=reaper; FINISHED where its job trained to the "
+        "end (gpuflow.trained), though its flow died after",
         close_mlflow_runs,
     ),
     Invariant(

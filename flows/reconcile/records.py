@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.job.reports import fill_from_checkpoints
-from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOPPED_BY_TAG
+from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG, true_status
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.util.local_store import store_exists
@@ -242,10 +242,14 @@ def close_stale_mlflow_runs(
             if not lease_dead:
                 continue  # its flow is still going
             fill_quietly(client, run)
-            close_run(client, run.info.run_id, "FAILED", tags={STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"})
+            status = true_status("FAILED", run.data.tags)
+            tags = {STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"}
+            if status == "FINISHED":
+                tags[STOP_DETAIL_TAG] = f"trained to the end; its flow run {flow_run_id} died before it closed the run"
+            close_run(client, run.info.run_id, status, tags=tags)
         else:
             fill_quietly(client, run)
-            status = RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED"
+            status = true_status(RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED", run.data.tags)
             close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
         closed.append(run.info.run_id)
     return closed
