@@ -216,15 +216,16 @@ def test_sigkill_during_provisioning_leaves_nothing(prefect_server, digits_spec,
 
 
 def freeze_outside_a_write(process, store: Path, tries: int = 20) -> None:
-    """SIGSTOP at a moment the process holds no write lock on the local MLflow store (SQLite): frozen mid-write, it
-    would lock the job out of the store, as no frozen laptop whose cluster and tracking server are elsewhere does."""
+    """SIGSTOP at a moment the process holds no lock on the local MLflow store (SQLite): frozen mid-write, or mid-read
+    (a shared lock keeps every writer from committing, and a writer waiting on it keeps readers out), it would lock
+    the job out of the store, as no frozen laptop whose cluster and tracking server are elsewhere does."""
     import sqlite3
 
     for _ in range(tries):
         process.send_signal(signal.SIGSTOP)
         db = sqlite3.connect(store, timeout=2)
         try:
-            db.execute("BEGIN IMMEDIATE")  # the write lock: waits out another writer, not a frozen one
+            db.execute("BEGIN EXCLUSIVE")  # no other lock at all: waits out the others' locks, not a frozen one
             db.rollback()
             return
         except sqlite3.OperationalError:
