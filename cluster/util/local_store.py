@@ -13,8 +13,15 @@ _ready: set[str] = set()
 
 
 def store_exists(tracking_uri: str) -> bool:
-    """False for a sqlite:/// store not yet made: reading one creates it, tables and all; any other URI is a server."""
-    return not tracking_uri.startswith("sqlite:///") or Path(tracking_uri.removeprefix("sqlite:///")).is_file()
+    """False for a sqlite:/// store not yet made: reading one creates it, tables and all; any other URI is a server.
+    A store another process is making this instant is waited for (its lock), not read half made: a reader of a
+    file with no tables yet would make them too."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return True
+    if not Path(tracking_uri.removeprefix("sqlite:///")).is_file():
+        return False
+    ready_local_store(tracking_uri)
+    return True
 
 
 def ready_local_store(tracking_uri: str) -> None:
