@@ -164,6 +164,8 @@ def bundle_of_table(block_ref, table):
 def abort_training(timeout_s: float) -> None:
     """Stops this process's Ray Train runs as Ctrl-C does (their workers stopped, what their callbacks hold logged),
     waiting up to `timeout_s` in all; a controller that does not answer (its cluster is gone) is left."""
+    if not _controllers:
+        return  # none yet (stopped before training), or a sweep's trials (Tune runs them off the main thread)
     import ray
 
     deadline = time.monotonic() + timeout_s
