@@ -80,20 +80,19 @@ def reports_of(snapshot: dict) -> list[Report]:
         step_key, step = step_of(result.get("metrics", {}))
         if step is not None:
             values = numbers_of({k: v for k, v in result["metrics"].items() if k != step_key})
-            at_ms = checkpoint_time_ms(result.get("checkpoint_dir_name", ""))
-            reports.append(Report(-1, step, values, None, **({"at_ms": at_ms} if at_ms else {})))
+            reports.append(Report(-1, step, values, None, report_time_ms(result.get("checkpoint_dir_name"))))
     return sorted(reports, key=lambda report: report.step)
 
 
-def checkpoint_time_ms(path: str) -> int | None:
-    """When Ray Train named a checkpoint's folder (checkpoint_<local date and time>, its default), as MLflow's metric
-    time of the report it came with: the job's tracker and `fill_from_checkpoints` then log a step with
-    the same time, value and step, which MLflow keeps once. None for a folder the loop named itself."""
+def report_time_ms(checkpoint_path: str | None) -> int:
+    """A report's time in MLflow: when Ray Train named its checkpoint's folder (checkpoint_<local date and time>, its
+    default), so that the job's tracker and `fill_from_checkpoints` log a step with the same time, value and step,
+    which MLflow keeps once; now for a report without a checkpoint, or a folder the loop named itself."""
     try:
-        named = datetime.strptime(path.rstrip("/").rsplit("/", 1)[-1], "checkpoint_%Y-%m-%d_%H-%M-%S.%f")
+        name = (checkpoint_path or "").rstrip("/").rsplit("/", 1)[-1]
+        return int(datetime.strptime(name, "checkpoint_%Y-%m-%d_%H-%M-%S.%f").timestamp() * 1000)
     except ValueError:
-        return None
-    return int(named.timestamp() * 1000)
+        return int(time.time() * 1000)
 
 
 def read_snapshot(snapshot_uri: str | None) -> dict | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
-from gpuflow.cluster.job.reports import Report, checkpoint_time_ms, numbers_of, persisted_reports, step_of, uri_of
+from gpuflow.cluster.job.reports import Report, numbers_of, persisted_reports, report_time_ms, step_of, uri_of
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
@@ -61,8 +61,7 @@ class MlflowTracker:
         step_key, step = step_of(metrics)
         values = numbers_of({k: v for k, v in metrics.items() if k != step_key})
         uri = uri_of(checkpoint) if checkpoint else None
-        at_ms = checkpoint_time_ms(uri) if uri else None  # a backfill of this step logs the same time: kept once
-        report = Report(self.reports_seen, step, values, uri, **({"at_ms": at_ms} if at_ms else {}))
+        report = Report(self.reports_seen, step, values, uri, report_time_ms(uri))  # a backfill's time too
         self.reports_seen += 1
         if self._thread is None:
             self._queue = queue.Queue()
