@@ -24,7 +24,7 @@ UI_RUN: dict = {}  # the flow run the first test starts from the UI, for the MLf
 def test_custom_run_from_the_prefect_ui(served, page):
     page, shot = page
     page.goto(f"{served.ui_url}/v2/deployments")
-    page.locator("a[href*='/deployments/deployment/']", has_text=re.compile(r"^run-experiment$")).click()
+    open_deployment(page, "run-experiment")
     page.get_by_role("button", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Custom run").click()
     epochs = page.get_by_label("Epochs (Optional)", exact=True)
@@ -80,6 +80,20 @@ def test_custom_run_from_the_prefect_ui(served, page):
     assert flow_run.parameters["spec"]["train"]["epochs"] == 3
     assert {"experiment:digits-mlp", "backend:local"} <= set(flow_run.tags)
     UI_RUN["flow_run"] = flow_run
+
+
+def open_deployment(page, name: str) -> None:
+    """Clicks the deployment's link in the list until its page opens: the list puts its sort and page into the URL
+    after it first renders, and a click in that moment is lost (the page stays the list)."""
+    link = page.locator("a[href*='/deployments/deployment/']", has_text=re.compile(rf"^{re.escape(name)}$"))
+    for _ in range(3):
+        link.click()
+        try:
+            page.wait_for_url(re.compile(r"/deployments/deployment/"), timeout=20_000)
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"the deployment list never opened {name!r}: still at {page.url}")
 
 
 def runs_of(served, deployment_id) -> list:
