@@ -10,6 +10,7 @@ storage), release the cluster, exit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -17,7 +18,15 @@ import time
 from collections.abc import Callable
 
 from gpuflow.cluster.job.hung import HungWatch
-from gpuflow.cluster.protocol import OWNER_DIED, STATUS_FOR_STOP, STOP_DETAIL_TAG, STOPPED_BY_TAG, JobEnv, stop_line
+from gpuflow.cluster.protocol import (
+    OWNER_DIED,
+    STATUS_FOR_STOP,
+    STOP_DETAIL_TAG,
+    STOPPED_BY_TAG,
+    JobEnv,
+    stop_line,
+    true_status,
+)
 from gpuflow.cluster.run.lease import LeaseWatch
 from gpuflow.cluster.run.limits import Watchdog, cost_check, deadline_check
 from gpuflow.cluster.spec import ExperimentSpec
@@ -124,10 +133,14 @@ class JobGuard:
 
         seconds = time.time() - self.requested_at
         bill = {"cost_usd": self.hourly_usd * seconds / 3600, "cluster_hours": seconds / 3600}
+        status = STATUS_FOR_STOP.get(reason, "FAILED")
+        if reason == "orphaned":  # the training may have ended well just before its flow's end was seen
+            with contextlib.suppress(Exception):  # unread, the run is closed as stopped: the reaper reads it again
+                status = true_status(status, self.client().get_run(self.run_id).data.tags)
         close_run(
             self.client(),
             self.run_id,
-            STATUS_FOR_STOP.get(reason, "FAILED"),
+            status,
             bill,
             {STOPPED_BY_TAG: reason, STOP_DETAIL_TAG: detail[:500]},
         )
