@@ -20,6 +20,7 @@ from gpuflow.cluster.run.monitor import NOTICE_POLL_S, notice_check
 from gpuflow.cluster.run.record import RunRecord
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options, on_demand_spec
+from gpuflow.flows.quota.hold import QuotaHold
 from gpuflow.tasks.compute import provision
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,16 @@ class CapacityTimeout(RuntimeError):
 
 
 class Capacity:
-    def __init__(self, record: RunRecord, life: Lifecycle, set_state: Callable[[str | None, str], None] | None = None):
+    def __init__(
+        self,
+        record: RunRecord,
+        life: Lifecycle,
+        set_state: Callable[[str | None, str], None] | None = None,
+        quota: QuotaHold | None = None,
+    ):
+        """quota: the run's hold on the team's quota, if it has one: a replacement cluster takes a share of its own."""
         self.spec, self.flow_run_id, self.life, self.record = record.spec, record.flow_run_id, life, record
+        self.quota = quota
         self.set_state = set_state or prefect_state(record.flow_run_id)
         self.spot_losses = 0
         self.on_demand = False
@@ -148,13 +157,20 @@ class Replacement:
     ended before the deadline, or failed on its own), the run's teardown downs it with the rest (`life.launching`)."""
 
     def __init__(self, capacity: Capacity, name: str, env: dict[str, str], recovery: int):
-        self.capacity, self.name = capacity, name
+        self.capacity, self.name, self.quota = capacity, name, capacity.quota
         self.future, self.on_demand = None, capacity.on_demand
         watched = notices_possible(capacity.spec) and relaunches_on_notice(capacity.spec, recovery)
         checks = [notice_check(env)] if watched else []
         self.watch = Watchdog(checks, self.provision, NOTICE_POLL_S, name="gpuflow-notice-watch")
 
     def provision(self, _reason: str, notice: str) -> None:
+        # two clusters bill from here: never on one share of the team's quota
+        if self.quota and not self.quota.hold_for_replacement():
+            log.warning(
+                f"notice: no replacement cluster yet ({notice}): quota {self.quota.need.pool!r} has no room for a "
+                "second cluster beside the one training; the relaunch provisions after the loss, on the run's slots"
+            )
+            return
         message = f"notice: replacement cluster provisioning: {self.name}, beside the one still training ({notice})"
         log.warning(message)
         self.capacity.set_state(REPLACING, message)
@@ -176,6 +192,8 @@ class Replacement:
         if handle is not None and self.on_demand != self.capacity.on_demand:  # spot, and the run is on-demand now
             self.capacity.life.down(self.name)
             handle = None
+        if self.quota:
+            self.quota.give_back_replacement()  # the lost cluster is down: the run's own share holds this one
         self.capacity.set_state(None, f"resuming on {self.name}")
         if handle is not None:
             self.capacity.launched(handle)

@@ -177,11 +177,11 @@ def run_experiment(
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
         with turn_for_gpus(spec, flow_run["id"]) as quota:
-            run = ExperimentRun.begin(spec, flow_run, webhook)
+            run = ExperimentRun.begin(spec, flow_run, webhook, quota)
             run.record.prediction = prediction
             if quota.lease_id:  # it held a quota
                 run.record.phases["queue_seconds"] = quota.waited_s
-            return run_on_a_cluster(run, quota.lost_check)
+            return run_on_a_cluster(run)
     except (KeyboardInterrupt, TerminationSignal):  # stopped (a signal, Ctrl-C), torn down by now
         stop_retrying_if_gone()
         raise
@@ -192,9 +192,8 @@ def run_experiment(
         return Failed(message=str(exc))
 
 
-def run_on_a_cluster(run: ExperimentRun, quota_lost: Check):
-    """Provision → train (relaunching a lost cluster) → teardown → register, as one unit with the MLflow run.
-    quota_lost: fires when the run's hold on the team's quota is gone (flows/quota/hold.py)."""
+def run_on_a_cluster(run: ExperimentRun):
+    """Provision → train (relaunching a lost cluster) → teardown → register, as one unit with the MLflow run."""
     spec, life, record = run.spec, run.life, run.record
     # A cancel from the UI reaches a `gpuflow run` process only through the API: a watchdog polls it, stops the run.
     with (
@@ -205,7 +204,12 @@ def run_on_a_cluster(run: ExperimentRun, quota_lost: Check):
         with record.phase("provision"):
             handle = prepare_and_provision(run)
         # max_runtime_minutes bounds the job itself; the bill counts from the provision request.
-        stop_checks = [cost_check(spec, life), deadline_check(spec, life), idle_gpu_check(spec, run.run_id), quota_lost]
+        stop_checks = [
+            cost_check(spec, life),
+            deadline_check(spec, life),
+            idle_gpu_check(spec, run.run_id),
+            run.capacity.quota.lost_check,  # the run's hold on the team's quota is gone
+        ]
         result = train_with_recovery(run, handle, stop_checks)
         record.phases.update(train_seconds=result.train_seconds, first_epoch_seconds=result.first_epoch_seconds or 0)
 

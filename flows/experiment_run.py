@@ -15,6 +15,7 @@ from gpuflow.cluster.run.record import RunRecord, run_url
 from gpuflow.cluster.run.webhook import for_the_job
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.capacity import Capacity
+from gpuflow.flows.quota.hold import QuotaHold
 from gpuflow.flows.run_tags import prefect_link
 
 
@@ -29,8 +30,9 @@ class ExperimentRun:
     backend: Backend
 
     @classmethod
-    def begin(cls, spec: ExperimentSpec, flow_run: dict, webhook: dict | None) -> ExperimentRun:
-        """The run's records, before its cluster is requested: the bill counts from here."""
+    def begin(cls, spec: ExperimentSpec, flow_run: dict, webhook: dict | None, quota: QuotaHold) -> ExperimentRun:
+        """The run's records, before its cluster is requested: the bill counts from here. quota: its turn for the
+        GPUs (flows/quota/hold.py), held."""
         record, backend = RunRecord(spec, flow_run["id"]), get_backend(spec.compute.backend)
         life = Lifecycle(
             cluster_name_for(flow_run["id"]),
@@ -39,7 +41,7 @@ class ExperimentRun:
             lambda outcome, bill: record.close(outcome, bill, life.meter.all_attempts(life.ended_at)),
             workers=spec.compute.num_workers,
         )
-        return cls(spec, flow_run, webhook, record, life, Capacity(record, life), backend)
+        return cls(spec, flow_run, webhook, record, life, Capacity(record, life, quota=quota), backend)
 
     @property
     def run_id(self) -> str | None:

@@ -449,6 +449,59 @@ def test_a_run_whose_lease_is_revoked_stops_and_its_release_frees_nobody_elses_s
             client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
 
 
+def test_a_replacement_cluster_holds_a_second_share_or_waits_for_the_loss(prefect_server, caplog):
+    """A spot notice's replacement bills beside the cluster still training: it holds a second share of the run's
+    slots, counted by the recount, given back once the first is down, or by the reaper with the run's own should the
+    run die. A full pool gives no second share: the replacement is then not provisioned before the loss."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed, Running
+
+    from gpuflow.cluster.cost.pricing import hourly_cost
+    from gpuflow.cluster.run.lifecycle import Lifecycle
+    from gpuflow.cluster.run.meter import Meter
+    from gpuflow.cluster.run.record import RunRecord
+    from gpuflow.flows.capacity import Capacity, Replacement
+    from gpuflow.flows.quota.hold import QuotaHold
+    from gpuflow.flows.quota.pools import set_quota
+    from gpuflow.flows.reconcile.quota_recount import recount
+
+    pool = f"replace-{uuid.uuid4().hex[:8]}"
+    set_quota(pool, 3)
+    try:
+        with get_client(sync_client=True) as client:
+            first_run = holder_run(client, pool, Running())
+            first = QuotaHold(local_spec(pool), str(first_run.id))
+            assert first.acquire() and first.hold_for_replacement()
+            assert quota_of(pool).active_slots == 2
+            recount()
+            assert quota_of(pool).active_slots == 2, "the replacement's share was freed as a leak"
+            second = QuotaHold(local_spec(pool), str(holder_run(client, pool, Running()).id))
+            assert second.acquire() and not second.hold_for_replacement()
+            assert quota_of(pool).active_slots == 3, "a full pool gave a second share"
+
+            spec = local_spec(pool)
+            life = Lifecycle("gpuflow-x", down=lambda name: True, meter=Meter(hourly_cost(spec)))
+            capacity = Capacity(RunRecord(spec, second.flow_run_id), life, lambda name, msg: None, quota=second)
+            replacement = Replacement(capacity, "gpuflow-x-r1", {}, 0)
+            caplog.set_level("WARNING", logger="gpuflow")
+            replacement.provision("notice", "spot notice on node 1")
+            assert replacement.take() is None, "a replacement was provisioned without slots"
+            assert f"quota {pool!r} has no room for a second cluster" in caplog.text, caplog.text
+
+            first.give_back_replacement()
+            assert quota_of(pool).active_slots == 2
+            assert first.hold_for_replacement()  # room again; then the run dies holding both shares
+            first._stop.set()  # its process is gone: nothing renews or releases its leases
+            client.set_flow_run_state(first_run.id, Crashed(message="kill -9"), force=True)
+        recount()  # no backend lists a cluster of the dead run: both its shares come back, the live run's stays
+        assert quota_of(pool).active_slots == 1
+        second.release()
+        assert quota_of(pool).active_slots == 0
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
+
+
 HOLD = """
 import sys, time
 from gpuflow.flows.quota.hold import QuotaHold, QueueTimeout

@@ -7,7 +7,6 @@ import contextlib
 import logging
 import threading
 import time
-from datetime import datetime, timezone
 
 from gpuflow.cluster.backends.local import drop_prewarmed
 from gpuflow.cluster.protocol import QUOTA_LOST
@@ -16,23 +15,20 @@ from gpuflow.cluster.run.monitor import progress
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.quota.pools import (
     HELD_TAG_PREFIX,
-    JOIN_S,
     LEASE_TAG_PREFIX,
     LEASED_TAG,
     OVER_BUT_BILLING_LEASE_S,
     POLL_S,
-    POOL_TAG_PREFIX,
     SLOTS_TAG_PREFIX,
     STAMP_S,
     TAKING_TAG_PREFIX,
     WAIT_TAG_PREFIX,
-    WAITING,
     accepted,
     holding,
     lease_seconds,
+    lease_slots,
     need_of,
-    submitted,
-    waiting_alive,
+    queue_of,
     waiting_state,
 )
 
@@ -58,6 +54,7 @@ class QuotaHold:
         self.lease_id, self.waited_s = None, 0.0
         self.renew_every_s = self.lease_s / 4  # a few renewals may fail before the lease lapses
         self.lost: str | None = None  # why the slots' lease is gone while the run holds them
+        self.replacement_lease_id: str | None = None  # a second share, for a cluster billing beside the first
         self._stop = threading.Event()
 
     def acquire(self) -> bool:
@@ -96,7 +93,7 @@ class QuotaHold:
 
         said, stamped = None, 0.0
         while True:
-            mine, ahead = self._queue(client)
+            mine, ahead = queue_of(client, self.need.pool, self.flow_run_id)
             if mine.state and mine.state.type.value in ("CANCELLING", "CANCELLED"):
                 raise QueueCancelled()
             if not ahead and self._try(client):
@@ -133,59 +130,59 @@ class QuotaHold:
                 )
             time.sleep(POLL_S)
 
-    def _queue(self, client) -> tuple:
-        """This run, and the runs of the pool submitted before it that wait, or are on their way to the queue."""
-        from prefect.client.schemas.filters import (
-            FlowRunFilter,
-            FlowRunFilterState,
-            FlowRunFilterStateType,
-            FlowRunFilterTags,
-        )
-
-        mine = client.read_flow_run(self.flow_run_id)
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(all_=[POOL_TAG_PREFIX + self.need.pool]),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"])),
-            ),
-            limit=200,
-        )
-        now = datetime.now(timezone.utc)
-
-        def ahead(run) -> bool:
-            if (
-                str(run.id) == self.flow_run_id
-                or submitted(run) >= submitted(mine)
-                or HELD_TAG_PREFIX + self.need.pool in run.tags
-            ):
-                return False
-            if run.state.name == WAITING:
-                return waiting_alive(run, now)  # else killed while it waited
-            return run.start_time is not None and (now - run.start_time).total_seconds() < JOIN_S
-
-        return mine, [run for run in runs if ahead(run)]
-
     def _try(self, client) -> bool:
-        import httpx
-        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-
         # tagged before it can hold: a recount then never takes the slots of a run not yet tagged held for a leak
         self._retag(client, add=[TAKING_TAG_PREFIX + self.need.pool])
+        self.lease_id = lease_slots(client, self.need, self.flow_run_id, self.lease_s)
+        if self.lease_id is None:
+            self._retag(client, remove=[TAKING_TAG_PREFIX + self.need.pool])
+        return self.lease_id is not None
+
+    def hold_for_replacement(self) -> bool:
+        """Takes a second share of the run's slots for a cluster that bills beside its first (a spot notice's
+        replacement), if the pool has room now: a notice leaves a minute or two, no time to queue. True without a
+        quota; False when the pool is full, or its API cannot be reached."""
+        from prefect.client.orchestration import get_client
+
+        if self.lease_id is None or self.replacement_lease_id is not None:
+            return True
+        two_shares = [f"{SLOTS_TAG_PREFIX}{2 * self.need.slots}"]
         try:
-            response = client.increment_concurrency_slots_with_lease(
-                names=[self.need.limit_name],
-                slots=self.need.slots,
-                mode="concurrency",
-                lease_duration=self.lease_s,
-                holder=ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id),
-            )
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code == 423:  # not enough free slots yet
-                self._retag(client, remove=[TAKING_TAG_PREFIX + self.need.pool])
-                return False
-            raise
-        self.lease_id = response.json()["lease_id"]
+            with get_client(sync_client=True) as client:
+                # counted as held before it is: a recount between the two never frees the share as a leak
+                self._retag(client, add=two_shares, remove=[f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
+                self.replacement_lease_id = lease_slots(client, self.need, self.flow_run_id, self.lease_s)
+                if self.replacement_lease_id is None:
+                    self._retag(client, add=[f"{SLOTS_TAG_PREFIX}{self.need.slots}"], remove=two_shares)
+                    return False
+                self._retag(client, add=[LEASE_TAG_PREFIX + self.replacement_lease_id])
+        except Exception as exc:
+            log.warning(f"quota: no second share for a replacement ({type(exc).__name__}: {str(exc)[:200]})")
+            return False
+        log.info(f"quota: holding {self.need.describe()} more, for the replacement cluster")
         return True
+
+    def give_back_replacement(self) -> None:
+        """Gives the second share back once one cluster bills again (the first is down): the run's own share holds
+        the one left. A failure leaves it to lapse, or to the reaper once the run is over."""
+        from prefect.client.orchestration import get_client
+
+        lease_id, self.replacement_lease_id = self.replacement_lease_id, None
+        if lease_id is None:
+            return
+        try:
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(lease_id)  # released before the tag says one share
+                self._retag(
+                    client,
+                    add=[f"{SLOTS_TAG_PREFIX}{self.need.slots}"],
+                    remove=[f"{SLOTS_TAG_PREFIX}{2 * self.need.slots}", LEASE_TAG_PREFIX + lease_id],
+                )
+        except Exception as exc:
+            log.warning(f"quota: could not give back the replacement's share ({type(exc).__name__}); it lapses")
+
+    def _leases(self) -> list[str]:
+        return [lease for lease in (self.lease_id, self.replacement_lease_id) if lease is not None]
 
     def _retag(self, client, add: list[str] = (), remove: list[str] = ()) -> None:
         tags = set(client.read_flow_run(self.flow_run_id).tags) - set(remove)
@@ -199,7 +196,8 @@ class QuotaHold:
         while not self._stop.wait(self.renew_every_s):
             try:
                 with get_client(sync_client=True) as client:
-                    client.renew_concurrency_lease(self.lease_id, self.lease_s)
+                    for lease in self._leases():
+                        client.renew_concurrency_lease(lease, self.lease_s)
                 renewed = time.monotonic()
             except Exception as exc:
                 gone = isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 410
@@ -251,15 +249,16 @@ class QuotaHold:
             try:
                 with get_client(sync_client=True) as client:
                     if self.lost is None:  # a lost lease holds nothing to give back
-                        client.release_concurrency_slots_with_lease(self.lease_id)
-                    self._retag(client, remove=[LEASED_TAG, LEASE_TAG_PREFIX + self.lease_id])
+                        for lease in self._leases():
+                            client.release_concurrency_slots_with_lease(lease)
+                    self._retag(client, remove=[LEASED_TAG, *(LEASE_TAG_PREFIX + lease for lease in self._leases())])
                     client.set_flow_run_state(self.flow_run_id, Running(message=f"gave back {self.need.describe()}"))
             except Exception as exc:  # the API is down: the lease lapses on its own, no renewal comes
                 log.warning(
                     f"quota: could not give back {self.need.describe()} ({type(exc).__name__}); "
                     f"its lease lapses within {self.lease_s:.0f} s"
                 )
-            self.lease_id = None
+            self.lease_id = self.replacement_lease_id = None
 
     def leave_to_the_reaper(self) -> None:
         """Keeps the slots: the cluster may still bill (its teardown failed). Their lease outlasts this process until
@@ -271,7 +270,8 @@ class QuotaHold:
             return
         try:
             with get_client(sync_client=True) as client:
-                client.renew_concurrency_lease(self.lease_id, OVER_BUT_BILLING_LEASE_S)
+                for lease in self._leases():
+                    client.renew_concurrency_lease(lease, OVER_BUT_BILLING_LEASE_S)
             log.warning(f"quota: {self.need.describe()} stay held until the reaper sees the cluster gone")
         except Exception as exc:  # the API is down: the lease lapses on its own
             log.warning(

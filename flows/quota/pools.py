@@ -7,9 +7,11 @@ concurrency limits, so every process that talks to the same Prefect server share
 A run holds its cluster's GPUs (nodes × GPUs per node; on the local backend, its workers) from before it provisions
 until its cluster is down, first submitted first served. Its flow run's tags say where it is: `quota:<pool>` from its
 start, `quota-wait:` while it waits (its state stamped "Waiting for GPUs" with its place; a stale stamp is passed
-over), `quota-taking:` while it asks, `quota-held:`, `quota-slots:<n>` and `quota-lease:<id>` while it holds. The
-lease, renewed while the run's process lives, lasts as long as its cluster may outlive it; the reaper's recount
-(flows/reconcile/quota_recount.py) gives a dead run's slots back once its cluster is gone, a leaked one at once.
+over), `quota-taking:` while it asks, `quota-held:`, `quota-slots:<n>` and `quota-lease:<id>` while it holds. A spot
+notice's replacement cluster, billing beside the first, holds a second share on a lease of its own (two lease tags,
+the slots tag doubled) until the first is down. The lease, renewed while the run's process lives, lasts as long as
+its cluster may outlive it; the reaper's recount (flows/reconcile/quota_recount.py) gives a dead run's slots back once
+its cluster is gone, a leaked one at once.
 """
 
 from __future__ import annotations
@@ -150,3 +152,47 @@ def waiting_state(message: str):
 def accepted(result) -> bool:
     """Prefect took the state a run proposed."""
     return result.status.value == "ACCEPT"
+
+
+def queue_of(client, pool: str, flow_run_id: str) -> tuple:
+    """The run, and the runs of the pool submitted before it that wait, or are on their way to the queue."""
+    from prefect.client.schemas import filters as f
+
+    mine = client.read_flow_run(flow_run_id)
+    runs = client.read_flow_runs(
+        flow_run_filter=f.FlowRunFilter(
+            tags=f.FlowRunFilterTags(all_=[POOL_TAG_PREFIX + pool]),
+            state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=["RUNNING"])),
+        ),
+        limit=200,
+    )
+    now = datetime.now(timezone.utc)
+
+    def ahead(run) -> bool:
+        if str(run.id) == flow_run_id or submitted(run) >= submitted(mine) or HELD_TAG_PREFIX + pool in run.tags:
+            return False
+        if run.state.name == WAITING:
+            return waiting_alive(run, now)  # else killed while it waited
+        return run.start_time is not None and (now - run.start_time).total_seconds() < JOIN_S
+
+    return mine, [run for run in runs if ahead(run)]
+
+
+def lease_slots(client, need: Need, flow_run_id: str, lease_s: float) -> str | None:
+    """A lease on the run's share of the pool, or None while the pool has no room for it."""
+    import httpx
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+    try:
+        response = client.increment_concurrency_slots_with_lease(
+            names=[need.limit_name],
+            slots=need.slots,
+            mode="concurrency",
+            lease_duration=lease_s,
+            holder=ConcurrencyLeaseHolder(type="flow_run", id=flow_run_id),
+        )
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code == 423:  # not enough free slots yet
+            return None
+        raise
+    return response.json()["lease_id"]

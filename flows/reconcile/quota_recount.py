@@ -107,7 +107,7 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
         return []
     given = []
     for run in over:
-        lease = next((tag.removeprefix(LEASE_TAG_PREFIX) for tag in run.tags if tag.startswith(LEASE_TAG_PREFIX)), None)
+        leases = [tag.removeprefix(LEASE_TAG_PREFIX) for tag in run.tags if tag.startswith(LEASE_TAG_PREFIX)]
         clusters = listed(
             next((tag.removeprefix(BACKEND_TAG) for tag in run.tags if tag.startswith(BACKEND_TAG)), None)
         )
@@ -116,10 +116,10 @@ def give_back_dead_holders(client, listed: Callable[[str | None], set[str] | Non
         up = str(run.id) in clusters
         try:
             if up:
-                if lease:
+                for lease in leases:  # a spot notice's replacement holds a second one
                     client.renew_concurrency_lease(lease, OVER_BUT_BILLING_LEASE_S)
             else:
-                if lease:
+                for lease in leases:
                     client.release_concurrency_slots_with_lease(lease)
                 client.update_flow_run(
                     run.id,
