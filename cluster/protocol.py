@@ -183,6 +183,9 @@ def epoch_metrics(line: str) -> dict[str, float]:
 
 # -- the MLflow run both sides write -------------------------------------------------------------------------------
 FLOW_RUN_TAG = "prefect.flow_run_id"
+# A Prefect flow-run tag its flow writes as the run opens (cluster/rerun/source.py source_stamp): the commit and the
+# digest of the uncommitted diff it ran. MLflow's copy can be changed by whoever can edit the run: a rerun compares.
+SOURCE_STAMP_PREFIX = "source:"
 BACKEND_TAG = "gpuflow.backend"  # every run gpuflow opens has it
 CLUSTER_TAG = "gpuflow.cluster"
 CHECKPOINT_TAG = "gpuflow.checkpoint"  # the last persisted checkpoint

@@ -31,7 +31,7 @@ from gpuflow.flows.quota.hold import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.run_spec import form_policy_of_this_run, hooks_spec, spec_from
-from gpuflow.flows.run_tags import REUSED_TAG_PREFIX, flow_run_ui_url, tag_flow_run
+from gpuflow.flows.run_tags import REUSED_TAG_PREFIX, flow_run_ui_url, source_stamp_of, tag_flow_run
 from gpuflow.tasks.compute import metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
 from gpuflow.tasks.reuse import find_finished_twin, reused_summary
@@ -165,7 +165,7 @@ def run_experiment(
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     if rerun_of:  # the run as it ran: its spec, its code checked out, its data checked; then a run as any other
-        spec = prepare_rerun(rerun_of, spec, form_policy_of_this_run())
+        spec = prepare_rerun(rerun_of, spec, form_policy_of_this_run(), source_stamp_of)
     tags = tag_flow_run(runtime.flow_run.id, runtime.flow_run.tags, spec)
     spec, prediction = validate(spec)  # refuses a bad spec, or a run over budget, before anything starts
     webhook = webhook_for(spec)  # notify.block: a block that does not load refuses the run here

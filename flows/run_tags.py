@@ -5,6 +5,7 @@ used by flows/experiment.py; a run from the UI or a schedule is tagged experimen
 
 from __future__ import annotations
 
+from gpuflow.cluster.protocol import SOURCE_STAMP_PREFIX
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.deployments.known_servers import tracking_tag
 from gpuflow.flows.quota.pools import POOL_TAG_PREFIX, need_of
@@ -31,6 +32,22 @@ def tag_flow_run(flow_run_id, existing_tags, spec: ExperimentSpec) -> list[str]:
     with get_client(sync_client=True) as client:
         client.update_flow_run(flow_run_id, tags=tags)
     return tags
+
+
+def source_stamp_of(flow_run_id: str) -> str | None:
+    """The source stamp (cluster/rerun/source.py) a flow run recorded as it opened its MLflow run; None when this
+    Prefect API has no such flow run (another server's, or gone), or it recorded none (an older gpuflow's)."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            tags = client.read_flow_run(UUID(flow_run_id)).tags
+    except (ObjectNotFound, ValueError):
+        return None
+    return next((tag.removeprefix(SOURCE_STAMP_PREFIX) for tag in tags if tag.startswith(SOURCE_STAMP_PREFIX)), None)
 
 
 def flow_run_ui_url(flow_run_id) -> str | None:

@@ -8,6 +8,7 @@ from urllib.parse import quote
 import yaml
 from mlflow.entities import RunInfo
 from mlflow.exceptions import MlflowException
+from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
@@ -19,9 +20,11 @@ from gpuflow.cluster.protocol import (
     FLOW_RUN_TAG,
     PREFECT_USER_TAG,
     REGISTERED_MODEL_TAG,
+    SOURCE_STAMP_PREFIX,
     TRIGGERED_BY_TAG,
 )
 from gpuflow.cluster.rerun.links import link_rerun, rerun_tags
+from gpuflow.cluster.rerun.source import source_stamp
 from gpuflow.cluster.rerun.work_key import work_key
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_bytes_to, log_text_to
 from gpuflow.cluster.run.record import (
@@ -93,6 +96,8 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
     }
     changes_tags, diff = uncommitted_changes(spec.workdir)
     tags.update(changes_tags)
+    if tags.get(MLFLOW_GIT_COMMIT):  # before MLflow holds a copy anyone who edits the run could change
+        stamp_source(flow_run["id"], source_stamp(tags[MLFLOW_GIT_COMMIT], diff))
     tags.update(work_key(spec, tags, diff).tags())  # from the source tags and diff above: git reads one tree more
     if flow_run.get("rerun_of"):
         tags.update(rerun_tags(client, flow_run["rerun_of"]))
@@ -122,6 +127,19 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
     # "sky-task.yaml")) once the SkyPilot backend can render it; the local backend has none.
     get_run_logger().info(f"MLflow run {run_id} in experiment {spec.experiment_name!r} ({spec.tracking_uri})")
     return run.info
+
+
+def stamp_source(flow_run_id: str, stamp: str) -> None:
+    """Records on the flow run the code it runs (SOURCE_STAMP_PREFIX): a rerun checks MLflow's copy against it."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            tags = set(client.read_flow_run(flow_run_id).tags)
+            if SOURCE_STAMP_PREFIX + stamp not in tags:
+                client.update_flow_run(flow_run_id, tags=sorted(tags | {SOURCE_STAMP_PREFIX + stamp}))
+    except Exception as exc:  # the run goes on: a rerun of it says its code could not be verified
+        get_run_logger().warning(f"could not record the run's source on its flow run: {type(exc).__name__}: {exc}")
 
 
 @task(name="register-model")

@@ -143,6 +143,16 @@ def test_the_run_names_its_datasets_its_commit_and_its_packages(digits_run, tmp_
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert run.data.tags["mlflow.source.git.commit"] == head
     assert run.data.tags["mlflow.source.git.dirty"] in ("true", "false")
+    # and its flow run recorded the same as it opened the run: what a rerun checks MLflow's copy against
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.cluster.rerun.source import source_stamp
+
+    dirty = run.data.tags["mlflow.source.git.dirty"] == "true"
+    diff = Path(client.download_artifacts(run.info.run_id, "source/uncommitted.diff", str(tmp_path))) if dirty else None
+    with get_client(sync_client=True) as prefect:
+        tags = prefect.read_flow_run(digits_run.flow_run_id).tags
+    assert "source:" + source_stamp(head, diff.read_bytes() if diff else b"") in tags, tags
     packages = Path(client.download_artifacts(run.info.run_id, "environment/packages.txt", str(tmp_path))).read_text()
     assert {"torch", "ray"} <= {line.split("==")[0] for line in packages.splitlines()}
 

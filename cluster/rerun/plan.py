@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpuflow.cluster.protocol import FLOW_RUN_TAG
 from gpuflow.cluster.rerun import RerunRefused
 from gpuflow.cluster.rerun.checks import DataCheck, data_checks, package_differences, recorded_inputs, recorded_packages
 from gpuflow.cluster.rerun.find import FoundRun, find_run
-from gpuflow.cluster.rerun.source import Source, checkout, recorded_source, repository_here
+from gpuflow.cluster.rerun.source import (
+    Source,
+    check_stamp,
+    checkout,
+    on_allowed_refs,
+    recorded_source,
+    repository_here,
+)
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, apply_override, parse_spec
 from gpuflow.cluster.spec.loading import safe_load
 from gpuflow.cluster.spec.options import ACCELERATOR
@@ -35,6 +43,7 @@ class Rerun:
     spec_changes: list[tuple[str, object, object]]  # (field, recorded, rerun)
     data: list[DataCheck]
     packages: list[tuple[str, str | None, str | None]] | None  # None: the run recorded no package list
+    verified: bool  # its code is what its flow recorded at its start (SOURCE_STAMP_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -47,12 +56,24 @@ class Ask:
     on: str | None = None
     allow_data_change: bool = False
     allow_unrecorded_changes: bool = False
+    # the source stamp a flow run recorded (flow run id -> stamp, None where unknown); None: no Prefect API to ask
+    stamp_of: Callable[[str], str | None] | None = None
+    rerun_refs: tuple[str, ...] = ()  # a served deployment's: committed code those refs contain, nothing else
 
 
 def prepare(ask: Ask, here: Path, cache: Path) -> Rerun:
     """Every check of the rerun, in the order that costs least: refuses (RerunRefused, SpecError) before any cluster."""
     found = find_run(ask.run, ask.tracking_uris)
     source = recorded_source(found.client, found.source)
+    flow_run_id = found.source.data.tags.get(FLOW_RUN_TAG)
+    stamp = ask.stamp_of(flow_run_id) if ask.stamp_of and flow_run_id else None
+    verified = check_stamp(source, stamp, found.source.info.run_id)
+    if ask.rerun_refs and (source.diff or source.unrecorded):
+        raise RerunRefused(
+            f"run {found.source.info.run_id} ran with uncommitted changes: a served deployment reruns committed "
+            f"code only. Rerun it from your own tree with `gpuflow rerun {found.run_id}`, or commit the changes, "
+            "run that, and rerun that run"
+        )
     if source.unrecorded and not ask.allow_unrecorded_changes:
         raise RerunRefused(
             f"run {found.source.info.run_id}: {source.unrecorded}, so a rerun cannot reproduce its "
@@ -65,13 +86,15 @@ def prepare(ask: Ask, here: Path, cache: Path) -> Rerun:
             + "; ".join(c.describe() for c in data if c.changed)
             + "; restore it, or --allow-data-change reruns on the data as it is now"
         )
-    folder = checkout(repository_here(here), source, cache)
+    repository = repository_here(here)
+    if ask.rerun_refs:
+        on_allowed_refs(repository, source.commit, ask.rerun_refs)
+    folder = checkout(repository, source, cache)
     recorded = found.recorded_spec()
     spec, changes = rerun_spec(recorded, pinned(found, folder / source.workdir), ask)
     packages = recorded_packages(found.client, found.source)
-    return Rerun(
-        found, source, folder, spec, changes, data, None if packages is None else package_differences(packages)
-    )
+    differences = None if packages is None else package_differences(packages)
+    return Rerun(found, source, folder, spec, changes, data, differences, verified)
 
 
 def pinned(found: FoundRun, workdir: Path) -> dict[str, str]:
@@ -155,6 +178,10 @@ def describe(rerun: Rerun) -> list[str]:
     lines.append(f"code         commit {source.commit} {changes}")
     if source.unrecorded:
         lines.append(f"             NOT as it ran: {source.unrecorded}")
+    if rerun.verified:
+        lines.append("             as its flow run recorded it at its start")
+    else:  # MLflow's copy alone: whoever can edit the run could have changed it
+        lines.append("             NOT verified: no record of its flow run's found here; this is MLflow's copy")
     lines.append(f"             checked out in {rerun.folder}")
     lines += [f"spec         {field}: {shown(old)} -> {shown(new)}" for field, old, new in rerun.spec_changes] or [
         "spec         as recorded"

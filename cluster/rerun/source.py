@@ -14,7 +14,7 @@ from pathlib import Path
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY, MLFLOW_GIT_REPO_URL
 
 from gpuflow.cluster.lineage import DIFF_ARTIFACT, git
-from gpuflow.cluster.protocol import DIFF_TOO_LARGE_TAG, SOURCE_WORKDIR_TAG
+from gpuflow.cluster.protocol import DIFF_TOO_LARGE_TAG, SOURCE_STAMP_PREFIX, SOURCE_WORKDIR_TAG
 from gpuflow.cluster.rerun import RerunRefused
 
 READY = ".gpuflow-rerun-ready"  # written last: a checkout without it was interrupted, and is made again
@@ -51,6 +51,38 @@ def recorded_source(client, source_run) -> Source:
             except Exception:
                 unrecorded = f"it ran with uncommitted changes but has no {DIFF_ARTIFACT} (an older gpuflow's run)"
     return Source(commit, diff, tags.get(SOURCE_WORKDIR_TAG, "."), tags.get(MLFLOW_GIT_REPO_URL), unrecorded)
+
+
+def source_stamp(commit: str, diff: bytes) -> str:
+    """What a run's flow records of its code as it starts: its commit, and its uncommitted diff's digest if any."""
+    return commit + (f"+{hashlib.sha256(diff).hexdigest()[:32]}" if diff else "")
+
+
+def check_stamp(source: Source, stamp: str | None, run_id: str) -> bool:
+    """Whether the code MLflow holds for the run is what its flow recorded at its start; False when there is no
+    record to compare with. Refuses code changed in MLflow since (its commit tag, or its diff artifact)."""
+    if stamp is None:
+        return False
+    if stamp != source_stamp(source.commit, source.diff):
+        raise RerunRefused(
+            f"run {run_id}: its code in MLflow (commit {source.commit}, "
+            f"{len(source.diff):,} bytes of uncommitted diff) is not what its flow run recorded as it started "
+            f"({SOURCE_STAMP_PREFIX}{stamp}): the run's source tags or {DIFF_ARTIFACT} were changed since. Nothing "
+            "was run; ask the run's owner, or rerun a run whose record is intact"
+        )
+    return True
+
+
+def on_allowed_refs(repository: Path, commit: str, refs: tuple[str, ...]) -> None:
+    """Refuses a commit that none of `refs` of the repository contains (a served deployment reruns only those)."""
+    for ref in refs:
+        contains = ["git", "-C", str(repository), "merge-base", "--is-ancestor", commit, ref]
+        if subprocess.run(contains, capture_output=True).returncode == 0:
+            return
+    raise RerunRefused(
+        f"commit {commit} is on none of the refs this deployment reruns ({', '.join(refs)}): add its branch to the "
+        "deployment's form_policy.rerun_refs in prefect.yaml, or rerun it with `gpuflow rerun` from your tree"
+    )
 
 
 def repository_here(folder: Path) -> Path:

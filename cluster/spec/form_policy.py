@@ -1,12 +1,14 @@
 """What a run started from the Prefect UI form (or the API) may change of its deployment's spec; the rest is fixed.
 
     # prefect.yaml, under a deployment:
-    form_policy: {allow: [train.epochs, train.lr, train.params.*, compute.num_nodes]}
+    form_policy: {allow: [train.epochs, train.lr, train.params.*, compute.num_nodes], rerun_refs: [main]}
 
 Whoever can open the Prefect UI can start a run on the worker, with the worker's cloud credentials. A
 deployment with a form_policy lets such a run change only the listed fields (`*` matches one or more
 levels); the loop and data generator must be functions defined in the project's own files (no builtins,
-no `os:system`), and `spec_file` is refused unless listed. No Prefect here: flows/run_spec.py applies it, and
+no `os:system`), and `spec_file` is refused unless listed. A rerun from the form (its rerun_of field) runs only
+committed code that one of `rerun_refs` contains (git refs of the deployment's own checkout; default HEAD, the
+deployed commit and its history), never a diff held in MLflow. No Prefect here: flows/run_spec.py applies it, and
 cluster/rerun/for_flow.py to a rerun.
 """
 
@@ -33,6 +35,7 @@ class FormPolicy:
     deployment: str
     baseline: ExperimentSpec  # the deployment's own spec, as its maintainers wrote it
     allow: list[str] = field(default_factory=list)
+    rerun_refs: list[str] = field(default_factory=lambda: ["HEAD"])  # what a rerun from the UI may run
 
     def problems(self, spec: ExperimentSpec, spec_file: str | None = None) -> list[str]:
         found = []
@@ -76,14 +79,16 @@ def policy_from(deployment: str, entry: dict, baseline_spec: dict) -> FormPolicy
     if declared is None:
         return None
     allow = declared.get("allow") if isinstance(declared, dict) else None
-    if not isinstance(allow, list) or not all(isinstance(item, str) for item in allow):
+    refs = declared.get("rerun_refs", ["HEAD"]) if isinstance(declared, dict) else None
+    if not all(isinstance(items, list) and all(isinstance(item, str) for item in items) for items in (allow, refs)):
         raise SpecError(
             [
                 f"prefect.yaml: deployment {deployment!r} form_policy must be "
-                "{allow: [field.path, ...]}, e.g. {allow: [train.epochs, train.params.*]}"
+                "{allow: [field.path, ...], rerun_refs: [git ref, ...]}, e.g. {allow: [train.epochs, "
+                "train.params.*], rerun_refs: [main]} (rerun_refs: the commits a UI rerun may run; default HEAD)"
             ]
         )
-    return FormPolicy(deployment, parse_spec(baseline_spec), allow)
+    return FormPolicy(deployment, parse_spec(baseline_spec), allow, refs)
 
 
 def differences(before: Any, after: Any, prefix: str = "") -> list[str]:

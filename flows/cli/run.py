@@ -21,7 +21,7 @@ from gpuflow.cluster.util.preload import import_in_background
 from gpuflow.flows.cli import add_overrides
 from gpuflow.flows.cli.console import end_live_line, print_summary
 from gpuflow.flows.cli.stack import leave_a_stack
-from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, temporary_api_launched
+from gpuflow.flows.local_stack.prefect_api import prefect_api_answers, prefect_api_up, temporary_api_launched
 
 
 def add_parser(commands, name: str) -> None:
@@ -247,6 +247,7 @@ def rerun(args: argparse.Namespace) -> int:
     from gpuflow.cluster.config import state_dir
     from gpuflow.cluster.rerun import RerunRefused
     from gpuflow.cluster.rerun.plan import Ask, describe, prepare
+    from gpuflow.flows.run_tags import source_stamp_of
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # spec.yaml, the diff: no bars on stderr
     ask = Ask(
@@ -256,6 +257,9 @@ def rerun(args: argparse.Namespace) -> int:
         args.on,
         args.allow_data_change,
         args.allow_unrecorded_changes,
+        # the flow runs' records of their code are read where a run's Prefect API is up; a temporary API's store
+        # is this machine's own, beside the user's own MLflow store: the rerun then says its code is not verified
+        stamp_of=source_stamp_of if prefect_api_up() else None,
     )
     try:
         planned = prepare(ask, Path.cwd(), state_dir() / "reruns")

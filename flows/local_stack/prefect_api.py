@@ -43,6 +43,22 @@ def prefect_api_answers(timeout_s: float = 5) -> bool:
     return temporary_api.answers(PREFECT_API_URL.value(), timeout_s) if PREFECT_API_URL.value() else True
 
 
+def prefect_api_up() -> bool:
+    """Whether a Prefect API that runs here use answers now, started by no one for this call: a configured server,
+    or the warm stack's (which this process then uses, as a run would)."""
+    from prefect.settings import PREFECT_API_URL
+
+    from gpuflow.flows.local_stack import stack, temporary_api
+
+    if PREFECT_API_URL.value():
+        return prefect_api_answers(timeout_s=2)
+    record = stack.read_stack()
+    if not (record and record.get("api_url") and temporary_api.answers(record["api_url"], timeout_s=2)):
+        return False
+    temporary_api.use(record["api_url"])
+    return True
+
+
 def stop_retrying_if_gone() -> None:
     """For a run being stopped (a signal, Ctrl-C) whose Prefect API no longer answers: its last calls to it (its
     Crashed state, its logs) fail at once, instead of retrying for a minute or more each (PREFECT_CLIENT_MAX_RETRIES)
