@@ -28,6 +28,7 @@ ENV_NAMES = {  # JobEnv field -> environment variable
     "run_name": "GPUFLOW_RUN_NAME",
     "notify_json": "GPUFLOW_NOTIFY",
     "metadata_url": "GPUFLOW_METADATA_URL",
+    "continue_from": "GPUFLOW_CONTINUE_FROM",
 }
 SECRET_ENV_NAMES = {"GPUFLOW_NOTIFY"}  # never in a log or a backend's job record: SkyPilot gets them as secrets
 
@@ -47,6 +48,7 @@ class JobEnv:
     run_name: str | None = None
     notify_json: str | None = None  # the run's webhook, links and name (cluster/run/webhook.py): a secret
     metadata_url: str | None = None  # a test's double of the clouds' metadata service (cluster/config.py), for nodes
+    continue_from: str | None = None  # an earlier run's last checkpoint, where a continuation starts (rerun/reuse.py)
 
     def to_env(self) -> dict[str, str]:
         return {ENV_NAMES[f.name]: str(value) for f in fields(self) if (value := getattr(self, f.name)) is not None}
@@ -252,6 +254,7 @@ DIFF_TOO_LARGE_TAG = "gpuflow.source.diff_too_large"  # the uncommitted changes 
 WORK_KEY_TAG = "gpuflow.work_key"
 WORK_KEY_WITHOUT_EPOCHS_TAG = "gpuflow.work_key_without_epochs"  # the same without train.epochs: a run to continue
 WORK_KEY_MISSING_TAG = "gpuflow.work_key_missing"  # why the run has no work key
+CONTINUED_FROM_TAG = "gpuflow.continued_from"  # the FINISHED run of fewer epochs whose last checkpoint it started from
 
 QUOTA_LOST = "quota_lost"  # the team's quota lease lapsed or was revoked while the run held it
 

@@ -158,8 +158,9 @@ def run_experiment(
         rerun_of: An MLflow run id (or a Prefect flow run id) to run again as it ran: its spec, its commit and
             uncommitted changes, its data checked by digest (`gpuflow rerun`); the two runs are linked both ways.
             From the UI, `spec` then says only where the run is tracked.
-        force: Train even when a FINISHED run has this run's work key (its code, data and training fields); off,
-            such a run is reused: linked, with no cluster and nothing billed (the spec's `reuse: never` turns it off).
+        force: Train from scratch even when a FINISHED run has this run's work key (its code, data and training
+            fields); off, such a run is reused: linked, with no cluster and nothing billed, and one that trained
+            fewer epochs of the same is continued from its last checkpoint (the spec's `reuse: never` turns both off).
     """
     started = time.time()
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
@@ -174,6 +175,8 @@ def run_experiment(
         tag_flow_run(runtime.flow_run.id, [*tags, REUSED_TAG_PREFIX + twin.run.info.run_id], spec)
         return reused_summary(spec, twin, time.time() - started)
     flow_run = {**this_flow_run(), "rerun_of": rerun_of}
+    if twin.continues:  # more epochs of a finished run: it starts from that run's last checkpoint
+        flow_run.update(continues=twin.continues.info.run_id, continue_from=twin.checkpoint)
     try:
         # the quota's GPUs are held from before the provision request until the cluster is down
         with turn_for_gpus(spec, flow_run["id"]) as quota:

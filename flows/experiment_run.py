@@ -22,7 +22,7 @@ from gpuflow.flows.run_tags import prefect_link
 @dataclass
 class ExperimentRun:
     spec: ExperimentSpec
-    flow_run: dict  # id, name, url, deployment, created_by (this_flow_run)
+    flow_run: dict  # id, name, url, deployment, created_by (this_flow_run); rerun_of, continues, continue_from
     webhook: dict | None  # the spec's notify.block, loaded: the job sends with it too
     record: RunRecord
     life: Lifecycle
@@ -60,6 +60,7 @@ class ExperimentRun:
             hourly_usd=self.life.meter.hourly_usd(),
             notify_json=self.notify_json(),
             metadata_url=metadata_url(),
+            continue_from=self.flow_run.get("continue_from"),
         )
         return Job(train_run_name(self.spec.name, self.record.flow_run_id), env.to_env())
 

@@ -17,6 +17,7 @@ from gpuflow.cluster.lineage import DIFF_ARTIFACT, SPEC_ARTIFACT, source_tags, u
 from gpuflow.cluster.protocol import (
     BACKEND_TAG,
     CLUSTER_TAG,
+    CONTINUED_FROM_TAG,
     FLOW_RUN_TAG,
     PREFECT_USER_TAG,
     REGISTERED_MODEL_TAG,
@@ -101,6 +102,8 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
     tags.update(work_key(spec, tags, diff).tags())  # from the source tags and diff above: git reads one tree more
     if flow_run.get("rerun_of"):
         tags.update(rerun_tags(client, flow_run["rerun_of"]))
+    if flow_run.get("continues"):
+        tags[CONTINUED_FROM_TAG] = flow_run["continues"]
     if os.environ.get("MLFLOW_TRACKING_USERNAME"):  # else MLflow's default
         tags[USER_TAG] = os.environ["MLFLOW_TRACKING_USERNAME"]
     if flow_run.get("created_by"):

@@ -234,3 +234,36 @@ def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits
     with get_client(sync_client=True) as prefect:
         assert REUSED_TAG_PREFIX + first.info.run_id in prefect.read_flow_run(flow_run_id).tags
     assert prefect_artifact_of(flow_run_id).startswith(f"# {spec.name}")
+
+
+def test_more_epochs_of_the_same_work_continue_the_finished_run_from_its_last_checkpoint(digits_run, monkeypatch):
+    """The same spec, code and data with two more epochs: the run starts from the finished run's last checkpoint and
+    trains the two epochs left, its metrics going on from there, linked to the run it continued. --force trains from
+    scratch; fewer epochs than the finished run's are not a continuation."""
+    from gpuflow.cluster.protocol import CHECKPOINT_TAG, CONTINUED_FROM_TAG
+    from gpuflow.cluster.rerun.reuse import REUSE_ENV, finished_twin
+    from gpuflow.flows.cli.check import reuse_line
+    from gpuflow.flows.experiment import run_experiment
+
+    monkeypatch.delenv(REUSE_ENV)
+    monkeypatch.setenv("GPUFLOW_HOME", str(digits_run.home))
+    client, first = digits_run.mlflow_run()
+    epochs = digits_run.spec.train.epochs
+    more = digits_run.spec.model_copy(update={"train": digits_run.spec.train.model_copy(update={"epochs": epochs + 2})})
+    twin = finished_twin(more)
+    assert twin.run is None and twin.continues.info.run_id == first.info.run_id, twin.why
+    assert twin.checkpoint == first.data.tags[CHECKPOINT_TAG]
+    assert f"from its checkpoint of epoch {epochs - 1}: 2 epoch(s) to train" in reuse_line(more)
+    assert finished_twin(more, force=True).continues is None
+    fewer = digits_run.spec.model_copy(update={"train": digits_run.spec.train.model_copy(update={"epochs": 3})})
+    assert finished_twin(fewer).continues is None
+
+    state = run_experiment(more, return_state=True)
+    assert state.is_completed(), state.message
+    continued = client.get_run(state.result()["run_id"])
+    assert continued.info.status == "FINISHED" and continued.data.tags[CONTINUED_FROM_TAG] == first.info.run_id
+    # a run from scratch would have reported every epoch from 0
+    assert [m.step for m in client.get_metric_history(continued.info.run_id, "val_accuracy")] == [epochs, epochs + 1]
+    # from the trained model: where a fresh one would start from chance
+    assert continued.data.metrics["val_accuracy"] >= first.data.metrics["val_accuracy"] - 0.05, continued.data.metrics
+    assert f"training: continues the finished run {first.info.run_name}" in flow_logs(state.state_details.flow_run_id)

@@ -80,7 +80,7 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     from gpuflow.cluster.job.ingest import SplitInMemory
     from gpuflow.cluster.job.stacks import with_stack_dumps
     from gpuflow.cluster.job.tracking import tracking_callbacks
-    from gpuflow.cluster.util.ray_train_internals import without_unused_actors
+    from gpuflow.cluster.util.ray_train_internals import starting_from, without_unused_actors
 
     compute = spec.compute
     job = JobEnv.from_env()
@@ -88,7 +88,8 @@ def build_trainer(spec: ExperimentSpec, run_name: str, run_id: str | None = None
     num_workers = spec.workers_per_trial
     gpus_per_worker = 1 if compute.use_gpu else 0
     return without_unused_actors(TorchTrainer)(
-        with_stack_dumps(resolve(spec.train.loop), run_id),  # a hung loop's stacks can be read (job/stacks.py)
+        # a hung loop's stacks can be read (job/stacks.py); a continuation starts from the earlier run's checkpoint
+        starting_from(with_stack_dumps(resolve(spec.train.loop), run_id), job.continue_from),
         train_loop_config=loop_config(spec),
         datasets=datasets_of(spec),
         dataset_config=SplitInMemory(),

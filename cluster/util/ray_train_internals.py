@@ -28,12 +28,18 @@ check these first.
                            handle as DataParallelTrainer._register_sigint_handler receives it: the run's workers stop
                            and its callbacks' before_controller_abort runs (the tracker logs what it holds) before the
                            job's guard closes the run (cluster/job/guard.py).
+    starting_from          the worker's TrainContext.checkpoint, what ray.train.get_checkpoint() returns: Ray Train v2
+                           refuses resume_from_checkpoint, so a run that continues another (cluster/rerun/reuse.py)
+                           gives its loop the earlier run's last checkpoint there, as a restore would; any loop
+                           that resumes from ray.train.get_checkpoint() then goes on from it.
 
 Nothing of Ray is imported with this module: only inside its functions (the job's guard imports it, Ray or not).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 
 _controllers: list = []  # the handles of the Ray Train controllers this process started (`abort_training`)
@@ -174,3 +180,24 @@ def abort_training(timeout_s: float) -> None:
             ray.get(controller.abort.remote(), timeout=max(0.1, deadline - time.monotonic()))
         except Exception:
             continue
+
+
+def starting_from(loop, checkpoint_uri: str | None):
+    """The loop (a function of its config), its first ray.train.get_checkpoint() on each worker being the checkpoint at
+    `checkpoint_uri` when the run has none of its own (a relaunch resumes from the run's own latest)."""
+    if not checkpoint_uri:
+        return loop
+    takes_config = bool(inspect.signature(loop).parameters)
+
+    @functools.wraps(loop)
+    def train_loop(config):
+        from ray.train import Checkpoint
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        context = get_train_context()
+        with context.report_order_condition:
+            if context.checkpoint is None:
+                context.checkpoint = Checkpoint(checkpoint_uri)
+        return loop(config) if takes_config else loop()
+
+    return train_loop

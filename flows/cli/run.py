@@ -42,8 +42,11 @@ def add_parser(commands, name: str) -> None:
     )
     command.add_argument(
         "--force",
+        "--from-scratch",
+        dest="force",
         action="store_true",
-        help="train even if a finished run has the same code, data and training fields (else it is reused)",
+        help="train from scratch, even if a finished run has the same code, data and training fields (else it is "
+        "reused) or the same with fewer epochs (else it is continued from its last checkpoint)",
     )
     add_overrides(command, "override a spec field, e.g. --set train.lr=0.01 (repeatable)")
 
