@@ -110,6 +110,35 @@ def test_an_early_job_is_taken_over_only_if_it_read_the_same_at_start(monkeypatc
     assert environment_digest() != before
 
 
+def test_a_spare_serves_only_a_run_whose_own_cluster_would_get_the_same_environment(gpuflow_home, monkeypatch):
+    """The warm stack's spare runs its Ray processes (and a run's workers, forked from them) with the environment of
+    the shell that left the stack: a run from a shell with other values starts its own cluster instead. Prefect's
+    settings reach no Ray process, and do not count."""
+    import os
+
+    from gpuflow.cluster.backends.local import shape_of
+    from gpuflow.cluster.backends.local.warm import SPARE_PREFIX
+    from gpuflow.cluster.config import STARTING_ENVIRONMENT
+
+    backend = LocalBackend()
+    spec = parse_spec({**A_LOOP, "compute": {"workers_per_node": 1}})
+    monkeypatch.setitem(STARTING_ENVIRONMENT, "OMP_NUM_THREADS", "1")  # the shell that left the stack
+    backend.start_shaped(shape_of(spec), SPARE_PREFIX + "test", os.getpid())
+    pids, claimed = backend.pids(SPARE_PREFIX + "test"), None
+    try:
+        monkeypatch.setitem(STARTING_ENVIRONMENT, "OMP_NUM_THREADS", "4")  # this run's shell
+        assert backend.claim_spare(spec) is None
+        monkeypatch.setitem(STARTING_ENVIRONMENT, "OMP_NUM_THREADS", "1")
+        monkeypatch.setitem(STARTING_ENVIRONMENT, "PREFECT_HOME", "/another/prefect/home")
+        claimed = backend.claim_spare(spec)
+        assert claimed and claimed.startswith("gpuflow-warm-"), claimed
+    finally:
+        for name in (SPARE_PREFIX + "test", claimed):
+            if name:
+                backend.down(name)
+    assert alive(pids) == []
+
+
 def test_the_local_ray_is_lean_unless_asked_for_in_full(monkeypatch):
     from gpuflow.cluster.backends.local.early_job import LEAN_RAY
     from gpuflow.cluster.config import SettingError

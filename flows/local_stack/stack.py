@@ -4,8 +4,10 @@
     gpuflow down                                                 # or let it stop itself once idle
 
 Without it, each `gpuflow run` starts Prefect's temporary API and a Ray cluster of its own: seconds of CPU before
-the first step. With it, a run uses the stack's API and claims its spare cluster (one of the run's shape), which
-from then on is the run's alone: owned by the run's process, downed at its end or with its death, as any other.
+the first step. With it, a run uses the stack's API and claims its spare cluster (one of the run's shape, started in
+the environment the run's own cluster would get: cluster/backends/local/warm.py), which from then on is the run's
+alone: owned by the run's process, downed at its end or with its death, as any other. A run from a shell with other
+values starts its own cluster; `gpuflow down`, and the next stack is that shell's.
 Once no run is going, the stack starts the next spare in the shape of the last run, and the job process that waits
 on it for a run (cluster/backends/local/early_job.py). It stops itself after
 `--idle-minutes` without a run; its API and spare stop with it, even after a kill -9 (each watches its owner).

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gpuflow.cluster.backends.base import ClusterHandle, ClusterStatus, Job, LineReader
 from gpuflow.cluster.backends.local import early_job
-from gpuflow.cluster.backends.local.early_job import ray_env
+from gpuflow.cluster.backends.local.early_job import cluster_environment_digest, ray_env
 from gpuflow.cluster.backends.local.warm import PREWARMED, WarmClusters, shape_of
 from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.protocol import JobEnv
@@ -102,6 +102,7 @@ class LocalBackend(WarmClusters):
                 "jobs": {},
                 "shape": shape,
                 "owner": owner_pid,
+                "environment": cluster_environment_digest(),  # what its Ray processes, and workers, run with
             },
         )
 

@@ -78,6 +78,24 @@ def environment_digest() -> str:
     return hashlib.sha256(json.dumps(sorted(read.items())).encode()).hexdigest()
 
 
+# What a cluster's Ray processes inherit and no run's workers read: Prefect's settings (no Ray process imports Prefect;
+# each run points its job at its own API), the shell's bookkeeping and the terminal's.
+NOT_THE_RUNS = ("PREFECT_",)
+SHELL_NOISE = {"_", "PWD", "OLDPWD", "SHLVL", "TERM", "COLUMNS", "LINES"}
+
+
+def cluster_environment_digest() -> str:
+    """What a cluster this process starts runs its Ray processes, and so the run's workers, with: the environment it
+    was started with, for Ray, less NOT_THE_RUNS. A spare that another process (the stack) started serves a run only
+    where they match: a run's workers never see another shell's values."""
+    env = {
+        name: value
+        for name, value in ray_env(STARTING_ENVIRONMENT).items()
+        if not name.startswith(NOT_THE_RUNS) and name not in SHELL_NOISE
+    }
+    return hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
+
+
 def handoff_environment(started_with: dict[str, str], runs_with: dict[str, str]) -> None:
     """Makes this process's environment the run's: its values set, what only the starter's had removed (what the
     imports since set themselves stays)."""

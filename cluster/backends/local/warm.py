@@ -70,7 +70,9 @@ class WarmClusters:
 
         The claim makes this process the cluster's owner first (the owner file), then renames it away from the
         spare's name: a claimer killed in between leaves a cluster owned by a dead process, which stops itself.
-        The lock makes two runs that claim at once take at most one spare each."""
+        The lock makes two runs that claim at once take at most one spare each. A spare started in another
+        environment than this process's cold cluster would get (early_job.cluster_environment_digest) is not claimed:
+        its workers would see the values of the shell that left the stack, not the run's."""
         if not self.root.exists():
             return None
         lock = os.open(self.root, os.O_RDONLY)  # the clusters' folder itself: released on close, or with the process
@@ -78,7 +80,12 @@ class WarmClusters:
             fcntl.flock(lock, fcntl.LOCK_EX)
             for folder in sorted(self.root.glob(f"{SPARE_PREFIX}*")):
                 record = self.record(folder.name)
-                if record and record.get("shape") == shape_of(spec) and session_alive(record["session"]):
+                if (
+                    record
+                    and record.get("shape") == shape_of(spec)
+                    and record.get("environment") == early_job.cluster_environment_digest()
+                    and session_alive(record["session"])
+                ):
                     write_atomically(Path(record["temp_dir"]) / OWNER_FILE, str(os.getpid()))
                     self._write(folder.name, {**record, "owner": os.getpid()})
                     name = f"{CLUSTER_PREFIX}warm-{uuid.uuid4().hex[:12]}"
