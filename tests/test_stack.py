@@ -213,6 +213,38 @@ def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leave
     assert "stopping" in log.read_bytes()[logged:].decode(errors="replace")
 
 
+LIVING_FLOW = """
+import sys, time
+from prefect import flow
+
+@flow(name="elsewhere")
+def elsewhere():  # a run on another backend (SkyPilot), or one waiting for the quota: no local cluster
+    print("started", flush=True)
+    time.sleep(float(sys.argv[1]))
+
+elsewhere()
+"""
+
+
+def test_the_stack_stays_up_while_a_run_on_its_api_lives_without_a_local_cluster(stack_env, gpuflow_home):
+    """A run whose cluster is not local (SkyPilot), or that waits for the quota, uses the stack's API with no local
+    cluster up: the stack waits for it, judged by its heartbeats, and goes once it is over and the stack idle."""
+    gpuflow(stack_env, "up", "--idle-minutes", "0.2")  # 12 s; no spec: no spare
+    stack = stack_record(gpuflow_home)
+    env = {**stack_env, "PREFECT_API_URL": stack["api_url"], "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
+    run = subprocess.Popen([sys.executable, "-c", LIVING_FLOW, "45"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout.readline().strip() == "started"
+        time.sleep(30)  # past two idle times
+        assert alive([stack["pid"]]), "the stack went while a run on its API lived"
+        assert run.wait(60) == 0
+    finally:
+        run.kill()
+    ended = time.monotonic()
+    wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the stack gone once its run was over and it was idle")
+    print(f"the stack went {time.monotonic() - ended:.1f} s after its last run ended")
+
+
 def gpuflow_in_a_terminal(env: dict, *args: str) -> str:
     """What `gpuflow ARGS` shows on a pseudo-terminal, all of it."""
     import pty

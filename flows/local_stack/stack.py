@@ -151,6 +151,29 @@ class Stack:
         """Any local cluster up other than the spare: a run is using this machine (and its CPUs)."""
         return any(status.status == "UP" and status.name != self.spare for status in self.backend.status())
 
+    def api_in_use(self) -> bool:
+        """Whether a flow run on the stack's API still lives: one waiting for a quota, or training on another backend
+        (SkyPilot), uses the API though no local cluster of it is up. A run not over is judged as the reaper judges
+        it: by the Prefect heartbeats its process sends while it lives (cluster/run/liveness.py); a killed one's stop.
+        An API that does not answer is in use by none."""
+        from prefect.client.orchestration import SyncPrefectClient
+        from prefect.client.schemas import filters
+
+        from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S
+        from gpuflow.flows.reconcile.dead_runs import last_heartbeat
+
+        not_over = filters.FlowRunFilterStateType(any_=["PENDING", "RUNNING", "CANCELLING", "PAUSED"])
+        try:
+            with SyncPrefectClient(self.api.api_url) as client:
+                runs = client.read_flow_runs(
+                    flow_run_filter=filters.FlowRunFilter(state=filters.FlowRunFilterState(type=not_over)), limit=20
+                )
+                beats = [last_heartbeat(client, str(run.id)) for run in runs]
+        except Exception as exc:
+            print(f"cannot read the runs on this API ({type(exc).__name__}: {str(exc)[:300]}): none counted", flush=True)
+            return False
+        return any(beat is not None and time.time() - beat < HEARTBEAT_LATE_S for beat in beats)
+
     def keep_a_spare(self) -> None:
         """A spare of the wanted shape, started only while no run goes: its start would take CPU from one."""
         record = self.backend.record(self.spare) if self.spare else None
@@ -196,8 +219,10 @@ class Stack:
             if self.runs_going():
                 self.last_busy = time.monotonic()
             elif time.monotonic() - self.last_busy > self.idle_s:
-                print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
-                return
+                if not self.api_in_use():
+                    print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
+                    return
+                self.last_busy = time.monotonic()  # asked again once idle that long again
             self.keep_a_spare()
             write_json(stack_file(), self.record())
             time.sleep(POLL_S)
