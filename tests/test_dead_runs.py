@@ -24,10 +24,10 @@ from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.protocol import FLOW_RUN_TAG, RENEWED_TAG
 from gpuflow.cluster.run import liveness
 from gpuflow.flows.cli.status import status
+from gpuflow.flows.heartbeats import last_heartbeat
 from gpuflow.flows.quota import pools
 from gpuflow.flows.quota.pools import LIMIT_PREFIX, WAITING, set_quota
 from gpuflow.flows.reaper import reap_clusters
-from gpuflow.flows.reconcile.dead_runs import last_heartbeat
 from tests.loops import PLAIN_LOOP
 from tests.support.processes import alive, processes_of, wait_until
 from tests.support.servers import BIN, REPO, base_env

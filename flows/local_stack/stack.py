@@ -160,7 +160,7 @@ class Stack:
         from prefect.client.schemas import filters
 
         from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S
-        from gpuflow.flows.reconcile.dead_runs import last_heartbeat
+        from gpuflow.flows.heartbeats import last_heartbeat
 
         not_over = filters.FlowRunFilterStateType(any_=["PENDING", "RUNNING", "CANCELLING", "PAUSED"])
         try:
@@ -170,7 +170,7 @@ class Stack:
                 )
                 beats = [last_heartbeat(client, str(run.id)) for run in runs]
         except Exception as exc:
-            print(f"cannot read the runs on this API ({type(exc).__name__}: {str(exc)[:300]}): none counted", flush=True)
+            print(f"cannot read the runs on this API ({type(exc).__name__}: {str(exc)[:300]}): none count", flush=True)
             return False
         return any(beat is not None and time.time() - beat < HEARTBEAT_LATE_S for beat in beats)
 

@@ -6,8 +6,6 @@ MLflow run opened): the facts read from Prefect and MLflow, judged by cluster/ru
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-
 
 def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now: float) -> dict[str, str]:
     """Live run-experiment flow runs that died where no lease of ours covers them (cluster/run/liveness.py):
@@ -25,6 +23,7 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     from gpuflow.cluster.run.liveness import LiveRun, age_s, mlflow_run_exists, silent_death
     from gpuflow.cluster.util.local_store import store_exists
     from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
+    from gpuflow.flows.heartbeats import last_heartbeat
     from gpuflow.flows.quota import pools
 
     with get_client(sync_client=True) as client:
@@ -91,22 +90,3 @@ def found_dead(found, tracking_uris: list[str], now: float) -> dict[str, str]:
     kept = {verdict.flow_run_id for verdict in verdicts if verdict.action == "keep"}
     silent = dead_without_lease(kept, tracking_uris, now)
     return {**{run_id: why.split(":")[0] for run_id, why in silent.items()}, **dead}
-
-
-def last_heartbeat(client, flow_run_id: str | None) -> float | None:
-    """When the flow run's last Prefect heartbeat (prefect.flow-run.heartbeat) was sent, in the last day; None: none
-    was kept. flow_run_id None: any flow run's."""
-    from datetime import timedelta
-
-    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
-
-    since = datetime.now(timezone.utc) - timedelta(days=1)
-    page = client.read_events(
-        EventFilter(
-            occurred=EventOccurredFilter(since=since),
-            event=EventNameFilter(name=["prefect.flow-run.heartbeat"]),
-            resource=EventResourceFilter(id=[f"prefect.flow-run.{flow_run_id}"]) if flow_run_id else None,
-        ),
-        limit=1,
-    )
-    return max((event.occurred.timestamp() for event in page.events), default=None)
