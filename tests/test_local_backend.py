@@ -139,6 +139,42 @@ def test_a_spare_serves_only_a_run_whose_own_cluster_would_get_the_same_environm
     assert alive(pids) == []
 
 
+RACE = """
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+from gpuflow.cluster.util.preload import after_background_imports, import_in_background
+
+import_in_background("ring_b")  # as an early job preloads MLflow while it waits for its run
+
+
+def guard_client():  # a function of the job that imports what the preload imports, from the other end
+    import ring_a
+
+    return ring_a.get()
+
+
+outcome = []
+declared = after_background_imports(guard_client) if sys.argv[2] == "declared" else guard_client
+thread = threading.Thread(target=lambda: outcome.append(declared()))
+thread.start()
+thread.join()
+print(outcome)
+"""
+
+
+def test_a_function_declared_after_the_background_imports_never_meets_a_half_imported_module(tmp_path):
+    """An early job handed its run at once: its preload is still importing when the job's own code imports the same
+    package from the other end (MLflow's modules, another order). A function declared `after_background_imports`
+    runs once the preload is done; one that is not meets a half-imported module."""
+    ring_a = "import time\ntime.sleep(0.3)\nimport ring_b\nX = 1\n\n\ndef get():\n    return ring_b.Y\n"
+    (tmp_path / "ring_a.py").write_text(ring_a)
+    (tmp_path / "ring_b.py").write_text("import time\ntime.sleep(0.3)\nfrom ring_a import X\ntime.sleep(0.3)\nY = 2\n")
+    for how, returned, raised in (("declared", "[2]", None), ("undeclared", "[]", "Error")):
+        done = subprocess.run([sys.executable, "-c", RACE, str(tmp_path), how], capture_output=True, text=True)
+        assert done.stdout.strip() == returned, (how, done.stdout, done.stderr[-2000:])
+        assert raised is None or raised in done.stderr, (how, done.stderr[-2000:])
+
+
 def test_the_local_ray_is_lean_unless_asked_for_in_full(monkeypatch):
     from gpuflow.cluster.backends.local.early_job import LEAN_RAY
     from gpuflow.cluster.config import SettingError

@@ -25,7 +25,7 @@ from gpuflow.cluster.job.trainer import run_training
 from gpuflow.cluster.protocol import PREEMPTED_EXIT_CODE, SPEC_LOADED, JobEnv, result_line
 from gpuflow.cluster.spec import ExperimentSpec, job_spec
 from gpuflow.cluster.usercode import on_sys_path
-from gpuflow.cluster.util.preload import finish_background_imports, import_in_background
+from gpuflow.cluster.util.preload import after_background_imports, finish_background_imports, import_in_background
 from gpuflow.cluster.util.processes import alive
 from gpuflow.cluster.util.waiting import wait_until
 
@@ -125,6 +125,7 @@ def wait_for_handoff(args: argparse.Namespace) -> Path:
 def log_lineage_meanwhile(job: JobEnv, uris: dict[str, str | None]) -> threading.Thread:
     """The run's datasets and this environment's packages (cluster/lineage.py), logged while Ray connects."""
 
+    @after_background_imports  # MLflow's, beside the preload's
     def log():
         from gpuflow.cluster.lineage import log_job_lineage
 

@@ -30,6 +30,7 @@ from gpuflow.cluster.protocol import (
 from gpuflow.cluster.run.lease import LeaseWatch
 from gpuflow.cluster.run.limits import Watchdog, cost_check, deadline_check
 from gpuflow.cluster.spec import ExperimentSpec
+from gpuflow.cluster.util.preload import after_background_imports
 
 SELF_STOP_EXIT_CODE = 3
 ABORT_TIMEOUT_S = 20.0  # for the training to stop and its tracker to log what it holds: within the owner's wait
@@ -64,6 +65,7 @@ class JobGuard:
                 checks.append(HungWatch(lambda: lease.run, spec.limits.hung_minutes).check)
         self.watchdog = Watchdog(checks, self.stop, interval_s=lease_poll_s(spec), name="gpuflow-job-guard")
 
+    @after_background_imports  # an early job's preload may be loading MLflow (cluster/util/preload.py)
     def client(self):
         from mlflow import MlflowClient
 
@@ -79,6 +81,7 @@ class JobGuard:
         signal.sigwait({OWNER_DIED})
         self.stop("orphaned", "stopped: the process that owned the cluster died (the flow was killed)")
 
+    @after_background_imports  # from a watch thread: its imports (MLflow's, Ray Train's) after the preload's
     def stop(self, reason: str, detail: str) -> None:
         if not self._stopping.acquire(blocking=False):
             return

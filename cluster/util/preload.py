@@ -6,9 +6,10 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable
-from functools import partial
+from functools import partial, wraps
 
 _started: set[tuple[str, ...]] = set()
+WAIT_S = 120.0  # an import stuck longer (a hung filesystem) must not hold back what waits on it: a run's stop
 _threads: list[threading.Thread] = []
 
 
@@ -34,9 +35,24 @@ def import_in_background(*modules: str, then: Callable[[], object] | None = None
     thread.start()
 
 
-def finish_background_imports() -> None:
-    """Waits for this process's background imports. A thread that imports a package the preload may be loading must
-    call this first: two threads importing modules that import each other (Ray Train's and Ray Tune's do) can each
-    meet the other's half-initialized module, and Python then raises ImportError instead of deadlocking."""
+def finish_background_imports(timeout_s: float | None = None) -> None:
+    """Waits for this process's background imports (each at most `timeout_s`). A thread that imports a package the
+    preload may be loading must call this first: two threads importing modules that import each other (Ray Train's
+    and Ray Tune's do) can each meet the other's half-initialized module, and Python then raises ImportError (or
+    _DeadlockError) instead of deadlocking."""
     for thread in list(_threads):
-        thread.join()
+        thread.join(timeout_s)
+
+
+def after_background_imports(function: Callable) -> Callable:
+    """`function`, made to wait for this process's background imports before it runs: for a function that imports
+    what the preload may be loading (MLflow, Ray), from any thread. Declared where the function is, so that no caller
+    has to remember `finish_background_imports`."""
+
+    @wraps(function)
+    def waiting(*args, **kwargs):
+        if threading.current_thread() not in _threads:
+            finish_background_imports(WAIT_S)
+        return function(*args, **kwargs)
+
+    return waiting
