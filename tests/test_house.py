@@ -2,8 +2,8 @@
 Prefect, every GPUFLOW_* variable read in the settings or the contract module only (however spelled), MLflow tags
 named in the contract module only, at most 12 modules a folder, flows/ in rooms (no arrow back up, at most 5
 floors), the flow's functions of at most 4 parameters, no print-function sinks in cluster/, a README under 400
-lines, ruff's lint and format clean, every test the README's fault table names collected by the whole matrix. Each
-check has a companion test that shows it catching a deliberate offence."""
+lines, ruff's lint and format clean, every test the README's fault table names collected by the whole matrix, one
+place deciding that a run is dead. Each check has a companion test that shows it catching a deliberate offence."""
 
 from __future__ import annotations
 
@@ -627,3 +627,40 @@ def test_the_fault_table_check_finds_a_test_that_is_not_there():
         not_collected_by_the_whole_matrix(fault_table_tests(readme))
         == ["tests/test_faults.py::test_no_such_fault"] * 10
     )
+
+
+# -- one place decides that a run is dead (docs/verdicts.md) -----------------------------------------------------------
+# The facts a run's death is read from, and the modules that may name them: those that decide (the lease's `stale`,
+# liveness's `silent_death` and `beating`), the contract that names the tags, and readers that only show them or wait
+# on them. Any other module that names one decides by itself.
+VERDICT_FACTS = {
+    "RENEWED_TAG": {"cluster/run/lease.py", "cluster/protocol.py", "flows/cli/status.py"},  # status shows its time
+    "GRACE_TAG": {"cluster/run/lease.py", "cluster/protocol.py", "flows/cli/status.py"},
+    "HEARTBEAT_LATE_S": {"cluster/run/liveness.py", "benchmarks/chaos.py"},  # the soak waits that long
+    "NEVER_BEGUN_S": {"cluster/run/liveness.py", "benchmarks/chaos.py"},
+    "PROVISION_GRACE_S": {"cluster/run/liveness.py"},
+}
+
+
+def deciding_elsewhere(sources_by_path: dict[str, str]) -> list[str]:
+    """ "path: fact" for each module that names a fact of a run's death where VERDICT_FACTS does not allow it."""
+    return sorted(
+        f"{path}: {fact}"
+        for path, text in sources_by_path.items()
+        for fact, allowed in VERDICT_FACTS.items()
+        if path not in allowed and re.search(rf"\b{fact}\b", text)
+    )
+
+
+def test_one_place_decides_that_a_run_is_dead():
+    files = {
+        str(path.relative_to(REPO)): path.read_text()
+        for folder in ("flows", "cluster", "tasks", "benchmarks")
+        for path in (REPO / folder).rglob("*.py")
+    }
+    assert deciding_elsewhere(files) == []
+
+
+def test_the_verdict_check_finds_a_module_that_decides_by_itself():
+    judged_here = {"flows/cli/quota.py": "if now - float(run.data.tags[RENEWED_TAG]) > 60:\n    dead.add(run)\n"}
+    assert deciding_elsewhere(judged_here) == ["flows/cli/quota.py: RENEWED_TAG"]

@@ -54,7 +54,7 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
         return None  # the reaper's cluster and lease checks judge it, or it cannot be told now
     if run.heartbeat_age_s is not None or run.heartbeats_kept:
         silent_s = run.state_age_s if run.heartbeat_age_s is None else run.heartbeat_age_s
-        if silent_s > HEARTBEAT_LATE_S:
+        if not beating(silent_s):
             return (
                 f"its process died before its MLflow run opened (no Prefect heartbeat for "
                 f"{silent_s:.0f} s, no cluster): found by the reaper"
@@ -66,6 +66,11 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
             f"{run.state_age_s / 60:.0f} min after it started): found by the reaper"
         )
     return None
+
+
+def beating(heartbeat_age_s: float) -> bool:
+    """Whether a run whose last Prefect heartbeat is this old may still live (its process sends one every 30 s)."""
+    return heartbeat_age_s <= HEARTBEAT_LATE_S
 
 
 def waiter_is_dead(state_age_s: float, stale_s: float) -> bool:

@@ -159,7 +159,7 @@ class Stack:
         from prefect.client.orchestration import SyncPrefectClient
         from prefect.client.schemas import filters
 
-        from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S
+        from gpuflow.cluster.run.liveness import age_s, beating
         from gpuflow.flows.heartbeats import last_heartbeat
 
         not_over = filters.FlowRunFilterStateType(any_=["PENDING", "RUNNING", "CANCELLING", "PAUSED"])
@@ -172,7 +172,7 @@ class Stack:
         except Exception as exc:
             print(f"cannot read the runs on this API ({type(exc).__name__}: {str(exc)[:300]}): none count", flush=True)
             return False
-        return any(beat is not None and time.time() - beat < HEARTBEAT_LATE_S for beat in beats)
+        return any(beat is not None and beating(age_s(time.time(), beat)) for beat in beats)
 
     def keep_a_spare(self) -> None:
         """A spare of the wanted shape, started only while no run goes: its start would take CPU from one."""
