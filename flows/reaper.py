@@ -16,13 +16,14 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from gpuflow.cluster.run.mlflow_run import at_most_one_try
+from gpuflow.flows.deployments import REAPER
 from gpuflow.flows.deployments.known_servers import backends_in_use
 from gpuflow.flows.reconcile.invariants import Pass, reconcile
 from gpuflow.flows.reconcile.records import available_backends, tracking_uris_or_local
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 
 
-@flow(name="reap-clusters", log_prints=True)
+@flow(name=REAPER, log_prints=True)
 def reap_clusters(
     ttl_hours: float = 24.0,
     backends: list[str] | None = None,

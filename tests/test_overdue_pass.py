@@ -14,13 +14,14 @@ from prefect.client.orchestration import get_client
 from prefect.states import Crashed, Running
 
 from gpuflow.cluster.protocol import FLOW_RUN_TAG
-from gpuflow.flows.reconcile.overdue import DECIDE, REAPER_FLOW, decided_here, overdue
+from gpuflow.flows.deployments import REAPER
+from gpuflow.flows.reconcile.overdue import DECIDE, decided_here, overdue
 from tests.support.processes import processes_of, wait_until
 from tests.support.repo import REPO
 from tests.support.servers import BIN, base_env, prefect_server
 
 
-@flow(name=REAPER_FLOW)
+@flow(name=REAPER)
 def a_pass():
     pass
 
@@ -33,7 +34,7 @@ def an_experiment():
 def reaper_runs(client) -> list:
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
-    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[REAPER_FLOW])))
+    return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[REAPER])))
 
 
 def test_a_pass_is_overdue_once_none_started_within_the_reapers_interval_and_one_asker_decides(prefect_server):

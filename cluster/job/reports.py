@@ -16,6 +16,7 @@ from typing import Any
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG, FILLED_TAG
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 
+MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 STEP_KEYS = ("epoch", "step")  # a report's own step, in order of preference; else the report's index
 KEY_NOT_ALLOWED = re.compile(r"[^\w\-. /]")
 
@@ -142,8 +143,9 @@ def fill_from_checkpoints(client, run) -> int:
             RunTag(CHECKPOINT_TAG, f"{folder.rstrip('/')}/{last[0]}"),
             RunTag(CHECKPOINT_TAG + "_step", str(last[1])),
         ]
-    for start in range(0, max(len(metrics), 1), 1000):
-        client.log_batch(run.info.run_id, metrics=metrics[start : start + 1000], tags=tags if start == 0 else [])
+    for start in range(0, max(len(metrics), 1), MAX_METRICS_PER_CALL):
+        batch = metrics[start : start + MAX_METRICS_PER_CALL]
+        client.log_batch(run.info.run_id, metrics=batch, tags=tags if start == 0 else [])
     return len(metrics)
 
 

@@ -19,11 +19,18 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
-from gpuflow.cluster.job.reports import Report, numbers_of, persisted_reports, report_time_ms, step_of, uri_of
+from gpuflow.cluster.job.reports import (
+    MAX_METRICS_PER_CALL,
+    Report,
+    numbers_of,
+    persisted_reports,
+    report_time_ms,
+    step_of,
+    uri_of,
+)
 from gpuflow.cluster.protocol import CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
-MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
 FINISH_TIMEOUT_S = 120
 BATCH_WINDOW_S = 3.0  # reports within this long of the first queued go to MLflow together: one call, not one each
 

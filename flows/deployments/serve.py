@@ -17,10 +17,10 @@ import time
 from prefect import serve as prefect_serve
 
 from gpuflow.cluster.protocol import SERVE_OVERRIDES_ENV
+from gpuflow.flows.deployments import REAPER
 from gpuflow.flows.deployments.deploy import runner_deployments
 
 SETTLE_S = 3.0  # for this serve's own last poll to reach the server's record
-REAPER = "reap-clusters"
 
 
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:

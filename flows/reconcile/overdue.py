@@ -19,10 +19,10 @@ import sys
 from datetime import datetime, timedelta, timezone
 
 from gpuflow.cluster.config import overdue_pass_mode, state_dir
+from gpuflow.flows.deployments import REAPER
 
 log = logging.getLogger(__name__)
 
-REAPER_FLOW = "reap-clusters"
 DEFAULT_EVERY_S = 600.0  # prefect.yaml's schedule of reap-clusters, where the server has no such deployment
 DECIDE = "gpuflow-reaper-ask"
 DECIDE_S = 120.0  # longer than a pass takes to start and record its flow run
@@ -55,7 +55,7 @@ def overdue(client, now: datetime) -> bool:
 
     since = now - timedelta(seconds=interval_s(client))
     recent = client.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=[REAPER_FLOW])),
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[REAPER])),
         flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)),
         sort=FlowRunSort.START_TIME_DESC,
         limit=1,
@@ -66,7 +66,7 @@ def overdue(client, now: datetime) -> bool:
 def interval_s(client) -> float:
     """The reaper deployment's schedule on this server (what a serve registered), else prefect.yaml's."""
     try:
-        deployment = client.read_deployment_by_name(f"{REAPER_FLOW}/{REAPER_FLOW}")
+        deployment = client.read_deployment_by_name(f"{REAPER}/{REAPER}")
         return float(deployment.schedules[0].schedule.interval.total_seconds())
     except Exception:  # not deployed here, or not on an interval
         return DEFAULT_EVERY_S
