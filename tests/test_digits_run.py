@@ -236,13 +236,15 @@ def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits
     assert prefect_artifact_of(flow_run_id).startswith(f"# {spec.name}")
 
 
-def test_more_epochs_of_the_same_work_continue_the_finished_run_from_its_last_checkpoint(digits_run, monkeypatch):
+def test_more_epochs_of_the_same_work_continue_the_finished_run_from_its_last_checkpoint(
+    digits_run, monkeypatch, capsys
+):
     """The same spec, code and data with two more epochs: the run starts from the finished run's last checkpoint and
     trains the two epochs left, its metrics going on from there, linked to the run it continued. --force trains from
     scratch; fewer epochs than the finished run's are not a continuation."""
     from gpuflow.cluster.protocol import CHECKPOINT_TAG, CONTINUED_FROM_TAG
     from gpuflow.cluster.rerun.reuse import REUSE_ENV, finished_twin
-    from gpuflow.flows.cli.check import reuse_line
+    from gpuflow.flows.cli.check import plan, reuse_line
     from gpuflow.flows.experiment import run_experiment
 
     monkeypatch.delenv(REUSE_ENV)
@@ -254,6 +256,10 @@ def test_more_epochs_of_the_same_work_continue_the_finished_run_from_its_last_ch
     assert twin.run is None and twin.continues.info.run_id == first.info.run_id, twin.why
     assert twin.checkpoint == first.data.tags[CHECKPOINT_TAG]
     assert f"from its checkpoint of epoch {epochs - 1}: 2 epoch(s) to train" in reuse_line(more)
+    capsys.readouterr()
+    assert plan(more) == 0
+    planned = capsys.readouterr().out  # predicted for the two epochs left: a first and one more
+    assert "2 epoch(s) to train" in planned and "1 more epoch(s)" in planned, planned
     assert finished_twin(more, force=True).continues is None
     fewer = digits_run.spec.model_copy(update={"train": digits_run.spec.train.model_copy(update={"epochs": 3})})
     assert finished_twin(fewer).continues is None

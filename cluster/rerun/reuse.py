@@ -32,6 +32,7 @@ class Twin:
     why: str
     continues: object | None = None  # an MLflow Run: the one the run continues
     checkpoint: str | None = None  # its last checkpoint, where the run starts
+    epochs_left: int | None = None  # what the run then trains
 
 
 def finished_twin(spec: ExperimentSpec, force: bool = False) -> Twin:
@@ -69,12 +70,14 @@ def continuation(client, experiment_id: str, key: WorkKey, spec: ExperimentSpec)
     if not checkpoint or not readable(checkpoint):
         return None
     epoch = int(earlier.data.tags.get(CHECKPOINT_TAG + "_step", -1))
+    left = spec.train.epochs - epoch - 1
     return Twin(
         None,
         f"continues the finished run {earlier.info.run_name} ({earlier.info.run_id}) from its checkpoint of epoch "
-        f"{epoch}: {spec.train.epochs - epoch - 1} epoch(s) to train (--force trains from scratch)",
+        f"{epoch}: {left} epoch(s) to train (--force trains from scratch)",
         earlier,
         checkpoint,
+        left,
     )
 
 

@@ -103,8 +103,13 @@ def plan(spec) -> int:
     from gpuflow.cluster.spec.options import compute_options
 
     check_infra(validate_spec(spec))
+    from gpuflow.cluster.rerun.reuse import finished_twin
+
     print(f"# {describe(spec)}")
-    print(f"# {reuse_line(spec)}")
+    twin = finished_twin(spec)
+    print(f"# {reuse_line(spec, twin)}")
+    left = {"epochs": twin.epochs_left} if twin.continues else {}  # a continuation's time is its epochs left's
+    predicted = spec.model_copy(update={"train": spec.train.model_copy(update=left)})
     if spec.compute.backend == "local":
         price = hourly_cost(spec)
         for line in sweep_lines(spec, price):
@@ -114,7 +119,7 @@ def plan(spec) -> int:
             if price.hourly_usd == 0
             else f"# local backend, priced at {price.describe()}"
         )
-        print_prediction(spec, price)
+        print_prediction(predicted, price)
         return 0
     from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
 
@@ -130,7 +135,7 @@ def plan(spec) -> int:
             f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
             f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}"
         )
-        print_prediction(spec, price)
+        print_prediction(predicted, price)
     except CatalogMissing as exc:  # not a plan that can launch: SkyPilot would fail at launch, offline
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
@@ -149,11 +154,12 @@ def plan(spec) -> int:
     return 0
 
 
-def reuse_line(spec) -> str:
-    """Whether `gpuflow run` of the spec would train, or reuse a finished run (cluster/rerun/reuse.py decides)."""
+def reuse_line(spec, twin=None) -> str:
+    """Whether `gpuflow run` of the spec would train, continue a finished run, or reuse one (cluster/rerun/reuse.py
+    decides: `twin`, or asked here)."""
     from gpuflow.cluster.rerun.reuse import finished_twin
 
-    twin = finished_twin(spec)
+    twin = twin or finished_twin(spec)
     if twin.run is None:
         return f"gpuflow run trains: {twin.why}"
     run = twin.run.info
