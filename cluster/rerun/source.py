@@ -8,7 +8,7 @@ import fcntl
 import hashlib
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlflow.utils.mlflow_tags import MLFLOW_GIT_COMMIT, MLFLOW_GIT_DIRTY, MLFLOW_GIT_REPO_URL
@@ -58,19 +58,28 @@ def source_stamp(commit: str, diff: bytes) -> str:
     return commit + (f"+{hashlib.sha256(diff).hexdigest()[:32]}" if diff else "")
 
 
-def check_stamp(source: Source, stamp: str | None, run_id: str) -> bool:
-    """Whether the code MLflow holds for the run is what its flow recorded at its start; False when there is no
-    record to compare with. Refuses code changed in MLflow since (its commit tag, or its diff artifact)."""
+def checked_against_stamp(source: Source, stamp: str | None, run_id: str, commit_alone: bool) -> tuple[Source, bool]:
+    """The source to rerun, and whether it is what the run's flow recorded at its start (False: no record to compare
+    with). Refuses code changed in MLflow since (its commit tag, or its diff artifact); with `commit_alone`
+    (--allow-unrecorded-changes), a changed diff of the recorded commit gives that commit without it."""
     if stamp is None:
-        return False
-    if stamp != source_stamp(source.commit, source.diff):
-        raise RerunRefused(
-            f"run {run_id}: its code in MLflow (commit {source.commit}, "
-            f"{len(source.diff):,} bytes of uncommitted diff) is not what its flow run recorded as it started "
-            f"({SOURCE_STAMP_PREFIX}{stamp}): the run's source tags or {DIFF_ARTIFACT} were changed since. Nothing "
-            "was run; ask the run's owner, or rerun a run whose record is intact"
+        return source, False
+    if stamp == source_stamp(source.commit, source.diff):
+        return source, True
+    commit_recorded = stamp.partition("+")[0] == source.commit
+    if commit_alone and commit_recorded:
+        changed = f"its {DIFF_ARTIFACT} was changed since its flow run recorded it"
+        return replace(source, diff=b"", unrecorded=changed), True  # its commit is the one recorded
+    raise RerunRefused(
+        f"run {run_id}: its code in MLflow (commit {source.commit}, {len(source.diff):,} bytes of uncommitted "
+        f"diff) is not what its flow run recorded as it started ({SOURCE_STAMP_PREFIX}{stamp}): the run's "
+        f"{'diff' if commit_recorded else 'commit tag'} was changed since. Nothing was run; "
+        + (
+            "--allow-unrecorded-changes reruns its commit without the diff"
+            if commit_recorded
+            else "ask the run's owner, or rerun a run whose record is intact"
         )
-    return True
+    )
 
 
 def on_allowed_refs(repository: Path, commit: str, refs: tuple[str, ...]) -> None:
