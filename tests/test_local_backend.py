@@ -113,7 +113,8 @@ def test_an_early_job_is_taken_over_only_if_it_read_the_same_at_start(monkeypatc
 def test_a_spare_serves_only_a_run_whose_own_cluster_would_get_the_same_environment(gpuflow_home, monkeypatch):
     """The warm stack's spare runs its Ray processes (and a run's workers, forked from them) with the environment of
     the shell that left the stack: a run from a shell with other values starts its own cluster instead. Prefect's
-    settings reach no Ray process, and do not count."""
+    settings reach no Ray process, and do not count. And a spare is claimed only once the stack offers it (up, its
+    early job started): a run that took it as it started crashed the stack, whose API other runs were using."""
     import os
 
     from gpuflow.cluster.backends.local import shape_of
@@ -126,6 +127,8 @@ def test_a_spare_serves_only_a_run_whose_own_cluster_would_get_the_same_environm
     backend.start_shaped(shape_of(spec), SPARE_PREFIX + "test", os.getpid())
     pids, claimed = backend.pids(SPARE_PREFIX + "test"), None
     try:
+        assert backend.claim_spare(spec) is None  # still starting: the stack writes its record until it offers it
+        backend.offer_spare(SPARE_PREFIX + "test")
         monkeypatch.setitem(STARTING_ENVIRONMENT, "OMP_NUM_THREADS", "4")  # this run's shell
         assert backend.claim_spare(spec) is None
         monkeypatch.setitem(STARTING_ENVIRONMENT, "OMP_NUM_THREADS", "1")

@@ -194,6 +194,7 @@ class Stack:
             self.backend.start_shaped(shape, self.spare, os.getpid())
             self.backend.wait_until_up(self.spare)
             self.backend.start_early_job(self.spare, os.getcwd())  # the job's imports done before a run claims it
+            self.backend.offer_spare(self.spare)  # claimable from now: the stack writes its record no more
             self.last_busy = time.monotonic()  # idle from when the spare is ready, not while it starts
             print(f"spare cluster {self.spare} up: {shape}", flush=True)
 
@@ -223,7 +224,13 @@ class Stack:
                     print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
                     return
                 self.last_busy = time.monotonic()  # asked again once idle that long again
-            self.keep_a_spare()
+            try:
+                self.keep_a_spare()
+            except Exception as exc:  # the spare went while it started (downed, its session gone): the API stays
+                print(f"spare cluster {self.spare} lost as it started: {type(exc).__name__}: {exc}", flush=True)
+                if self.spare:
+                    self.backend.down(self.spare)
+                self.spare = None
             write_json(stack_file(), self.record())
             time.sleep(POLL_S)
 

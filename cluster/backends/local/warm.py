@@ -53,6 +53,11 @@ class WarmClusters:
         self._write(cluster_name, record)
         self._children[str(process.pid)] = process
 
+    def offer_spare(self, cluster_name: str) -> None:
+        """Makes a spare the stack started claimable, once it is up and its early job started: a run that claimed it
+        before would rename it under the stack's feet (`claim_spare` takes only a spare offered)."""
+        self._write(cluster_name, {**self.record(cluster_name), "offered": True})
+
     def _takes_over_early_job(self, cluster_name: str) -> bool:
         """Whether a claimed spare's early job (the stack's) waits, started in this process's environment; one started
         in another is stopped: its environment would not be the run's."""
@@ -82,6 +87,7 @@ class WarmClusters:
                 record = self.record(folder.name)
                 if (
                     record
+                    and record.get("offered")
                     and record.get("shape") == shape_of(spec)
                     and record.get("environment") == early_job.cluster_environment_digest()
                     and session_alive(record["session"])
