@@ -32,7 +32,7 @@ def main() -> int:
     print(f"gpuflow home {home}: each run's console output in run-N.txt there", flush=True)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_"))}
     env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(home / "prefect"), GPUFLOW_STACK="auto")
-    overrides = ["--set", f"train.epochs={args.epochs}"]
+    overrides = ["--force", "--set", f"train.epochs={args.epochs}"]  # each run trains: none reuses the last
     overrides += ["--set", f"data.train={home}/data/train.parquet"]
     overrides += ["--set", f"data.validation={home}/data/validation.parquet"]
     walls, failed = [], []
