@@ -74,26 +74,23 @@ def job_environment() -> dict[str, str]:
 def environment_digest() -> str:
     """What an early job started here would read as it starts: one started by another process (the stack) is taken
     over only when it read the same."""
-    read = {name: value for name, value in job_environment().items() if name.startswith(READ_AT_START)}
-    return hashlib.sha256(json.dumps(sorted(read.items())).encode()).hexdigest()
+    return digest_of({name: value for name, value in job_environment().items() if name.startswith(READ_AT_START)})
 
 
-# What a cluster's Ray processes inherit and no run's workers read: Prefect's settings (no Ray process imports Prefect;
-# each run points its job at its own API), the shell's bookkeeping and the terminal's.
-NOT_THE_RUNS = ("PREFECT_",)
+# What a cluster's Ray processes inherit beyond job_environment() and no run's workers read: the shell's bookkeeping
+# and the terminal's.
 SHELL_NOISE = {"_", "PWD", "OLDPWD", "SHLVL", "TERM", "COLUMNS", "LINES"}
 
 
 def cluster_environment_digest() -> str:
-    """What a cluster this process starts runs its Ray processes, and so the run's workers, with: the environment it
-    was started with, for Ray, less NOT_THE_RUNS. A spare that another process (the stack) started serves a run only
-    where they match: a run's workers never see another shell's values."""
-    env = {
-        name: value
-        for name, value in ray_env(STARTING_ENVIRONMENT).items()
-        if not name.startswith(NOT_THE_RUNS) and name not in SHELL_NOISE
-    }
-    return hashlib.sha256(json.dumps(sorted(env.items())).encode()).hexdigest()
+    """What a cluster this process starts runs its Ray processes, and so the run's workers, with: job_environment()
+    (Prefect's settings aside: no Ray process imports Prefect), less SHELL_NOISE. A spare that another process (the
+    stack) started serves a run only where they match: a run's workers never see another shell's values."""
+    return digest_of({name: value for name, value in job_environment().items() if name not in SHELL_NOISE})
+
+
+def digest_of(environment: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(sorted(environment.items())).encode()).hexdigest()
 
 
 def handoff_environment(started_with: dict[str, str], runs_with: dict[str, str]) -> None:

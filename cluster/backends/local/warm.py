@@ -83,13 +83,14 @@ class WarmClusters:
         lock = os.open(self.root, os.O_RDONLY)  # the clusters' folder itself: released on close, or with the process
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            environment = early_job.cluster_environment_digest()
             for folder in sorted(self.root.glob(f"{SPARE_PREFIX}*")):
                 record = self.record(folder.name)
                 if (
                     record
                     and record.get("offered")
                     and record.get("shape") == shape_of(spec)
-                    and record.get("environment") == early_job.cluster_environment_digest()
+                    and record.get("environment") == environment
                     and session_alive(record["session"])
                 ):
                     write_atomically(Path(record["temp_dir"]) / OWNER_FILE, str(os.getpid()))
