@@ -86,6 +86,17 @@ def test_differences_are_dotted_paths():
     assert differences({"a": {"b": 1, "c": [1]}}, {"a": {"b": 2, "c": [1, 2], "d": 0}}) == ["a.b", "a.c", "a.d"]
 
 
+def test_a_policy_reruns_the_deployed_commit_by_default_and_never_with_no_ref():
+    """rerun_refs name the commits a rerun from the form may run; none at all would let it run MLflow's diff."""
+    from gpuflow.cluster.spec.form_policy import policy_from
+
+    baseline = {**A_LOOP, "workdir": str(REPO)}
+    assert policy_from("d", {"form_policy": {"allow": ALLOW}}, baseline).rerun_refs == ["HEAD"]
+    assert policy_from("d", {"form_policy": {"allow": ALLOW, "rerun_refs": ["main"]}}, baseline).rerun_refs == ["main"]
+    with pytest.raises(SpecError, match="rerun_refs, at least one"):
+        policy_from("d", {"form_policy": {"allow": ALLOW, "rerun_refs": []}}, baseline)
+
+
 def test_nightly_deployment_declares_a_policy():
     [nightly] = [entry for entry in declared(REPO / "prefect.yaml") if entry["name"] == "nightly-digits"]
     assert "train.epochs" in nightly["form_policy"]["allow"] and "train.loop" not in nightly["form_policy"]["allow"]

@@ -27,6 +27,7 @@ from gpuflow.cluster.usercode import on_sys_path
 
 # Derived from other fields, which are compared themselves.
 DERIVED = {"compute.num_workers", "compute.use_gpu"}
+RERUN_REFS = ("HEAD",)  # a UI rerun's commits, by default: the deployed one and its history
 MISSING = object()
 
 
@@ -35,7 +36,7 @@ class FormPolicy:
     deployment: str
     baseline: ExperimentSpec  # the deployment's own spec, as its maintainers wrote it
     allow: list[str] = field(default_factory=list)
-    rerun_refs: list[str] = field(default_factory=lambda: ["HEAD"])  # what a rerun from the UI may run
+    rerun_refs: list[str] = field(default_factory=lambda: list(RERUN_REFS))  # what a rerun from the UI may run
 
     def problems(self, spec: ExperimentSpec, spec_file: str | None = None) -> list[str]:
         found = []
@@ -79,13 +80,15 @@ def policy_from(deployment: str, entry: dict, baseline_spec: dict) -> FormPolicy
     if declared is None:
         return None
     allow = declared.get("allow") if isinstance(declared, dict) else None
-    refs = declared.get("rerun_refs", ["HEAD"]) if isinstance(declared, dict) else None
-    if not all(isinstance(items, list) and all(isinstance(item, str) for item in items) for items in (allow, refs)):
+    refs = declared.get("rerun_refs", list(RERUN_REFS)) if isinstance(declared, dict) else None
+    strings = [isinstance(items, list) and all(isinstance(item, str) for item in items) for items in (allow, refs)]
+    if not all(strings) or not refs:  # no rerun_refs would let a UI rerun run uncommitted code
         raise SpecError(
             [
                 f"prefect.yaml: deployment {deployment!r} form_policy must be "
                 "{allow: [field.path, ...], rerun_refs: [git ref, ...]}, e.g. {allow: [train.epochs, "
-                "train.params.*], rerun_refs: [main]} (rerun_refs: the commits a UI rerun may run; default HEAD)"
+                "train.params.*], rerun_refs: [main]} (rerun_refs, at least one: the commits a UI rerun may run; "
+                "default HEAD)"
             ]
         )
     return FormPolicy(deployment, parse_spec(baseline_spec), allow, refs)
