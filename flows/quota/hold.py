@@ -74,7 +74,7 @@ class QuotaHold:
                     f"(compute), or raise the quota: gpuflow quota set {self.need.pool} {self.need.slots}"
                 )
             started = time.monotonic()
-            self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
+            self._retag(client, add=[WAIT_TAG_PREFIX + self.need.pool, self._slots_tag(1)])
             try:
                 self._wait(client, started)
             finally:
@@ -146,14 +146,13 @@ class QuotaHold:
 
         if self.lease_id is None or self.replacement_lease_id is not None:
             return True
-        two_shares = [f"{SLOTS_TAG_PREFIX}{2 * self.need.slots}"]
         try:
             with get_client(sync_client=True) as client:
                 # counted as held before it is: a recount between the two never frees the share as a leak
-                self._retag(client, add=two_shares, remove=[f"{SLOTS_TAG_PREFIX}{self.need.slots}"])
+                self._retag(client, add=[self._slots_tag(2)], remove=[self._slots_tag(1)])
                 self.replacement_lease_id = lease_slots(client, self.need, self.flow_run_id, self.lease_s)
                 if self.replacement_lease_id is None:
-                    self._retag(client, add=[f"{SLOTS_TAG_PREFIX}{self.need.slots}"], remove=two_shares)
+                    self._retag(client, add=[self._slots_tag(1)], remove=[self._slots_tag(2)])
                     return False
                 self._retag(client, add=[LEASE_TAG_PREFIX + self.replacement_lease_id])
         except Exception as exc:
@@ -173,13 +172,13 @@ class QuotaHold:
         try:
             with get_client(sync_client=True) as client:
                 client.release_concurrency_slots_with_lease(lease_id)  # released before the tag says one share
-                self._retag(
-                    client,
-                    add=[f"{SLOTS_TAG_PREFIX}{self.need.slots}"],
-                    remove=[f"{SLOTS_TAG_PREFIX}{2 * self.need.slots}", LEASE_TAG_PREFIX + lease_id],
-                )
+                self._retag(client, add=[self._slots_tag(1)], remove=[self._slots_tag(2), LEASE_TAG_PREFIX + lease_id])
         except Exception as exc:
             log.warning(f"quota: could not give back the replacement's share ({type(exc).__name__}); it lapses")
+
+    def _slots_tag(self, shares: int) -> str:
+        """What the recount reads of the slots the run holds: `shares` times its need (2 with a replacement)."""
+        return f"{SLOTS_TAG_PREFIX}{shares * self.need.slots}"
 
     def _leases(self) -> list[str]:
         return [lease for lease in (self.lease_id, self.replacement_lease_id) if lease is not None]
