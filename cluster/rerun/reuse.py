@@ -1,7 +1,7 @@
 """Reuse: a run whose work key (cluster/rerun/work_key.py) matches a FINISHED run of its experiment does not train
 again; it points at that run. A run that differs from a FINISHED run only in more `train.epochs` continues it: it
-starts from that run's last checkpoint (Ray Train's resume_from_checkpoint) and trains the epochs left. The flow asks
-`finished_twin` once its spec is valid, before the quota or a cluster.
+starts from that run's last checkpoint (what its loop's ray.train.get_checkpoint() returns) and trains the epochs
+left. The flow asks `finished_twin` once its spec is valid, before the quota or a cluster.
 
     reuse: never             in a spec: its runs always train (a schedule that wants a fresh run every night)
     gpuflow run --force      one run trains from scratch (also --from-scratch; the flow's `force` parameter, a switch

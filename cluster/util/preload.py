@@ -8,8 +8,8 @@ import threading
 from collections.abc import Callable
 from functools import partial, wraps
 
-_started: set[tuple[str, ...]] = set()
 WAIT_S = 120.0  # an import stuck longer (a hung filesystem) must not hold back what waits on it: a run's stop
+_started: set[tuple[str, ...]] = set()
 _threads: list[threading.Thread] = []
 
 
