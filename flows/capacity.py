@@ -1,16 +1,20 @@
 """Getting a cluster when GPUs are scarce: SkyPilot fails over across the spec's options itself; when none has
 capacity, the run waits (not billed: no cluster exists) and tries again for up to limits.max_queue_minutes, its
 Prefect state saying what it waits for; after compute.spot_fallback_after spot losses it goes on-demand, once the
-budget allows the dearer price. On a spot notice, the cluster a relaunch will need is provisioned at once
-(`Replacement`), beside the one still training."""
+budget allows the dearer price; with a deadline (limits.deadline), each launch is spot, on-demand or a wait for
+spot as the run's progress against the deadline says (cluster/cost/deadline_run.py). On a spot notice, the cluster
+a relaunch will need is provisioned at once (`Replacement`), beside the one still training."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from functools import cached_property
 
 from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity
+from gpuflow.cluster.cost.deadline import Decision
+from gpuflow.cluster.cost.deadline_run import DeadlineClock
 from gpuflow.cluster.cost.pricing import hourly_cost, option_price
 from gpuflow.cluster.job.spot_watch import notices_possible
 from gpuflow.cluster.protocol import ENV_NAMES
@@ -26,6 +30,7 @@ from gpuflow.tasks.compute import provision
 log = logging.getLogger(__name__)
 
 WAITING = "Waiting for capacity"  # the flow run's state while no option has capacity
+WAITING_FOR_SPOT = "Waiting for spot"  # a deadline's run ahead of its pace, with no spot to be had
 REPLACING = "Replacing"  # the flow run's state from a spot notice until the run resumes on the replacement
 RETRY_S = 30.0  # between two tries of every option: SkyPilot's own failover already tried each
 
@@ -56,16 +61,26 @@ class Capacity:
 
     def provision(self, cluster_name: str, job: Job | None) -> ClusterHandle:
         """Launches on the first option with capacity, waiting for one for up to limits.max_queue_minutes."""
-        started, waited_said = time.monotonic(), False
+        started, waited_said, spot_available = time.monotonic(), False, True
         limit_s = self.spec.limits.max_queue_minutes * 60
         while True:
             tried_at = time.time()
+            if self.deadline and not self.follow_deadline(spot_available):  # ahead of its pace: no spot, no cost
+                self.life.stopped_wait(RETRY_S)
+                if self.life.stopped:
+                    raise RunStopped(self.life.stop_reason, self.life.stop_detail)
+                self.life.meter.not_billed_until(time.time())
+                job, spot_available = billed_later(job, time.time() - tried_at), True  # try spot again
+                continue
             try:
                 handle = provision(self.launch_spec, cluster_name, job)
             except NoCapacity as exc:
                 self.life.meter.not_billed_until(time.time())  # no cluster exists: the wait is not billed
                 if self.life.stopped:
                     raise
+                if exc.spot and self.deadline:
+                    spot_available = False  # the deadline decides: on-demand at once, or wait for spot
+                    continue
                 if exc.spot and self.spot_lost(f"no spot capacity ({len(exc.reasons)} option(s))"):
                     continue  # on-demand now: try at once
                 waited = time.monotonic() - started
@@ -106,6 +121,29 @@ class Capacity:
         self.record.launched(self.attempt, info, self.life.meter.price)
         if text:
             log.info(f"launched option {text}, metered at ${self.life.meter.hourly_usd():.4g}/h")
+
+    @cached_property
+    def deadline(self) -> DeadlineClock | None:
+        """The run's deadline, if it has one, timed from its provision request, with the validate task's prediction."""
+        return DeadlineClock.of(self.spec, self.record.prediction, self.life.requested_at)
+
+    def follow_deadline(self, spot_available: bool) -> bool:
+        """Sets what the next launch is on (spot, or on-demand once the budget allows it), as the deadline's policy
+        says from the run's progress; False: wait for spot. The Prefect state says each choice."""
+        choice = self.deadline.choose(time.time(), self.life.progress(self.spec.train.epochs), spot_available)
+        if choice.decision is Decision.WAIT:
+            message = f"deadline: {choice.reason} (retrying in {RETRY_S:g} s); {self.deadline.lines(time.time())[0]}"
+            log.info(message)
+            self.set_state(WAITING_FOR_SPOT, message)
+            return False
+        on_demand = choice.decision is Decision.ON_DEMAND
+        if on_demand and not self.on_demand:
+            self.check_budget(hourly_cost(on_demand_spec(self.spec)).hourly_usd)
+        self.on_demand = on_demand
+        message = f"deadline: {choice.reason}: launching {'on-demand' if on_demand else 'spot'}"
+        log.info(message)
+        self.set_state(None, message)
+        return True
 
     def spot_lost(self, why: str) -> bool:
         """A spot cluster lost (or no spot capacity): past compute.spot_fallback_after, go on-demand (True)."""
@@ -189,6 +227,8 @@ class Replacement:
                 f"replacement cluster {self.name} did not launch ({type(exc).__name__}: {exc}): provisioning it now"
             )
             handle = None
+        if handle is not None and self.capacity.deadline:
+            self.capacity.follow_deadline(spot_available=True)  # a spot cluster is up: unless the deadline's too near
         if handle is not None and self.on_demand != self.capacity.on_demand:  # spot, and the run is on-demand now
             self.capacity.life.down(self.name)
             handle = None

@@ -97,7 +97,7 @@ def train(
         elif event.kind == "stop":  # the job enforced a limit itself (and closed the MLflow run)
             life.stop(*event.value)
         elif event.kind == "epoch":
-            life.epoch_done()
+            life.epoch_done(event.value)
             result.first_epoch_seconds = result.first_epoch_seconds or time.time() - started
             if not spec.sweep:
                 bar.set(100.0 * (event.value + 1) / spec.train.epochs)

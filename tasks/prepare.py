@@ -1,9 +1,12 @@
 """Before any cluster exists: check the spec, and put the data where the cluster can read it."""
 
+import time
+
 from prefect import get_run_logger, runtime, task
 
 from gpuflow.cluster.backends.skypilot.infra import check_infra
 from gpuflow.cluster.cost.budget import check_budget
+from gpuflow.cluster.cost.deadline_run import checked_deadline, resolved
 from gpuflow.cluster.cost.history import prediction_for
 from gpuflow.cluster.cost.predict import Prediction
 from gpuflow.cluster.data import ensure_data
@@ -15,8 +18,9 @@ from gpuflow.cluster.util.local_store import ready_local_store
 def validate(spec: ExperimentSpec) -> tuple[ExperimentSpec, Prediction]:
     """Fails with every problem listed (field, value, fix) before anything is started or billed. Returns the spec
     and the run's time and cost predicted from past runs of its loop on its hardware (logged when its run opens)."""
-    spec = check_infra(validate_spec(spec))
+    spec = resolved(check_infra(validate_spec(spec)), created_at())  # a deadline within hours: from the run's start
     prediction = prediction_for(spec)
+    deadline = checked_deadline(spec, prediction)
     # reserves, then refuses here, before any cluster exists
     estimate = check_budget(spec, runtime.flow_run.id, prediction)
     ready_local_store(spec.tracking_uri)  # runs started at once on a fresh store must not all create it
@@ -25,8 +29,17 @@ def validate(spec: ExperimentSpec) -> tuple[ExperimentSpec, Prediction]:
         f"workers={spec.compute.num_workers} precision={spec.precision}; "
         f"price {estimate.describe()}, at most ${estimate.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes"
     )
-    get_run_logger().info("\n".join(prediction.lines(estimate)))
+    get_run_logger().info("\n".join(prediction.lines(estimate) + (deadline.lines(time.time()) if deadline else [])))
     return spec, prediction
+
+
+def created_at() -> float:
+    """When this flow run was created: the same on every retry of it."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    created = context and context.flow_run.created
+    return created.timestamp() if created else time.time()
 
 
 @task(name="stage-data", retries=2, retry_delay_seconds=[2, 10])

@@ -74,7 +74,8 @@ USER_RATE = "hourly_rate_usd"  # the end of every source that is the user's own 
 
 
 def hourly_cost(spec: ExperimentSpec) -> Estimate:
-    """The price the budget uses: the dearest option that may launch (the spot fallback's on-demand ones too).
+    """The price the budget uses: the dearest option that may launch (the on-demand ones of a spot fallback or a
+    deadline too).
     SkyPilot tries the options in order, or picks among them: any may be what launches, so the run is checked
     against the dearest, then metered at the price of what launched (cluster/run/lifecycle.py)."""
     return max((estimate for _, estimate in option_prices(spec)), key=lambda estimate: estimate.hourly_usd)
@@ -82,7 +83,8 @@ def hourly_cost(spec: ExperimentSpec) -> Estimate:
 
 def options_that_may_launch(spec: ExperimentSpec) -> list[Option]:
     options = compute_options(spec.compute)
-    if spec.compute.spot_fallback_after is not None:
+    limits = spec.limits
+    if spec.compute.spot_fallback_after is not None or limits.deadline or limits.finish_within_hours:
         options += [o for o in compute_options(spec.compute, on_demand=True) if o not in options]
     return options
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpuflow.cluster.cost.deadline_run import Progress
 from gpuflow.cluster.cost.pricing import Estimate
 from gpuflow.cluster.protocol import STATUS_FOR_STOP
 from gpuflow.cluster.run.losses import LostCompute
@@ -68,6 +69,8 @@ class Lifecycle:
         self.recoveries = 0
         self.live_nodes: int | None = None  # an elastic run's nodes left, as its job says; None: all of them
         self.lost = LostCompute(workers)  # what the losses cost (cluster/run/losses.py)
+        self.epochs_seen: tuple[int, int] | None = None  # the first epoch reported (past 0 on a continuation), last + 1
+        self.epochs_at_checkpoint = 0  # epochs_seen's last when the last checkpoint was persisted
         self._loss_seen_at: float | None = None  # the loss check's first sight of the loss being relaunched
         self.ended_at: float | None = None
         self.stop_reason: str | None = None
@@ -98,13 +101,26 @@ class Lifecycle:
     def job_started(self) -> None:
         self.job_started_at = self.job_started_at or time.time()
 
-    def epoch_done(self) -> None:
-        """An epoch reported: the end of a recovery's `recovery_seconds`."""
+    def epoch_done(self, epoch: int | None = None) -> None:
+        """An epoch (its index) reported: the end of a recovery's `recovery_seconds`."""
         self.lost.epoch()
+        if epoch is not None:
+            first, seen = self.epochs_seen or (epoch, 0)
+            self.epochs_seen = (min(first, epoch), max(seen, epoch + 1))
 
     def checkpointed(self) -> None:
         """A checkpoint is persisted: where a resume would start from."""
         self.lost.checkpointed()
+        self.epochs_at_checkpoint = self.epochs_seen[1] if self.epochs_seen else 0
+
+    def progress(self, epochs: int) -> Progress:
+        """How far training is (a deadline's decisions): its productive seconds, and the share of its `epochs` the
+        last checkpoint holds."""
+        done_s = self.lost.productive_s(self.job_started_at, time.time())
+        if self.epochs_seen is None:
+            return Progress(done_s)
+        first = self.epochs_seen[0]
+        return Progress(done_s, max(0, self.epochs_at_checkpoint - first) / max(1, epochs - first))
 
     def resumed(self) -> None:
         """The loop restored a checkpoint and trains again."""

@@ -71,6 +71,14 @@ class LostCompute:
             self.recovery_seconds.append(at - self._lost_at)
             self._lost_at = None
 
+    def productive_s(self, started_at: float | None, now: float) -> float:
+        """The training that moved the run on since `started_at` (the first job's start): its time less the work
+        redone and the recoveries, the one in progress too."""
+        if started_at is None:
+            return 0.0
+        recovering = now - self._lost_at if self._lost_at is not None else 0.0
+        return max(0.0, now - started_at - self.redone_seconds - sum(self.recovery_seconds) - recovering)
+
     def metrics(self) -> dict[str, float]:
         if not self.losses:
             return {}

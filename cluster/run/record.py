@@ -15,6 +15,7 @@ from mlflow.entities import Metric, Param, RunInfo, RunTag
 
 from gpuflow.cluster.backends import train_run_name
 from gpuflow.cluster.cost.budget import settle_budget
+from gpuflow.cluster.cost.deadline_run import deadline_metrics
 from gpuflow.cluster.cost.predict import Prediction
 from gpuflow.cluster.cost.spend import ATTEMPT_STARTED_TAG, HOURLY_METRIC, SPENT_BEFORE_METRIC
 from gpuflow.cluster.protocol import (
@@ -195,6 +196,7 @@ class RunRecord:
             self.log_attempts(attempts)
         if self.run_id:
             metrics = {**{f"{PHASE_METRIC_PREFIX}{key}": value for key, value in self.phases.items()}, **bill}
+            metrics.update(deadline_metrics(self.spec, attempts, time.time()))
             tags = {STOPPED_BY_TAG: outcome.stopped_by} if outcome.stopped_by else None
             # only a sweep's run has child runs (its trials) to end with it: no search for the others
             if not close_run(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from datetime import datetime
+
+from pydantic import AwareDatetime, Field, field_validator
 
 from gpuflow.cluster.spec.fields import Amount, Count, Strict
 
@@ -36,6 +38,34 @@ class LimitsSpec(Strict):
         description="The job stops itself (checkpoints kept, MLflow run FAILED, stopped_by=orphaned) when the flow "
         "has not renewed its lease for this long: the flow process was killed, frozen or cut off.",
     )
+    deadline: AwareDatetime | None = Field(
+        None,
+        description="Finish by this time, with its zone (e.g. 2026-12-24T09:00:00Z): spot while it pays, "
+        "on-demand when the run must catch up (docs/deadline.md). Needs a spot option.",
+    )
+    finish_within_hours: Amount(le=720) | None = Field(
+        None, description="Finish within this many hours of the run's start: a deadline the run fixes as it starts."
+    )
+    changeover_minutes: Amount(le=1440) | None = Field(
+        None,
+        description="What one switch of cluster costs a deadline's run (provision, setup, checkpoint reload, work "
+        "redone). Unset: this loop's past provision and first epoch, else a default per backend.",
+    )
+
+    @field_validator("deadline", mode="before")
+    @classmethod
+    def _deadline_has_a_zone(cls, value):
+        if isinstance(value, str):
+            try:
+                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                raise ValueError(f"{value!r} is not a time; write it as 2026-12-24T09:00:00Z") from None
+        if isinstance(value, datetime) and value.tzinfo is None:
+            raise ValueError(
+                f"{value.isoformat()!r} has no time zone; add one, e.g. {value.isoformat()}Z (UTC) or "
+                f"{value.isoformat()}+01:00"
+            )
+        return value
 
 
 class ProfileSpec(Strict):
@@ -43,3 +73,31 @@ class ProfileSpec(Strict):
     after: Count(0, 1_000_000) = Field(
         5, description="Steps to skip first, so that the trace shows warm steps, not start-up."
     )
+
+
+def deadline_problems(spec) -> list[tuple[str, str]]:
+    """A deadline chooses between spot and on-demand as the run goes: it needs spot to choose, and it replaces the
+    fixed spot fallback. (Whether it can be met is checked against the clock at validate, not here: a node loads
+    the spec later.)"""
+    limits, compute = spec.limits, spec.compute
+    field = "limits.deadline" if limits.deadline else "limits.finish_within_hours"
+    if limits.deadline is None and limits.finish_within_hours is None:
+        return []
+    if limits.deadline and limits.finish_within_hours:
+        return [(field, "set limits.deadline or limits.finish_within_hours, not both")]
+    problems = []
+    if not (compute.use_spot or any(option.use_spot for option in compute.options or [])):
+        problems.append(
+            (
+                field,
+                "a deadline chooses between spot and on-demand as the run goes: set compute.use_spot: true "
+                "(or an option with use_spot: true); on-demand alone has nothing to choose",
+            )
+        )
+    if compute.spot_fallback_after is not None:
+        problems.append(
+            ("compute.spot_fallback_after", f"{field} decides when to go on-demand; remove spot_fallback_after")
+        )
+    if spec.sweep is not None:
+        problems.append((field, "a deadline is for one training run; remove it from a sweep's spec"))
+    return problems

@@ -27,7 +27,7 @@ from gpuflow.cluster.spec.fields import (
     is_remote_uri,
     no_problem,
 )
-from gpuflow.cluster.spec.limits import LimitsSpec, ProfileSpec
+from gpuflow.cluster.spec.limits import LimitsSpec, ProfileSpec, deadline_problems
 from gpuflow.cluster.spec.notifying import NotifySpec
 from gpuflow.cluster.spec.sweep import SweepSpec, sweep_problems
 
@@ -206,8 +206,8 @@ class ExperimentSpec(Strict):
         return self
 
     @model_validator(mode="after")
-    def _sweep_fits_the_spec(self):
-        problems = sweep_problems(self) if self.sweep is not None else []
+    def _sections_fit_each_other(self):
+        problems = (sweep_problems(self) if self.sweep is not None else []) + deadline_problems(self)
         if problems:  # one error per problem, each at its own field
             raise ValidationError.from_exception_data(
                 "ExperimentSpec",

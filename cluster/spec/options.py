@@ -174,11 +174,12 @@ def options_problems(compute) -> list[tuple[str, str]]:
 
 def on_demand_spec(spec):
     """The spec of the spot fallback: every option (and compute.use_spot) on-demand, and nothing left to fall back
-    from (a node validates the spec it is given: spot_fallback_after without spot is refused there)."""
-    compute = spec.compute
+    from, nor a deadline to choose (a node validates the spec it is given: either without spot is refused there)."""
+    compute, limits = spec.compute, spec.limits
     options = compute.options and [option.model_copy(update={"use_spot": False}) for option in compute.options]
     return spec.model_copy(
         update={
-            "compute": compute.model_copy(update={"use_spot": False, "options": options, "spot_fallback_after": None})
+            "compute": compute.model_copy(update={"use_spot": False, "options": options, "spot_fallback_after": None}),
+            "limits": limits.model_copy(update={"deadline": None, "finish_within_hours": None}),
         }
     )

@@ -43,14 +43,34 @@ def validate(spec, path: str) -> int:
         if api:
             api.ready()
         webhook_for(spec)
+    deadline = deadline_lines(spec)  # one that cannot be met is refused here
     price = priced_within_budget(spec, path)
     if price is None:
         return 2
     print(f"{path}: valid. {describe(spec)}")
     print(f"  price {price.describe()}; at most ${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes")
-    for line in sweep_lines(spec, price):
+    for line in sweep_lines(spec, price) + deadline:
         print(f"  {line}")
     return 0
+
+
+def deadline_lines(spec, predicted=None) -> list[str]:
+    """What the spec's deadline needs and costs (cluster/cost/deadline_run.py); a SpecError if it cannot be met."""
+    import time
+
+    from gpuflow.cluster.cost.deadline_run import checked_deadline
+    from gpuflow.cluster.cost.history import prediction_for
+    from gpuflow.cluster.cost.pricing import hourly_cost
+    from gpuflow.cluster.spec.options import on_demand_spec
+
+    if spec.limits.deadline is None and spec.limits.finish_within_hours is None:
+        return []
+    deadline = checked_deadline(spec, prediction_for(predicted or spec))
+    try:
+        on_demand_usd = hourly_cost(on_demand_spec(spec)).hourly_usd
+    except Exception:  # no price: the plan says the rest
+        on_demand_usd = None
+    return deadline.lines(time.time(), on_demand_usd)
 
 
 def sweep_lines(spec, price=None) -> list[str]:
@@ -110,6 +130,8 @@ def plan(spec) -> int:
     print(f"# {reuse_line(spec, twin)}")
     left = {"epochs": twin.epochs_left} if twin.continues else {}  # a continuation's time is its epochs left's
     predicted = spec.model_copy(update={"train": spec.train.model_copy(update=left)})
+    for line in deadline_lines(spec, predicted):
+        print(f"# {line}")
     if spec.compute.backend == "local":
         price = hourly_cost(spec)
         for line in sweep_lines(spec, price):
@@ -123,11 +145,11 @@ def plan(spec) -> int:
         return 0
     from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
 
-    price = None
+    price, fallback = None, " (spot fallback)" if spec.compute.spot_fallback_after else " (when the deadline needs it)"
     try:
         for option, estimate in option_prices(spec):
             print(
-                f"# option {option.index}{' (spot fallback)' if option not in compute_options(spec.compute) else ''}"
+                f"# option {option.index}{'' if option in compute_options(spec.compute) else fallback}"
                 f": {option.describe()}: {estimate.describe()}"
             )
         price = hourly_cost(spec)

@@ -11,7 +11,10 @@ Capacity as SkyPilot fails over: the task's resources are tried in order (a list
 its own order), each one `no_capacity` names (an accelerator, an infra's cloud, or "spot") is skipped, and the
 first that remains launches (the handle's `launched_resources` says which); when none remains, SkyPilot's
 ResourcesUnavailableError, one block per resource tried and its failover_history. `preempt_spot` spot clusters
-are preempted mid-job: the cluster vanishes, as a forced status refresh then says.
+are preempted mid-job: the cluster vanishes, as a forced status refresh then says. `spot_schedule` scripts spot
+capacity over time: each launch that tries spot takes the next entry (True: there is some), the last one holds.
+`streamed` spreads the job's log over its time, as a training job prints it (a preempted job's ends at the loss);
+otherwise the log comes whole at the job's end.
 
 The node's side, where it decides: the job first loads the spec it was handed with the job's own loader, and a spec
 the node refuses fails the job (FAILED, its traceback in the log) after the launch, as on a real cluster.
@@ -62,12 +65,15 @@ class FakeSky:
         no_capacity=(),
         preempt_spot: int = 0,
         down_s: float = 0.05,
+        spot_schedule: list[bool] = (),
+        streamed: bool = False,
     ):
         self.scenario, self.launch_s, self.job_s, self.down_s = scenario, launch_s, job_s, down_s
         self.down_failures = down_failures  # a cloud API that refuses the next N deletions, as in an outage
         self.job_log = list(job_log) or ["[gpuflow] epoch 0: train_loss=1.0 val_accuracy=0.9"]
         self.no_capacity = no_capacity  # words: a resource naming any of them has none (until changed)
         self.preempt_spot = preempt_spot
+        self.spot_schedule, self.streamed = list(spot_schedule), streamed
         self.clusters: dict[str, dict] = {}
         self.requests: dict[str, Request] = {}
         self.calls: list[tuple] = []
@@ -171,7 +177,7 @@ class FakeSky:
                 *(k.lower() for k in resources.accelerators or {}),
                 *(["spot"] if resources.use_spot else []),
             }
-            if not words & {word.lower() for word in self.no_capacity}:
+            if not words & {word.lower() for word in self.no_capacity} and self._spot_now(resources):
                 return resources
             error = sky.exceptions.ResourcesUnavailableError(
                 f"Failed to acquire resources in all zones in {resources.region or 'every region'} for "
@@ -193,6 +199,11 @@ class FakeSky:
             f"Provision failures (tried {len(tried)} infra):\n\n{blocks}",
             failover_history=history,
         )
+
+    def _spot_now(self, resources) -> bool:
+        if not (resources.use_spot and self.spot_schedule):
+            return True
+        return self.spot_schedule.pop(0) if len(self.spot_schedule) > 1 else self.spot_schedule[0]
 
     def exec(self, task, cluster_name=None, **_):
         self.calls.append(("exec", cluster_name, task.to_yaml_config()))
@@ -230,11 +241,22 @@ class FakeSky:
         if preempted:  # the cloud takes the nodes back mid-job, however late the client follows the job's log
             self.preempt_spot -= 1
             end -= self.job_s / 2
+        lines = job["log"]
+        if self.streamed:  # line i at i/len of the job's time; a preempted job's log stops at the loss
+            began = job["finish_at"] - self.job_s
+            for i, line in enumerate(lines):
+                at = began + self.job_s * i / len(lines)
+                if at >= end:
+                    break
+                while time.time() < at and cluster_name in self.clusters:
+                    time.sleep(0.01)
+                output_stream.write(line + "\n")
+            lines = []
         while time.time() < end and cluster_name in self.clusters:
             time.sleep(0.01)
         if preempted:
             self.clusters.pop(cluster_name, None)
-        for line in job["log"]:
+        for line in lines:
             output_stream.write(line + "\n")
         job["status"] = job["final"] if cluster_name in self.clusters else JobStatus.FAILED
         return 0 if job["status"] == JobStatus.SUCCEEDED else sky.exceptions.JobExitCode.FAILED.value
