@@ -54,7 +54,7 @@ FIGURES = ("lost_compute_seconds", "recovery_s", "steps_redone")
 class Side:
     key: str
     notice: bool  # the cloud's notice comes --lead seconds before the loss
-    proactive: bool  # the flow provisions the replacement on the notice (flows/capacity.py: relaunches_on_notice)
+    proactive: bool  # the flow provisions the replacement on the notice (capacity/replacement.py: relaunches_on_notice)
     overrides: list[str] = field(default_factory=list)  # spec overrides of this side
 
 
@@ -83,7 +83,7 @@ def one_side(side: Side, args, kill_at_step: int | None) -> dict:
     os.environ["GPUFLOW_HOME"] = str(home)
     from mlflow import MlflowClient
 
-    import gpuflow.flows.capacity as capacity
+    import gpuflow.flows.capacity.replacement as capacity
     from gpuflow.cluster.spec import load_spec
     from gpuflow.flows.experiment import run_experiment
     from tests.loops import STEPPED_LOOP

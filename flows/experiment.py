@@ -23,7 +23,7 @@ from gpuflow.cluster.run.monitor import JobFailed, TrainResult, cost_check, dead
 from gpuflow.cluster.run.record import close_runs_of_flow_run
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
-from gpuflow.flows.capacity import Replacement
+from gpuflow.flows.capacity.replacement import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
 from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
@@ -102,39 +102,49 @@ def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
 def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: list[Check]) -> TrainResult:
     """Trains; if the cluster is lost meanwhile (spot preemption, a node gone), relaunches it (named -r1, -r2, ...)
     and resumes from the last checkpoint, in the same MLflow run, up to compute.max_recoveries times. A spot notice
-    starts the relaunched cluster before the loss (`Replacement`).
+    starts the relaunched cluster before the loss (`Replacement`); so does a deadline's run on on-demand that can go
+    back to spot, which then leaves its cluster at a checkpoint (a move, not a loss: no recovery is counted).
 
     A job that fails on a cluster that is still whole is the loop's own error: it fails the run at once."""
     spec, life, capacity, job = run.spec, run.life, run.capacity, run.job()
-    for recovery in range(spec.compute.max_recoveries + 1):
-        replacement = Replacement(
-            capacity, cluster_name_for(flow_run_id_of(handle.name), recovery + 1), job.env, recovery
-        )
+    recovery, clusters = 0, 1
+    while True:
+        replacement = Replacement(capacity, cluster_name_for(flow_run_id_of(handle.name), clusters), job.env, recovery)
+        clusters += 1
         try:
             with replacement:  # on a spot notice, the next cluster is provisioned while this one trains
                 return train(spec, handle, job, life, stop_checks)
         except JobFailed as failure:
             ended_at = time.time()
-            lost = None if life.stopped else lost_on(run.backend, handle.name, failure)
-            if not lost:
+            moved = replacement.left_for_spot and not life.stopped
+            lost = None if life.stopped or moved else lost_on(run.backend, handle.name, failure)
+            if not (lost or moved):
                 raise
-            life.lost_cluster(lost, ended_at)
-            if recovery == spec.compute.max_recoveries:
-                detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
-                life.stop("preempted", detail)
-                raise RunStopped("preempted", detail) from None
-            get_run_logger().warning(
-                f"{lost}: relaunching it and resuming from the last checkpoint "
-                f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})"
-            )
-            if handle.info.get("launched", {}).get("spot") == "true":
-                capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
+            if lost:
+                relaunch_after(run, lost, ended_at, recovery)
+                recovery += 1
+                if handle.info.get("launched", {}).get("spot") == "true":
+                    capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
             # downs the lost one; the next is priced at the dearest option it may get, until it launches
             life.relaunching(replacement.name, hourly_cost(capacity.launch_spec))
             run.record.relaunched(life.meter.attempts)
             handle = replacement.take() or capacity.provision(life.cluster_name, job)
-            notify_recovered(run, lost, recovery + 1)
-    raise AssertionError("unreachable")
+            if lost:
+                notify_recovered(run, lost, recovery)
+
+
+def relaunch_after(run: ExperimentRun, lost: str, ended_at: float, recovery: int) -> None:
+    """Counts the loss; stops the run (`preempted`) when it was the last relaunch compute.max_recoveries allows."""
+    spec, life = run.spec, run.life
+    life.lost_cluster(lost, ended_at)
+    if recovery == spec.compute.max_recoveries:
+        detail = f"stopped: {lost}; compute.max_recoveries={spec.compute.max_recoveries} relaunches used up"
+        life.stop("preempted", detail)
+        raise RunStopped("preempted", detail) from None
+    get_run_logger().warning(
+        f"{lost}: relaunching it and resuming from the last checkpoint "
+        f"(recovery {recovery + 1} of at most {spec.compute.max_recoveries})"
+    )
 
 
 @flow(

@@ -14,7 +14,7 @@ from gpuflow.cluster.run.meter import Meter
 from gpuflow.cluster.run.record import RunRecord, run_url
 from gpuflow.cluster.run.webhook import for_the_job
 from gpuflow.cluster.spec import ExperimentSpec
-from gpuflow.flows.capacity import Capacity
+from gpuflow.flows.capacity.waiting import Capacity
 from gpuflow.flows.quota.hold import QuotaHold
 from gpuflow.flows.run_tags import prefect_link
 

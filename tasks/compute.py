@@ -41,7 +41,7 @@ def worth_retrying(task, task_run, state) -> bool:
             "CommandError",
             "RequestCancelled",
             "NoCapacity",
-        )  # NoCapacity: flows/capacity.py waits
+        )  # NoCapacity: flows/capacity/waiting.py waits
     return True
 
 

@@ -79,7 +79,7 @@ def capacity_flow(monkeypatch, gpuflow_home, prefect_server):
     def run(compute: dict, limits: dict = None, **double):
         fake = FakeSky(**double)
         monkeypatch.setattr("gpuflow.cluster.backends.skypilot.load_sdk", lambda: fake)
-        monkeypatch.setattr("gpuflow.flows.capacity.RETRY_S", 1.0)
+        monkeypatch.setattr("gpuflow.flows.capacity.waiting.RETRY_S", 1.0)
         spec = spec_on_the_double(gpuflow_home, compute, {"max_queue_minutes": 0.1, **(limits or {})})
         state = run_experiment(spec, return_state=True)
         flow_run_id = state.state_details.flow_run_id
@@ -253,7 +253,7 @@ def test_the_on_demand_fallback_is_checked_against_the_budget_first(sky_prices, 
     from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
     from gpuflow.cluster.run.meter import Meter
     from gpuflow.cluster.run.record import RunRecord
-    from gpuflow.flows.capacity import Capacity
+    from gpuflow.flows.capacity.waiting import Capacity
 
     spec = parse_spec(
         {
@@ -334,7 +334,7 @@ def test_every_spec_the_flow_hands_a_node_loads_there(sky_prices, compute, sweep
     from gpuflow.cluster.run.meter import Meter
     from gpuflow.cluster.run.record import RunRecord
     from gpuflow.cluster.spec import job_spec
-    from gpuflow.flows.capacity import Capacity
+    from gpuflow.flows.capacity.waiting import Capacity
 
     spec = parse_spec(
         {

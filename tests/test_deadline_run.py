@@ -112,7 +112,7 @@ def deadline_flow(monkeypatch, gpuflow_home, prefect_server, sky_prices):  # noq
     """The real flow on the SkyPilot double, its spot capacity scripted; returns its state, MLflow run and client,
     the Prefect states it went through and what SkyPilot still lists."""
     monkeypatch.setenv("GPUFLOW_SHARED_PATH", str(gpuflow_home))
-    monkeypatch.setattr("gpuflow.flows.capacity.RETRY_S", 0.5)
+    monkeypatch.setattr("gpuflow.flows.capacity.waiting.RETRY_S", 0.5)
 
     def run(limits: dict, epochs: int = 4, **double):
         fake = FakeSky(**double)
@@ -154,15 +154,12 @@ def test_behind_its_pace_with_no_spot_the_run_goes_on_demand_at_once_where_greed
 def test_ahead_after_a_spot_loss_the_run_waits_for_spot_unbilled_and_resumes_on_it(deadline_flow):
     """Spot trains half the job, is lost, and none is left for a while: the run has banked progress against a
     deadline hours away, so it waits (Prefect says so, nothing billed) and goes back to spot when it returns."""
-    log = [SETUP_DONE]
-    for epoch in range(4):
-        log += [f"[gpuflow] epoch {epoch}: train_loss=1.0 val_accuracy=0.9", CHECKPOINT_PERSISTED]
     state, client, run, states, logs, left = deadline_flow(
         {"finish_within_hours": 10, "changeover_minutes": 0.1},
         spot_schedule=[True, False, False, False, True],
         preempt_spot=1,
         streamed=True,
-        job_log=log,
+        job_log=epochs_with_checkpoints(4),
         job_s=4.0,
     )
     assert state.is_completed(), state.message
@@ -177,3 +174,31 @@ def test_ahead_after_a_spot_loss_the_run_waits_for_spot_unbilled_and_resumes_on_
     relaunched_to_end_s = run.info.end_time / 1000 - float(run.data.tags[ATTEMPT_STARTED_TAG])
     assert billed_s < relaunched_to_end_s - 1.0  # three waits of 0.5 s for spot and the tries between: not billed
     assert run.info.status == "FINISHED" and left == {}
+
+
+def test_on_demand_and_far_ahead_the_run_goes_back_to_spot_at_a_checkpoint(deadline_flow):
+    """No spot at first: on-demand. Hours ahead of its pace, the run launches spot beside it once spot is there,
+    leaves on-demand at the loop's next checkpoint and resumes on spot: a move, not a loss (no recovery counted)."""
+    state, client, run, states, logs, left = deadline_flow(
+        {"finish_within_hours": 10, "changeover_minutes": 0.1},
+        spot_schedule=[False, True],
+        streamed=True,
+        job_log=epochs_with_checkpoints(6),
+        job_s=8.0,
+        setup_s=0.5,
+    )
+    assert state.is_completed(), state.message
+    assert "launching spot beside on-demand" in logs and "leaving on-demand cluster" in logs
+    assert attempt_prices(client, run) == [ON_DEMAND_USD, SPOT_USD]
+    metrics = run.data.metrics
+    assert metrics["deadline_switches"] == 1 and metrics["spot_seconds"] > 0 and metrics["on_demand_seconds"] > 0
+    assert "recoveries" not in metrics and "redone_seconds" not in metrics  # left at a checkpoint: nothing redone
+    assert run.info.status == "FINISHED" and left == {}
+
+
+def epochs_with_checkpoints(epochs: int) -> list[str]:
+    """A job's log as the flow reads it: setup done, then each epoch's line and its checkpoint persisted."""
+    log = [SETUP_DONE]
+    for epoch in range(epochs):
+        log += [f"[gpuflow] epoch {epoch}: train_loss=1.0 val_accuracy=0.9", CHECKPOINT_PERSISTED]
+    return log

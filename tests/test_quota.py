@@ -460,7 +460,8 @@ def test_a_replacement_cluster_holds_a_second_share_or_waits_for_the_loss(prefec
     from gpuflow.cluster.run.lifecycle import Lifecycle
     from gpuflow.cluster.run.meter import Meter
     from gpuflow.cluster.run.record import RunRecord
-    from gpuflow.flows.capacity import Capacity, Replacement
+    from gpuflow.flows.capacity.replacement import Replacement
+    from gpuflow.flows.capacity.waiting import Capacity
     from gpuflow.flows.quota.hold import QuotaHold
     from gpuflow.flows.quota.pools import set_quota
     from gpuflow.flows.reconcile.quota_recount import recount

@@ -161,7 +161,7 @@ def test_the_flow_reads_a_new_notice_on_the_run_and_relaunches_on_it_only_withou
     from gpuflow.cluster.protocol import PREEMPTION_NOTICE_TAG, JobEnv
     from gpuflow.cluster.run.monitor import notice_check
     from gpuflow.cluster.spec import parse_spec
-    from gpuflow.flows.capacity import relaunches_on_notice
+    from gpuflow.flows.capacity.replacement import relaunches_on_notice
     from tests.support.repo import A_LOOP
 
     uri = digits_spec.tracking_uri

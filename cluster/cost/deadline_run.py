@@ -10,8 +10,8 @@ C(0), the compute the run needs: the slowest of this loop's past runs on this ha
 else limits.max_runtime_minutes, the most the run may take. d, the changeover (what a switch costs: the cluster's
 provision and the job's start, the checkpoint's reload, the work redone): limits.changeover_minutes, else the
 slowest past provision plus first epoch, else DEFAULT_CHANGEOVER_S for the backend. Both are taken on the safe side:
-the safety net then holds when the run is slower than its history. The run decides only when it has no cluster: at
-its first launch, after a loss, and while it waits for spot; on on-demand it stays to the end.
+the safety net then holds when the run is slower than its history. The run decides when it has no cluster (its first
+launch, after a loss, while it waits for spot) and, on on-demand, whether it is far enough ahead to go back to spot.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class DeadlineClock:
             f"{utc(now + can.earliest_finish_s)} or later, or train fewer epochs"
         )
 
-    def situation(self, now: float, progress: Progress, spot_available: bool) -> Situation:
+    def situation(self, now: float, progress: Progress, spot_available: bool, mode: Mode = Mode.IDLE) -> Situation:
         return Situation(
             deadline_s=max(self.deadline_at - self.started_at, 1e-9),
             time_left_s=self.deadline_at - now,
@@ -104,12 +104,14 @@ class DeadlineClock:
             compute_done_s=progress.compute_done_s,
             fraction_done=progress.fraction_done,
             changeover_s=self.changeover_s,
-            mode=Mode.IDLE,  # decided only with no cluster running
+            mode=mode,
             spot_available=spot_available,
         )
 
-    def choose(self, now: float, progress: Progress, spot_available: bool) -> Choice:
-        return uniform_progress(self.situation(now, progress, spot_available))
+    def choose(self, now: float, progress: Progress, spot_available: bool, mode: Mode = Mode.IDLE) -> Choice:
+        """What to be on next: asked with no cluster (IDLE: the launch, a relaunch, a wait), and on on-demand with
+        spot assumed there (does spot pay: ahead by two changeovers?)."""
+        return uniform_progress(self.situation(now, progress, spot_available, mode))
 
     def lines(self, now: float, on_demand_hourly_usd: float | None = None) -> list[str]:
         """What `gpuflow plan` and the validate task say of the deadline."""

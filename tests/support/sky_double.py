@@ -14,7 +14,7 @@ ResourcesUnavailableError, one block per resource tried and its failover_history
 are preempted mid-job: the cluster vanishes, as a forced status refresh then says. `spot_schedule` scripts spot
 capacity over time: each launch that tries spot takes the next entry (True: there is some), the last one holds.
 `streamed` spreads the job's log over its time, as a training job prints it (a preempted job's ends at the loss);
-otherwise the log comes whole at the job's end.
+otherwise the log comes whole at the job's end. A launch with no job to run sets up for `setup_s` (default: job_s).
 
 The node's side, where it decides: the job first loads the spec it was handed with the job's own loader, and a spec
 the node refuses fails the job (FAILED, its traceback in the log) after the launch, as on a real cluster.
@@ -67,6 +67,7 @@ class FakeSky:
         down_s: float = 0.05,
         spot_schedule: list[bool] = (),
         streamed: bool = False,
+        setup_s: float | None = None,
     ):
         self.scenario, self.launch_s, self.job_s, self.down_s = scenario, launch_s, job_s, down_s
         self.down_failures = down_failures  # a cloud API that refuses the next N deletions, as in an outage
@@ -74,6 +75,7 @@ class FakeSky:
         self.no_capacity = no_capacity  # words: a resource naming any of them has none (until changed)
         self.preempt_spot = preempt_spot
         self.spot_schedule, self.streamed = list(spot_schedule), streamed
+        self.setup_s = job_s if setup_s is None else setup_s  # a launch with no job to run: its setup alone
         self.clusters: dict[str, dict] = {}
         self.requests: dict[str, Request] = {}
         self.calls: list[tuple] = []
@@ -231,7 +233,8 @@ class FakeSky:
             elif self.scenario == "job":
                 log += ["Traceback (most recent call last):", "RuntimeError: fail_at_epoch=1: failing on purpose"]
                 final = JobStatus.FAILED
-        jobs[job_id] = {"status": JobStatus.RUNNING, "finish_at": time.time() + self.job_s, "final": final, "log": log}
+        duration = self.job_s if run else self.setup_s
+        jobs[job_id] = {"status": JobStatus.RUNNING, "finish_at": time.time() + duration, "final": final, "log": log}
         return job_id
 
     def tail_logs(self, cluster_name, job_id, follow=True, output_stream=None, **_):
@@ -250,6 +253,8 @@ class FakeSky:
                     break
                 while time.time() < at and cluster_name in self.clusters:
                     time.sleep(0.01)
+                if cluster_name not in self.clusters:  # downed mid-job: its log ends there
+                    break
                 output_stream.write(line + "\n")
             lines = []
         while time.time() < end and cluster_name in self.clusters:

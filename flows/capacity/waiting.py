@@ -2,8 +2,7 @@
 capacity, the run waits (not billed: no cluster exists) and tries again for up to limits.max_queue_minutes, its
 Prefect state saying what it waits for; after compute.spot_fallback_after spot losses it goes on-demand, once the
 budget allows the dearer price; with a deadline (limits.deadline), each launch is spot, on-demand or a wait for
-spot as the run's progress against the deadline says (cluster/cost/deadline_run.py). On a spot notice, the cluster
-a relaunch will need is provisioned at once (`Replacement`), beside the one still training."""
+spot as the run's progress against the deadline says (cluster/cost/deadline_run.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity
 from gpuflow.cluster.cost.deadline import Decision
 from gpuflow.cluster.cost.deadline_run import DeadlineClock
 from gpuflow.cluster.cost.pricing import hourly_cost, option_price
-from gpuflow.cluster.job.spot_watch import notices_possible
 from gpuflow.cluster.protocol import ENV_NAMES
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
-from gpuflow.cluster.run.limits import Watchdog
-from gpuflow.cluster.run.monitor import NOTICE_POLL_S, notice_check
 from gpuflow.cluster.run.record import RunRecord
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options, on_demand_spec
@@ -31,7 +27,6 @@ log = logging.getLogger(__name__)
 
 WAITING = "Waiting for capacity"  # the flow run's state while no option has capacity
 WAITING_FOR_SPOT = "Waiting for spot"  # a deadline's run ahead of its pace, with no spot to be had
-REPLACING = "Replacing"  # the flow run's state from a spot notice until the run resumes on the replacement
 RETRY_S = 30.0  # between two tries of every option: SkyPilot's own failover already tried each
 
 
@@ -180,72 +175,6 @@ class Capacity:
             )
             self.life.stop("budget", detail)
             raise RunStopped("budget", detail)
-
-
-def relaunches_on_notice(spec: ExperimentSpec, recovery: int) -> bool:
-    """Whether a spot notice provisions the replacement cluster at once: when a relaunch is left, and the workers
-    have no elastic range (`compute.num_workers: [min, max]` carries on without the node instead)."""
-    return recovery < spec.compute.max_recoveries and not spec.compute.min_workers
-
-
-class Replacement:
-    """The cluster the next relaunch will use (`name`), provisioned when a node of the current one has its spot notice
-    instead of after the loss: the resume then starts on a cluster already up. While the job trains, a watch reads
-    the notice (the MLflow run's tag, `notice_check`). The relaunch takes it (`take`); if no loss comes (the job
-    ended before the deadline, or failed on its own), the run's teardown downs it with the rest (`life.launching`)."""
-
-    def __init__(self, capacity: Capacity, name: str, env: dict[str, str], recovery: int):
-        self.capacity, self.name, self.quota = capacity, name, capacity.quota
-        self.future, self.on_demand = None, capacity.on_demand
-        watched = notices_possible(capacity.spec) and relaunches_on_notice(capacity.spec, recovery)
-        checks = [notice_check(env)] if watched else []
-        self.watch = Watchdog(checks, self.provision, NOTICE_POLL_S, name="gpuflow-notice-watch")
-
-    def provision(self, _reason: str, notice: str) -> None:
-        # two clusters bill from here: never on one share of the team's quota
-        if self.quota and not self.quota.hold_for_replacement():
-            log.warning(
-                f"notice: no replacement cluster yet ({notice}): quota {self.quota.need.pool!r} has no room for a "
-                "second cluster beside the one training; the relaunch provisions after the loss, on the run's slots"
-            )
-            return
-        message = f"notice: replacement cluster provisioning: {self.name}, beside the one still training ({notice})"
-        log.warning(message)
-        self.capacity.set_state(REPLACING, message)
-        self.future = provision.submit(self.capacity.launch_spec, self.name, None)
-        self.capacity.life.launching(self.future, self.name)
-
-    def take(self) -> ClusterHandle | None:
-        """The replacement, once up (metered from its request); None when no notice asked for one, or it cannot
-        serve (its launch failed, or the run went on-demand since): the relaunch then provisions as before."""
-        if self.future is None:
-            return None
-        try:
-            handle = self.future.result()
-        except Exception as exc:
-            log.warning(
-                f"replacement cluster {self.name} did not launch ({type(exc).__name__}: {exc}): provisioning it now"
-            )
-            handle = None
-        if handle is not None and self.capacity.deadline:
-            self.capacity.follow_deadline(spot_available=True)  # a spot cluster is up: unless the deadline's too near
-        if handle is not None and self.on_demand != self.capacity.on_demand:  # spot, and the run is on-demand now
-            self.capacity.life.down(self.name)
-            handle = None
-        if self.quota:
-            self.quota.give_back_replacement()  # the lost cluster is down: the run's own share holds this one
-        self.capacity.set_state(None, f"resuming on {self.name}")
-        if handle is not None:
-            self.capacity.launched(handle)
-        return handle
-
-    def __enter__(self) -> Replacement:
-        self.watch.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.watch.finish()
-        self.watch.join(timeout=60)  # a notice being acted on: `take` must see its launch, not start a second one
 
 
 def billed_later(job: Job | None, seconds: float) -> Job | None:
