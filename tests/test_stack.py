@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
@@ -78,7 +80,13 @@ def flow_runs_in(api_url: str) -> list:
 def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_kill_9_of_one_stops_its_cluster(
     stack_env, digits_spec, gpuflow_home
 ):
-    out = gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
+    # the run's secret and the tracking server's password are in the shell: they reach the run's workers from the
+    # run, and no process the stack keeps for the next run holds them
+    secrets = {"GPUFLOW_TEST_TOKEN": f"token-{uuid.uuid4().hex}", "MLFLOW_TRACKING_PASSWORD": f"pw-{uuid.uuid4().hex}"}
+    stack_env.update(secrets)
+    spec = gpuflow_home / "digits-with-a-secret.yaml"
+    spec.write_text(SPEC.read_text() + f"workdir: {REPO}\nsecrets: [GPUFLOW_TEST_TOKEN]\n")
+    out = gpuflow(stack_env, "up", str(spec), "--idle-minutes", "5")
     assert "spare        a local Ray cluster of 1 node(s) × 3 CPU(s)" in out, out
     stack = stack_record(gpuflow_home)
     spare = spare_pids(gpuflow_home)
@@ -86,7 +94,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_
 
     # The run's Prefect home is another: had it started an API of its own, the flow run would be stored there.
     run_env = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-run")}
-    out = gpuflow(run_env, "run", str(SPEC), "--set", "train.epochs=2", *sets(data_of(gpuflow_home)))
+    out = gpuflow(run_env, "run", str(spec), "--set", "train.epochs=2", *sets(data_of(gpuflow_home)))
     assert "finished in" in out, out
     assert_a_clean_console(out)
 
@@ -106,6 +114,9 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_
         120,
         "a new spare",
     )
+    for pid in processes_of(gpuflow_home):
+        held = psutil.Process(pid).environ()
+        assert not set(secrets.values()) & set(held.values()), f"{psutil.Process(pid).cmdline()[:3]} holds a secret"
 
     # The next spare changes owner when claimed: a kill -9 of the run that claimed it must stop it, while the stack
     # goes on.

@@ -56,7 +56,7 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
     from gpuflow.cluster.backends.local import shape_of
     from gpuflow.flows.local_stack import stack
 
-    shape = None
+    shape, secrets = None, ()
     if spec_path:
         spec = load_spec(spec_path)
         validate_spec(spec)
@@ -67,8 +67,8 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
                     f"{spec.compute.backend!r}; name a local spec, or none (its API serves every run)"
                 ]
             )
-        shape = shape_of(spec)
-    record = stack.up(idle_minutes, shape)
+        shape, secrets = shape_of(spec), spec.secrets
+    record = stack.up(idle_minutes, shape, secrets)
     spare = record.get("spare_shape")
     print(f"gpuflow: warm stack up (stops after {record['idle_minutes']:g} idle min, or `gpuflow down`)")
     print(f"  Prefect API  {record['api_url']}")
@@ -100,7 +100,7 @@ def leave_a_stack(spec) -> str | None:
 
     minutes = stack_idle_minutes()
     try:
-        stack.start(minutes, shape_of(spec))
+        stack.start(minutes, shape_of(spec), spec.secrets)
     except OSError as exc:
         return f"  warm stack   not left for the next run: {exc}"
     return (

@@ -7,7 +7,9 @@ Without it, each `gpuflow run` starts Prefect's temporary API and a Ray cluster 
 the first step. With it, a run uses the stack's API and claims its spare cluster (one of the run's shape, started in
 the environment the run's own cluster would get: cluster/backends/local/warm.py), which from then on is the run's
 alone: owned by the run's process, downed at its end or with its death, as any other. A run from a shell with other
-values starts its own cluster; `gpuflow down`, and the next stack is that shell's.
+values starts its own cluster; `gpuflow down`, and the next stack is that shell's. The stack starts without the
+run's secrets and the tracking server's credentials: a run's workers get those from the run, and no process kept
+for the next run holds them.
 Once no run is going, the stack starts the next spare in the shape of the last run, and the job process that waits
 on it for a run (cluster/backends/local/early_job.py). It stops itself after
 `--idle-minutes` without a run; its API and spare stop with it, even after a kill -9 (each watches its owner).
@@ -29,9 +31,11 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from gpuflow.cluster.backends.local import CHILDREN, LocalBackend
+from gpuflow.cluster.backends.local.early_job import credentials
 from gpuflow.cluster.backends.local.warm import SPARE_PREFIX
 from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_dir
 from gpuflow.cluster.util.files import write_atomically
@@ -73,15 +77,16 @@ def write_json(path: Path, value: dict) -> None:
 
 
 # -- gpuflow up / down ---------------------------------------------------------------------------------------------
-def up(idle_minutes: float, shape: dict | None = None) -> dict:
+def up(idle_minutes: float, shape: dict | None = None, secrets: Iterable[str] = ()) -> dict:
     """Starts the stack unless one is up; returns its record once its API answers and its spare (if it has a shape
     to make one of) is up."""
-    return wait_until_ready(shape, start(idle_minutes, shape))
+    return wait_until_ready(shape, start(idle_minutes, shape, secrets))
 
 
-def start(idle_minutes: float, shape: dict | None = None) -> subprocess.Popen | None:
+def start(idle_minutes: float, shape: dict | None = None, secrets: Iterable[str] = ()) -> subprocess.Popen | None:
     """Starts the stack's process unless one is up, and returns at once (None: one was up). It gets the environment
-    this process was started with: a run's process has more by its end (what Ray, torch and MLflow set as they load)."""
+    this process was started with (a run's process has more by its end: what Ray, torch and MLflow set as they load),
+    less the run's `secrets` and the tracking server's credentials: no process kept for the next run holds them."""
     if shape:
         want_shape(shape)
     if read_stack() is not None:
@@ -95,7 +100,7 @@ def start(idle_minutes: float, shape: dict | None = None) -> subprocess.Popen | 
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env=STARTING_ENVIRONMENT,
+            env={name: value for name, value in STARTING_ENVIRONMENT.items() if name not in credentials(secrets)},
         )
 
 

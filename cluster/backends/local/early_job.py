@@ -14,10 +14,12 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from gpuflow.cluster.config import STARTING_ENVIRONMENT, local_ray_mode
 from gpuflow.cluster.protocol import JobEnv
+from gpuflow.cluster.spec.model import TRACKING_CREDENTIALS
 from gpuflow.cluster.util.files import write_atomically
 
 HANDOFF_FILE = "job.json"  # in the cluster's temp dir: what the early job waits for (its spec, address, env)
@@ -82,11 +84,20 @@ def environment_digest() -> str:
 SHELL_NOISE = {"_", "PWD", "OLDPWD", "SHLVL", "TERM", "COLUMNS", "LINES"}
 
 
-def cluster_environment_digest() -> str:
+def credentials(secrets: Iterable[str] = ()) -> set[str]:
+    """What the warm stack's processes never hold, the run's `secrets` and the tracking server's credentials: a run's
+    workers get those from the run itself (runtime_env, cluster/spec: job_secrets), never from whoever started the
+    cluster, so none outlives its run in a process kept for the next."""
+    return {*TRACKING_CREDENTIALS, *secrets}
+
+
+def cluster_environment_digest(secrets: Iterable[str] = ()) -> str:
     """What a cluster this process starts runs its Ray processes, and so the run's workers, with: job_environment()
-    (Prefect's settings aside: no Ray process imports Prefect), less SHELL_NOISE. A spare that another process (the
-    stack) started serves a run only where they match: a run's workers never see another shell's values."""
-    return digest_of({name: value for name, value in job_environment().items() if name not in SHELL_NOISE})
+    (Prefect's settings aside: no Ray process imports Prefect), less SHELL_NOISE and the `credentials`. A spare that
+    another process (the stack) started serves a run only where they match: a run's workers never see another
+    shell's values."""
+    leave_out = SHELL_NOISE | credentials(secrets)
+    return digest_of({name: value for name, value in job_environment().items() if name not in leave_out})
 
 
 def digest_of(environment: dict[str, str]) -> str:

@@ -76,14 +76,15 @@ class WarmClusters:
         The claim makes this process the cluster's owner first (the owner file), then renames it away from the
         spare's name: a claimer killed in between leaves a cluster owned by a dead process, which stops itself.
         The lock makes two runs that claim at once take at most one spare each. A spare started in another
-        environment than this process's cold cluster would get (early_job.cluster_environment_digest) is not claimed:
-        its workers would see the values of the shell that left the stack, not the run's."""
+        environment than this process's cold cluster would get (early_job.cluster_environment_digest, the run's
+        credentials aside: they reach its workers from the run) is not claimed: its workers would see the values of
+        the shell that left the stack, not the run's."""
         if not self.root.exists():
             return None
         lock = os.open(self.root, os.O_RDONLY)  # the clusters' folder itself: released on close, or with the process
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            environment = early_job.cluster_environment_digest()
+            environment = early_job.cluster_environment_digest(spec.secrets)
             for folder in sorted(self.root.glob(f"{SPARE_PREFIX}*")):
                 record = self.record(folder.name)
                 if (
