@@ -145,6 +145,28 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_
     wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
 
 
+def test_a_spare_serves_only_a_run_from_its_shell_and_each_runs_workers_see_their_own_values(stack_env, gpuflow_home):
+    """A spare's workers would see the values of the shell that started the stack: a run from another shell starts
+    its own cluster, and the workers of a warm run and of a cold one each see their own shell's value."""
+    spec = gpuflow_home / "report-shell.yaml"
+    spec.write_text(
+        f"name: report-shell\nworkdir: {REPO}\ntrain:\n  loop: tests.loops.plain:report_shell\n  epochs: 1\n"
+        "  params: {variable: GPUFLOW_TEST_SHELL_VALUE}\ntracking: {register_model: false}\n"
+    )
+    first = {**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "1"}
+    gpuflow(first, "up", str(spec), "--idle-minutes", "5")
+    spare = spare_pids(gpuflow_home)
+    gpuflow(first, "run", str(spec))
+    assert alive(spare) == [], "the run from the stack's shell trained on its spare"
+    wait_until(lambda: stack_record(gpuflow_home)["spare"] and spare_pids(gpuflow_home), 120, "the next spare")
+    spare = spare_pids(gpuflow_home)
+    gpuflow({**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "2"}, "run", str(spec))
+    assert sorted(alive(spare)) == sorted(spare), "a run from another shell left the spare alone"
+    client = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("report-shell").experiment_id], order_by=["start_time"])
+    assert [run.data.metrics["shell_value"] for run in runs] == [1.0, 2.0]  # warm, then cold: each its own shell's
+
+
 def assert_a_clean_console(out: str) -> None:
     """What a person reads of a 2-epoch run: a line per epoch and the end of training in readable metrics; not the
     job's result JSON, Ray's or MLflow's own lines, nor raw metric dicts. The log file keeps every line."""

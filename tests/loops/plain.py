@@ -48,3 +48,10 @@ def record_shards(config: dict) -> None:
         with open(os.path.join(config["out"], f"{rank}-{epoch}.json"), "w") as f:
             json.dump(seen, f)
         ray.train.report({"epoch": epoch})
+
+
+def report_shell(config: dict) -> None:
+    """Reports, as `shell_value`, the number in the variable config['variable'] that the workers' environment has
+    (-1: none): what the shell that started the run gave them, cold or warm."""
+    value = float(os.environ.get(config["variable"], -1))
+    ray.train.report({"epoch": 0, "shell_value": value})
