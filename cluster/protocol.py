@@ -255,6 +255,7 @@ WORK_KEY_TAG = "gpuflow.work_key"
 WORK_KEY_WITHOUT_EPOCHS_TAG = "gpuflow.work_key_without_epochs"  # the same without train.epochs: a run to continue
 WORK_KEY_MISSING_TAG = "gpuflow.work_key_missing"  # why the run has no work key
 CONTINUED_FROM_TAG = "gpuflow.continued_from"  # the FINISHED run of fewer epochs whose last checkpoint it started from
+REUSED_RUN_TAG = "gpuflow.reused_run"  # a sweep's trial that trained nothing: the FINISHED run of its key it points at
 
 QUOTA_LOST = "quota_lost"  # the team's quota lease lapsed or was revoked while the run held it
 

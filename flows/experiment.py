@@ -17,6 +17,7 @@ from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import triggered_by
 from gpuflow.cluster.rerun.for_flow import prepare_rerun
+from gpuflow.cluster.rerun.reuse import reuse_off
 from gpuflow.cluster.run.lifecycle import RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
 from gpuflow.cluster.run.monitor import JobFailed, TrainResult, cost_check, deadline_check, lost_on
@@ -184,7 +185,7 @@ def run_experiment(
     if twin.run:
         tag_flow_run(runtime.flow_run.id, [*tags, REUSED_TAG_PREFIX + twin.run.info.run_id], spec)
         return reused_summary(spec, twin, time.time() - started)
-    flow_run = {**this_flow_run(), "rerun_of": rerun_of}
+    flow_run = {**this_flow_run(), "rerun_of": rerun_of, "reuse": not reuse_off(spec, force or bool(rerun_of))}
     if twin.continues:  # more epochs of a finished run: it starts from that run's last checkpoint
         flow_run.update(continues=twin.continues.info.run_id, continue_from=twin.checkpoint)
     try:

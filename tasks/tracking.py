@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from urllib.parse import quote
 
@@ -26,6 +27,7 @@ from gpuflow.cluster.protocol import (
 )
 from gpuflow.cluster.rerun.links import link_rerun, rerun_tags
 from gpuflow.cluster.rerun.source import source_stamp
+from gpuflow.cluster.rerun.sweep_reuse import PLAN_ARTIFACT, finder, trial_plan
 from gpuflow.cluster.rerun.work_key import work_key
 from gpuflow.cluster.run.mlflow_run import artifact_repo, log_bytes_to, log_text_to
 from gpuflow.cluster.run.record import (
@@ -120,6 +122,10 @@ def open_mlflow_run(spec: ExperimentSpec, cluster_name: str, flow_run: dict) -> 
         log_text_to(artifacts, spec_yaml, SPEC_ARTIFACT)
         if diff:
             log_bytes_to(artifacts, diff, DIFF_ARTIFACT)
+        if spec.sweep and (plan := trial_plan(spec, tags, diff, finder(client, experiment), flow_run.get("reuse"))):
+            log_text_to(artifacts, json.dumps(plan), PLAN_ARTIFACT)  # the trials the job trains, and those it reuses
+            if reused := sum(1 for point in plan if point["reused"]):
+                get_run_logger().info(f"sweep: {reused} of {len(plan)} trials trained before: reused, not trained")
         if flow_run.get("rerun_of"):
             link_rerun(client, flow_run["rerun_of"], run_id)
     except MlflowException as exc:

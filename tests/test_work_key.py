@@ -12,6 +12,7 @@ from mlflow import MlflowClient
 
 from gpuflow.cluster.lineage import source_tags, uncommitted_changes
 from gpuflow.cluster.protocol import WORK_KEY_MISSING_TAG, WORK_KEY_TAG, WORK_KEY_WITHOUT_EPOCHS_TAG
+from gpuflow.cluster.rerun.sweep_reuse import finder, trial_plan
 from gpuflow.cluster.rerun.work_key import WorkKey, finished_run_with_key, run_to_continue, work_key
 from gpuflow.cluster.spec import ExperimentSpec
 
@@ -218,3 +219,38 @@ def test_the_run_to_continue_is_the_finished_one_with_the_most_epochs_short_of_t
     assert run_to_continue(client, experiment, "c1", 10).info.run_id == newer_eight != older_eight
     assert run_to_continue(client, experiment, "c1", 6).data.params["train.epochs"] == "5"
     assert run_to_continue(client, experiment, "c1", 5) is None
+
+
+# -- a sweep's trials ------------------------------------------------------------------------------------------------
+GRID = {"train.lr": {"grid": [0.01, 0.1]}, "train.params.seed": {"grid": [7, 8]}}
+
+
+def test_a_sweeps_trial_has_the_key_of_the_same_training_run_alone_and_is_found_by_it(project, store):
+    client, experiment = store
+    two_workers = {"backend": "local", "num_nodes": 1, "workers_per_node": 2}
+    sweep = {"parameters": GRID, "metric": "loss", "mode": "min", "max_concurrent_trials": 2}  # 1 worker a trial
+    spec = spec_of(project, compute=two_workers, sweep=sweep)
+    alone = spec_of(  # what the third point trains, as a run of its own on one worker
+        project,
+        train={"loop": "loop:train_loop", "epochs": 3, "lr": 0.1, "params": {"seed": 7}},
+        compute={"backend": "local", "num_nodes": 1, "workers_per_node": 1},
+    )
+    trained = a_run(client, experiment, 5000, "FINISHED", {WORK_KEY_TAG: key_of(alone).key})
+    tags = source_tags(spec.workdir)
+    changes, diff = uncommitted_changes(spec.workdir)
+
+    plan = trial_plan(spec, {**tags, **changes}, diff, finder(client, experiment), reuse=True)
+    assert [point["values"] for point in plan] == [
+        {"train.lr": lr, "train.params.seed": seed} for lr in (0.01, 0.1) for seed in (7, 8)
+    ]
+    assert plan[2]["key"] == key_of(alone).key and len({point["key"] for point in plan}) == 4
+    assert [point["reused"] for point in plan] == [None, None, trained, None]  # only the point trained before
+    assert all(
+        point["reused"] is None
+        for point in trial_plan(spec, {**tags, **changes}, diff, finder(client, experiment), reuse=False)
+    )
+    drawn = {**sweep, "parameters": {**GRID, "train.lr": {"choice": [0.01, 0.1]}}}
+    assert (
+        trial_plan(spec_of(project, compute=two_workers, sweep=drawn), tags, diff, finder(client, experiment), True)
+        is None
+    )

@@ -14,30 +14,35 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import ray
 from mlflow import MlflowClient
 from ray import tune
 from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY, TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
-from ray.util import placement_group_table
-from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
+from gpuflow.cluster.job.tracking import record_best
 from gpuflow.cluster.job.trainer import build_trainer
 from gpuflow.cluster.protocol import (
     BACKEND_TAG,
-    BEST_RUN_TAG,
+    CHECKPOINT_TAG,
     CLUSTER_TAG,
     FLOW_RUN_TAG,
     PLACEMENT_GROUP_TAG,
     STOPPED_BY_TAG,
     TRIAL_ID_TAG,
+    WORK_KEY_TAG,
     JobEnv,
     trial_line,
 )
+from gpuflow.cluster.rerun.sweep_reuse import read_plan, reuse_trials
 from gpuflow.cluster.run.mlflow_run import close_children, close_run
 from gpuflow.cluster.spec import ExperimentSpec, job_spec, max_epochs, trial_train
-from gpuflow.cluster.util.ray_internals import WorkerGroupCallback, placement_group_of  # no public hook yet
+from gpuflow.cluster.util.ray_internals import (  # no public hook yet
+    WorkerGroupCallback,
+    free_placement_group,
+    placement_group_of,
+    reserved_placement_groups,
+)
 
 PARENT_RUN_TAG = "mlflow.parentRunId"  # how MLflow (and its UI) nests a child run under its parent
 STOPPED_EARLY_TAG = "stopped_early"
@@ -45,8 +50,14 @@ STOPPED_EARLY_TAG = "stopped_early"
 INHERITED_TAGS = (FLOW_RUN_TAG, "prefect.flow_run_name", "prefect.flow_run_url", CLUSTER_TAG, BACKEND_TAG)
 
 
-def search_space(spec: ExperimentSpec) -> dict[str, Any]:
-    """Tune's param_space: one entry per swept field, keyed by its dotted path in the spec."""
+POINT = "planned_trial"  # a planned trial's values and key, as Tune's config holds them (cluster/rerun/sweep_reuse.py)
+
+
+def search_space(spec: ExperimentSpec, plan: list[dict] | None = None) -> dict[str, Any]:
+    """Tune's param_space: one entry per swept field, keyed by its dotted path in the spec; with the flow's plan, the
+    points it leaves to train, each with its key."""
+    if plan is not None:
+        return {POINT: tune.grid_search([{"values": p["values"], "key": p["key"]} for p in plan if not p["reused"]])}
     sample = {
         "grid": tune.grid_search,
         "choice": tune.choice,
@@ -70,9 +81,16 @@ def trial_name(trial_id: str, values: dict[str, Any]) -> str:
     return " ".join([f"trial-{trial_id.rsplit('_', 1)[-1]}", *shown])
 
 
+def point_of(config: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A trial's values, and its key where the flow planned it."""
+    point = config.get(POINT)
+    return (point["values"], point["key"]) if point else (config, None)
+
+
 # -- in the trial's actor ----------------------------------------------------------------------------
-def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, Any]) -> str:
-    """The trial's MLflow run, nested under the flow's: its values as params, the flow run's links as tags."""
+def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, Any], key: str | None = None) -> str:
+    """The trial's MLflow run, nested under the flow's: its values as params, the flow run's links and the trial's
+    work key as tags."""
     parent = client.get_run(parent_run_id)
     name = trial_name(trial_id, values)
     tags = {
@@ -80,6 +98,7 @@ def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, 
         TRIAL_ID_TAG: trial_id,
         "mlflow.runName": name,
         **{key: parent.data.tags[key] for key in INHERITED_TAGS if key in parent.data.tags},
+        **({WORK_KEY_TAG: key} if key else {}),
     }
     run = client.create_run(parent.info.experiment_id, run_name=name, tags=tags)
     for path, value in values.items():
@@ -87,12 +106,13 @@ def open_child_run(client, parent_run_id: str, trial_id: str, values: dict[str, 
     return run.info.run_id
 
 
-def run_trial(values: dict[str, Any], spec_json: str, run_name: str) -> None:
+def run_trial(config: dict[str, Any], spec_json: str, run_name: str) -> None:
     """One trial, inside Tune: a TorchTrainer on the trial's spec, reporting to Tune and to the trial's MLflow run."""
+    values, key = point_of(config)
     spec = trial_spec(job_spec(spec_json), values)
     trial_id = tune.get_context().get_trial_id()
     parent_run_id = JobEnv.from_env().mlflow_run_id
-    child_run_id = open_child_run(MlflowClient(), parent_run_id, trial_id, values) if parent_run_id else None
+    child_run_id = open_child_run(MlflowClient(), parent_run_id, trial_id, values, key) if parent_run_id else None
     callbacks = [TuneReportCallback()] + ([PlacementGroupTag(child_run_id)] if child_run_id else [])
     build_trainer(spec, f"{run_name}-{trial_id}", run_id=child_run_id, callbacks=callbacks).fit()
 
@@ -195,32 +215,57 @@ class TrialRuns(tune.Callback):
         return found[0] if found else None
 
 
-def free_placement_group(group_hex: str | None) -> None:
-    """Removes a trial's placement group; one that Ray Train already removed (a trial that finished) is no error."""
-    if not group_hex:
-        return
-    try:
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_hex)))
-    except Exception:
-        pass
-
-
-def reserved_placement_groups() -> int:
-    """Placement groups still holding resources on the cluster: none should, once the sweep is over."""
-    return sum(1 for group in placement_group_table().values() if group.get("state") == "CREATED")
-
-
 def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
-    """Runs every trial (at most max_concurrent_trials at once); records the best on the parent run; the summary."""
+    """Runs every trial (at most max_concurrent_trials at once) but those the flow's plan found trained already;
+    records the best of both on the parent run; the summary."""
     sweep = spec.sweep
     scheduler = early_stopping_scheduler(spec)
     trial_runs = TrialRuns(spec, scheduler, JobEnv.from_env().hourly_usd or 0.0)
-    if trial_runs.parent_run_id:  # a relaunch after a lost cluster starts the sweep over: the lost trials failed
-        close_children(trial_runs.client, trial_runs.parent_run_id, "FAILED")
+    client, parent_id = trial_runs.client, trial_runs.parent_run_id
+    if parent_id:  # a relaunch after a lost cluster starts the sweep over: the lost trials failed
+        close_children(client, parent_id, "FAILED")
+    plan = read_plan(client, parent_id) if parent_id else None
+    reused = reuse_trials(client, parent_id, plan or [], INHERITED_TAGS)  # (point, the run that trained it) each
+    trial_runs.done, left = len(reused), plan is None or len(reused) < len(plan)
+    results = fit(spec, run_name, search_space(spec, plan), scheduler, trial_runs) if left else []
+    reserved = reserved_placement_groups()
+    trained = [r for r in results if not r.error and sweep.metric in (r.metrics or {})]
+    scored = [(r.metrics[sweep.metric], r) for r in trained] + [
+        (run.data.metrics[sweep.metric], (point, run)) for point, run in reused if sweep.metric in run.data.metrics
+    ]
+    if not scored:
+        errors = [str(r.error).splitlines()[0] for r in results if r.error][:3]
+        raise RuntimeError(f"no trial of the sweep reported {sweep.metric!r}; first errors: {errors}")
+    best = (max if sweep.mode == "max" else min)(scored, key=lambda pair: pair[0])[1]
+    if isinstance(best, tuple):  # an earlier run's: its model and last checkpoint are that run's
+        (point, run), best_run = best, best[1]
+        values, raw, checkpoint, storage = point["values"], run.data.metrics, run.data.tags.get(CHECKPOINT_TAG), None
+    else:
+        best_run = trial_runs.child_run(best.metrics["trial_id"])
+        values, raw = point_of(best.config)[0], best.metrics
+        # the trial's last checkpoint, persisted by its Ray Train run (Tune holds only its path)
+        checkpoint, storage = best.metrics.get(CHECKPOINT_PATH_KEY), best.path
+    outcome = {
+        "best_run_id": best_run.info.run_id if best_run else None,
+        "best_values": {path: values[path] for path in sweep.parameters},
+        "trials": len(results) + len(reused),
+        "reused_trials": len(reused),
+        "failed_trials": sum(1 for r in results if r.error),
+        "stopped_early": len(getattr(scheduler, "stopped_early", ())),
+        "placement_groups_reserved": reserved,
+    }
+    metrics = {k: v for k, v in raw.items() if is_number(v) and k not in TUNE_BOOKKEEPING}
+    record_best(client, parent_id, sweep.metric, metrics.get(sweep.metric), outcome)
+    return {"metrics": metrics, "checkpoint": checkpoint, "storage": storage, "sweep": outcome}
+
+
+def fit(spec: ExperimentSpec, run_name: str, space: dict[str, Any], scheduler, trial_runs: TrialRuns):
+    """Ray Tune's run of the trials in `space`: their results."""
+    sweep = spec.sweep
     trainable = tune.with_parameters(run_trial, spec_json=spec.model_dump_json(), run_name=run_name)
     tuner = tune.Tuner(
         tune.with_resources(trainable, {TRIAL_DRIVER_RESOURCE: 1}),
-        param_space=search_space(spec),
+        param_space=space,
         tune_config=tune.TuneConfig(
             metric=sweep.metric,
             mode=sweep.mode,
@@ -236,36 +281,7 @@ def run_sweep(spec: ExperimentSpec, run_name: str) -> dict:
             verbose=0,
         ),
     )
-    results = tuner.fit()
-    reserved = reserved_placement_groups()
-    best = (
-        results.get_best_result() if any(not r.error and sweep.metric in (r.metrics or {}) for r in results) else None
-    )
-    if best is None:
-        errors = [str(r.error).splitlines()[0] for r in results if r.error][:3]
-        raise RuntimeError(f"no trial of the sweep reported {sweep.metric!r}; first errors: {errors}")
-    best_run = trial_runs.child_run(best.metrics["trial_id"])
-    outcome = {
-        "best_run_id": best_run.info.run_id if best_run else None,
-        "best_values": {path: best.config[path] for path in sweep.parameters},
-        "trials": len(results),
-        "failed_trials": sum(1 for r in results if r.error),
-        "stopped_early": len(getattr(scheduler, "stopped_early", ())),
-        "placement_groups_reserved": reserved,
-    }
-    metrics = {
-        k: v
-        for k, v in best.metrics.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in TUNE_BOOKKEEPING
-    }
-    record_best(trial_runs.client, trial_runs.parent_run_id, sweep.metric, metrics.get(sweep.metric), outcome)
-    # the trial's last checkpoint, persisted by its Ray Train run (Tune holds only its path)
-    return {
-        "metrics": metrics,
-        "checkpoint": best.metrics.get(CHECKPOINT_PATH_KEY),
-        "storage": best.path,
-        "sweep": outcome,
-    }
+    return tuner.fit()
 
 
 TUNE_BOOKKEEPING = {
@@ -280,21 +296,5 @@ TUNE_BOOKKEEPING = {
 }
 
 
-def record_best(client, parent_run_id: str | None, metric: str, score: float | None, outcome: dict) -> None:
-    """The parent run says which trial won, with what values and score, and how the sweep went."""
-    if not parent_run_id:
-        return
-    for path, value in outcome["best_values"].items():
-        client.log_param(parent_run_id, f"best.{path}", value)
-    figures = {
-        f"best_{metric}": score,
-        **{
-            f"sweep/{key}": outcome[key]
-            for key in ("trials", "failed_trials", "stopped_early", "placement_groups_reserved")
-        },
-    }
-    for key, value in figures.items():
-        if value is not None:
-            client.log_metric(parent_run_id, key, float(value))
-    if outcome["best_run_id"]:
-        client.set_tag(parent_run_id, BEST_RUN_TAG, outcome["best_run_id"])
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -28,7 +28,7 @@ from gpuflow.cluster.job.reports import (
     step_of,
     uri_of,
 )
-from gpuflow.cluster.protocol import CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
+from gpuflow.cluster.protocol import BEST_RUN_TAG, CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
 FINISH_TIMEOUT_S = 120
@@ -275,3 +275,23 @@ def tracking_callbacks(
     snapshot = f"{run_folder.rstrip('/')}/{SNAPSHOT_FILE}" if run_folder else None
     tracker = MlflowTracker(run_id, tracking_uri, snapshot_uri=snapshot)  # pickled once with both: state is shared
     return [ReportToMlflow(tracker, count_workers), FinishTracking(tracker)]
+
+
+def record_best(client, parent_run_id: str | None, metric: str, score: float | None, outcome: dict) -> None:
+    """The parent run says which trial won, with what values and score, and how the sweep went."""
+    if not parent_run_id:
+        return
+    for path, value in outcome["best_values"].items():
+        client.log_param(parent_run_id, f"best.{path}", value)
+    figures = {
+        f"best_{metric}": score,
+        **{
+            f"sweep/{key}": outcome[key]
+            for key in ("trials", "reused_trials", "failed_trials", "stopped_early", "placement_groups_reserved")
+        },
+    }
+    for key, value in figures.items():
+        if value is not None:
+            client.log_metric(parent_run_id, key, float(value))
+    if outcome["best_run_id"]:
+        client.set_tag(parent_run_id, BEST_RUN_TAG, outcome["best_run_id"])

@@ -37,10 +37,8 @@ class Twin:
 
 def finished_twin(spec: ExperimentSpec, force: bool = False) -> Twin:
     """The newest FINISHED run of the spec's experiment with this spec's work key, or why the run trains."""
-    if force:
-        return Twin(None, "--force: trains from scratch, whatever ran before")
-    if spec.reuse == "never" or reuse_mode() == "never":
-        return Twin(None, "reuse is off (reuse: never)" if spec.reuse == "never" else f"reuse is off ({REUSE_ENV})")
+    if off := reuse_off(spec, force):
+        return Twin(None, off)
     key = key_here(spec)
     if key.key is None:
         return Twin(None, f"never reused: {key.missing}")
@@ -60,6 +58,15 @@ def finished_twin(spec: ExperimentSpec, force: bool = False) -> Twin:
     except Exception as exc:  # the tracking server refuses or is down: opening the run says how, with its retries
         return Twin(None, f"could not look for a finished run ({type(exc).__name__}: {str(exc)[:200]})")
     return Twin(None, f"no finished run has its work key {key.key[:12]}")
+
+
+def reuse_off(spec: ExperimentSpec, force: bool = False) -> str | None:
+    """Why the run trains whatever ran before (a sweep's trials too); None where reuse is on."""
+    if force:
+        return "--force: trains from scratch, whatever ran before"
+    if spec.reuse == "never" or reuse_mode() == "never":
+        return "reuse is off (reuse: never)" if spec.reuse == "never" else f"reuse is off ({REUSE_ENV})"
+    return None
 
 
 def continuation(client, experiment_id: str, key: WorkKey, spec: ExperimentSpec) -> Twin | None:

@@ -157,3 +157,23 @@ def refresh_autoscaling_view(timeout_s: float = 10) -> None:
 
     coordinator = get_or_create_autoscaling_coordinator()
     ray.get(coordinator.get_reserved_resources.remote("gpuflow-refresh", recompute=True), timeout=timeout_s)
+
+
+def free_placement_group(group_hex: str | None) -> None:
+    """Removes a trial's placement group; one that Ray Train already removed (a trial that finished) is no error."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    if not group_hex:
+        return
+    try:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(group_hex)))
+    except Exception:
+        pass
+
+
+def reserved_placement_groups() -> int:
+    """Placement groups still holding resources on the cluster: none should, once the sweep is over."""
+    from ray.util import placement_group_table
+
+    return sum(1 for group in placement_group_table().values() if group.get("state") == "CREATED")

@@ -1,0 +1,116 @@
+"""What reuse saves: the cluster time a run trains and bills with reuse on, against the same run with --force, in the
+three cases a team pays for twice: a scheduled rerun on unchanged code and data, more epochs of a finished run, and a
+sweep resubmitted with new points.
+
+    python benchmarks/reuse_savings.py [--epochs 4] [--points 4]
+
+    unchanged   `gpuflow run` of the digits spec, again: the second reuses the first (no cluster)
+    +epochs     the same with 2 × epochs: it continues the first from its last checkpoint
+    sweep +2    a grid of `--points` learning rates, then the same grid with 2 more: only the 2 new points train
+
+Each case's reusing run is measured against the same run with --force (trains everything). On this machine's CPU the
+cluster's workers stand in for GPUs: worker-seconds = the run's training seconds × its workers. Runs in a gpuflow home
+of its own, with no warm stack; records a row a case in benchmarks/README.md.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+SPEC = REPO / "experiments" / "digits.yaml"
+GPUFLOW = Path(sys.executable).parent / "gpuflow"
+WORKERS = 2  # the digits spec's: 1 node × 2 workers
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--points", type=int, default=4)
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="gpuflow-reuse-"))
+    print(f"gpuflow home {home}: each run's console output in run-N.txt there", flush=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_"))}
+    env.update(
+        GPUFLOW_HOME=str(home), PREFECT_HOME=str(home / "prefect"), GPUFLOW_STACK="off", GPUFLOW_REUSE="finished"
+    )
+    data = [
+        "--set",
+        f"data.train={home}/data/train.parquet",
+        "--set",
+        f"data.validation={home}/data/validation.parquet",
+    ]
+    runs = Runs(home, env, data)
+
+    epochs = [f"train.epochs={args.epochs}"]
+    runs.run(epochs)  # the finished run the next ones find
+    cases = {"unchanged": (epochs, epochs), "+epochs": ([f"train.epochs={2 * args.epochs}"],) * 2}
+    lrs = [round(0.001 * 2**i, 6) for i in range(args.points + 2)]
+    grid = f"sweep={{parameters: {{train.lr: {{grid: {lrs[: args.points]}}}}}, metric: val_accuracy, mode: max}}"
+    more = f"sweep={{parameters: {{train.lr: {{grid: {lrs}}}}}, metric: val_accuracy, mode: max}}"
+    runs.run(["train.epochs=2", grid])  # the sweep the next finds
+    cases["sweep +2"] = (["train.epochs=2", more],) * 2
+    from benchmarks.record import record
+
+    for case, (reusing, forced) in cases.items():
+        reused = runs.run(reusing)
+        baseline = runs.run(forced, force=True)
+        saved = 1 - reused["worker_s"] / baseline["worker_s"] if baseline["worker_s"] else 0.0
+        print(
+            f"{case:10s} reuse: {reused['worker_s']:6.1f} worker-s trained, {reused['cluster_s']:6.1f} cluster-s "
+            f"billed; --force: {baseline['worker_s']:6.1f}, {baseline['cluster_s']:6.1f}; saved {saved:.0%}",
+            flush=True,
+        )
+        record(
+            "reuse_savings",
+            {
+                "case": case,
+                "worker-s with reuse": round(reused["worker_s"], 1),
+                "worker-s with --force": round(baseline["worker_s"], 1),
+                "cluster-s with reuse": round(reused["cluster_s"], 1),
+                "cluster-s with --force": round(baseline["cluster_s"], 1),
+                "saved %": round(100 * saved, 1),
+            },
+        )
+    return 0
+
+
+class Runs:
+    def __init__(self, home: Path, env: dict, data: list[str]):
+        self.home, self.env, self.data, self.count = home, env, data, 0
+
+    def run(self, settings: list[str], force: bool = False) -> dict[str, float]:
+        """`gpuflow run` of the digits spec with `settings`; what its MLflow run says it trained and billed (nothing,
+        where it reused a finished run and opened none)."""
+        from mlflow import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{self.home / 'mlflow.db'}")
+        before = {run.info.run_id for run in self.parents(client)}
+        self.count += 1
+        log = self.home / f"run-{self.count}.txt"
+        command = [str(GPUFLOW), "run", str(SPEC), *self.data, *(arg for item in settings for arg in ("--set", item))]
+        with open(log, "w") as out:
+            code = subprocess.call(
+                command + (["--force"] if force else []), env=self.env, cwd=REPO, stdout=out, stderr=out
+            )
+        if code != 0:
+            raise SystemExit(f"run {self.count} failed (exit {code}): {log}")
+        [new] = [run for run in self.parents(client) if run.info.run_id not in before] or [None]
+        if new is None:  # reused: no MLflow run, no cluster
+            return {"worker_s": 0.0, "cluster_s": 0.0}
+        metrics = new.data.metrics
+        return {"worker_s": metrics["gpuflow.train_seconds"] * WORKERS, "cluster_s": metrics["cluster_hours"] * 3600}
+
+    def parents(self, client) -> list:
+        experiment = client.get_experiment_by_name("digits-mlp") if (self.home / "mlflow.db").exists() else None
+        if experiment is None:
+            return []
+        return [r for r in client.search_runs([experiment.experiment_id]) if "mlflow.parentRunId" not in r.data.tags]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
