@@ -10,7 +10,9 @@ sweep resubmitted with new points.
 
 Each case's reusing run is measured against the same run with --force (trains everything). On this machine's CPU the
 cluster's workers stand in for GPUs: worker-seconds = the run's training seconds × its workers. Runs in a gpuflow home
-of its own, with no warm stack; records a row a case in benchmarks/README.md.
+of its own, with no warm stack, on a clone of the project's last commit (a work key digests the workdir's uncommitted
+changes: a row written into this checkout's README would change it); records a row a case in benchmarks/README.md
+once every run is done.
 """
 
 import argparse
@@ -44,7 +46,9 @@ def main() -> int:
         "--set",
         f"data.validation={home}/data/validation.parquet",
     ]
-    runs = Runs(home, env, data)
+    project = home / "project"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(project)], check=True)
+    runs = Runs(home, env, [*data, "--set", f"workdir={project}"])
 
     epochs = [f"train.epochs={args.epochs}"]
     runs.run(epochs)  # the finished run the next ones find
@@ -54,19 +58,16 @@ def main() -> int:
     more = f"sweep={{parameters: {{train.lr: {{grid: {lrs}}}}}, metric: val_accuracy, mode: max}}"
     runs.run(["train.epochs=2", grid])  # the sweep the next finds
     cases["sweep +2"] = (["train.epochs=2", more],) * 2
-    from benchmarks.record import record
-
+    rows = []
     for case, (reusing, forced) in cases.items():
-        reused = runs.run(reusing)
-        baseline = runs.run(forced, force=True)
+        reused, baseline = runs.run(reusing), runs.run(forced, force=True)
         saved = 1 - reused["worker_s"] / baseline["worker_s"] if baseline["worker_s"] else 0.0
         print(
             f"{case:10s} reuse: {reused['worker_s']:6.1f} worker-s trained, {reused['cluster_s']:6.1f} cluster-s "
             f"billed; --force: {baseline['worker_s']:6.1f}, {baseline['cluster_s']:6.1f}; saved {saved:.0%}",
             flush=True,
         )
-        record(
-            "reuse_savings",
+        rows.append(
             {
                 "case": case,
                 "worker-s with reuse": round(reused["worker_s"], 1),
@@ -74,8 +75,12 @@ def main() -> int:
                 "cluster-s with reuse": round(reused["cluster_s"], 1),
                 "cluster-s with --force": round(baseline["cluster_s"], 1),
                 "saved %": round(100 * saved, 1),
-            },
+            }
         )
+    from benchmarks.record import record
+
+    for row in rows:
+        record("reuse_savings", row)
     return 0
 
 
