@@ -61,7 +61,10 @@ class Replacement:
             return None
         progress = capacity.life.progress(capacity.spec.train.epochs)
         choice = capacity.deadline.choose(time.time(), progress, True, Mode.ON_DEMAND)
-        if choice.decision is not Decision.SPOT or (self.quota and not self.quota.hold_for_replacement()):
+        if choice.decision is not Decision.SPOT:
+            return None
+        if self.quota and not self.quota.hold_for_replacement():  # no room for a second cluster: ask again later
+            self._next_spot_try = time.time() + RETRY_S
             return None
         log.info(f"deadline: {choice.reason}, ahead by two changeovers: launching spot beside on-demand: {self.name}")
         future = provision.submit(capacity.spec, self.name, None)  # the spec's own options: spot
