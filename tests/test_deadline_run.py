@@ -48,8 +48,14 @@ def in_hours(hours: float) -> str:
         (SPOT, {"finish_within_hours": 2, "deadline": "2030-01-01T00:00:00Z"}, "limits.deadline", "not both"),
         (SPOT, {"deadline": "2030-01-01T09:00:00"}, "limits.deadline", "2030-01-01T09:00:00Z (UTC)"),
         (SPOT, {"deadline": "next friday"}, "limits.deadline", "write it as 2026-12-24T09:00:00Z"),
+        (
+            {"options": [{**SPOT}, {"infra": "lambda", "accelerators": "A100:1"}]},
+            {"finish_within_hours": 2},
+            "compute.options",
+            "give spot options only",
+        ),
     ],
-    ids=["no spot", "a fixed fallback too", "both forms", "no time zone", "not a time"],
+    ids=["no spot", "a fixed fallback too", "both forms", "no time zone", "not a time", "an on-demand option"],
 )
 def test_a_deadline_the_run_cannot_choose_by_is_refused_naming_the_field_and_the_fix(compute, limits, field, fix):
     with pytest.raises(SpecError) as refused:

@@ -86,7 +86,15 @@ def deadline_problems(spec) -> list[tuple[str, str]]:
     if limits.deadline and limits.finish_within_hours:
         return [(field, "set limits.deadline or limits.finish_within_hours, not both")]
     problems = []
-    if not (compute.use_spot or any(option.use_spot for option in compute.options or [])):
+    spot = [compute.use_spot if option.use_spot is None else option.use_spot for option in compute.options or []]
+    if spot and not all(spot):  # SkyPilot would fail over from spot to on-demand by itself, before the deadline asks
+        problems.append(
+            (
+                "compute.options",
+                f"{field} chooses on-demand itself: give spot options only (their on-demand twins come with them)",
+            )
+        )
+    elif not (compute.use_spot or any(spot)):
         problems.append(
             (
                 field,
