@@ -152,6 +152,7 @@ def test_a_spare_serves_only_a_run_from_its_shell_and_each_runs_workers_see_thei
     spec.write_text(
         f"name: report-shell\nworkdir: {REPO}\ntrain:\n  loop: tests.loops.plain:report_shell\n  epochs: 1\n"
         "  params: {variable: GPUFLOW_TEST_SHELL_VALUE}\ntracking: {register_model: false}\n"
+        "compute: {backend: local, workers_per_node: 1}\n"
     )
     first = {**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "1"}
     gpuflow(first, "up", str(spec), "--idle-minutes", "5")
