@@ -95,10 +95,11 @@ def deadline_problems(spec) -> list[tuple[str, str]]:
             )
         )
     elif not (compute.use_spot or any(spot)):
+        where = "compute.backend: skypilot and " if compute.backend == "local" else ""  # the local one has no spot
         problems.append(
             (
                 field,
-                "a deadline chooses between spot and on-demand as the run goes: set compute.use_spot: true "
+                f"a deadline chooses between spot and on-demand as the run goes: set {where}compute.use_spot: true "
                 "(or an option with use_spot: true); on-demand alone has nothing to choose",
             )
         )
