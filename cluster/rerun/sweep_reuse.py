@@ -21,7 +21,7 @@ import time
 from mlflow.entities import Metric, Param
 
 from gpuflow.cluster.protocol import REUSED_RUN_TAG, WORK_KEY_TAG
-from gpuflow.cluster.rerun.work_key import EPOCHS, Undigestible, digest, finished_run_with_key, work_inputs
+from gpuflow.cluster.rerun.work_key import Undigestible, digest, finished_run_with_key, train_inputs, work_inputs
 from gpuflow.cluster.spec import ExperimentSpec, trial_train
 
 PLAN_ARTIFACT = "sweep/trials.json"
@@ -57,9 +57,7 @@ def trial_plan(spec: ExperimentSpec, source: dict[str, str], diff: bytes, finds,
         return None
     plan = []
     for values in points:
-        train = trial_train(spec.train, values)
-        varied = {"train.params": train.params, EPOCHS: train.epochs, "train.batch_size": train.batch_size}
-        key = digest({**inputs, **varied, "train.lr": train.lr})
+        key = digest({**inputs, **train_inputs(trial_train(spec.train, values))})
         found = finds(key) if reuse else None
         plan.append({"values": values, "key": key, "reused": found.info.run_id if found else None})
     return plan

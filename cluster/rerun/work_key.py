@@ -95,16 +95,12 @@ def digest(inputs: dict) -> str:
 def work_inputs(spec: ExperimentSpec, source: dict[str, str], diff: bytes) -> dict:
     """What goes into the key, by name (the module's docstring says why each)."""
     spec = spec.anchored()
-    train, compute = spec.train, spec.compute
+    compute = spec.compute
     return {
         "key_version": KEY_VERSION,
         "code": code_digest(spec, source, diff),
         "data": data_digests(spec),
-        "train.loop": train.loop,
-        "train.params": train.params,
-        EPOCHS: train.epochs,
-        "train.batch_size": train.batch_size,
-        "train.lr": train.lr,
+        **train_inputs(spec.train),
         "precision": spec.precision,
         "compute.num_workers": compute.num_workers,
         "compute.min_workers": compute.min_workers,
@@ -112,6 +108,17 @@ def work_inputs(spec: ExperimentSpec, source: dict[str, str], diff: bytes) -> di
         "envs": spec.envs,
         "setup": spec.setup,
         "packages": package_versions(),
+    }
+
+
+def train_inputs(train) -> dict:
+    """The train section's part of the key: what a sweep's points vary (cluster/rerun/sweep_reuse.py)."""
+    return {
+        "train.loop": train.loop,
+        "train.params": train.params,
+        EPOCHS: train.epochs,
+        "train.batch_size": train.batch_size,
+        "train.lr": train.lr,
     }
 
 
