@@ -43,7 +43,9 @@ def validate(spec, path: str) -> int:
         if api:
             api.ready()
         webhook_for(spec)
-    deadline = deadline_lines(spec)  # one that cannot be met is refused here
+    from gpuflow.cluster.cost.history import prediction_for
+
+    deadline = deadline_lines(spec, lambda: prediction_for(spec))  # one that cannot be met is refused here
     price = priced_within_budget(spec, path)
     if price is None:
         return 2
@@ -54,18 +56,18 @@ def validate(spec, path: str) -> int:
     return 0
 
 
-def deadline_lines(spec, predicted=None) -> list[str]:
-    """What the spec's deadline needs and costs (cluster/cost/deadline_run.py); a SpecError if it cannot be met."""
+def deadline_lines(spec, predict) -> list[str]:
+    """What the spec's deadline needs and costs (cluster/cost/deadline_run.py); a SpecError if it cannot be met.
+    `predict()`: the run's prediction, asked only of a spec with a deadline (it reads the history)."""
     import time
 
     from gpuflow.cluster.cost.deadline_run import checked_deadline
-    from gpuflow.cluster.cost.history import prediction_for
     from gpuflow.cluster.cost.pricing import hourly_cost
     from gpuflow.cluster.spec.options import on_demand_spec
 
     if spec.limits.deadline is None and spec.limits.finish_within_hours is None:
         return []
-    deadline = checked_deadline(spec, prediction_for(predicted or spec))
+    deadline = checked_deadline(spec, predict())
     try:
         on_demand_usd = hourly_cost(on_demand_spec(spec)).hourly_usd
     except Exception:  # no price: the plan says the rest
@@ -123,6 +125,7 @@ def plan(spec) -> int:
     from gpuflow.cluster.spec.options import compute_options
 
     check_infra(validate_spec(spec))
+    from gpuflow.cluster.cost.history import prediction_for
     from gpuflow.cluster.rerun.reuse import finished_twin
 
     print(f"# {describe(spec)}")
@@ -130,7 +133,8 @@ def plan(spec) -> int:
     print(f"# {reuse_line(spec, twin)}")
     left = {"epochs": twin.epochs_left} if twin.continues else {}  # a continuation's time is its epochs left's
     predicted = spec.model_copy(update={"train": spec.train.model_copy(update=left)})
-    for line in deadline_lines(spec, predicted):
+    prediction = prediction_for(predicted)  # one read of the history, for the deadline and the prediction's lines
+    for line in deadline_lines(spec, lambda: prediction):
         print(f"# {line}")
     if spec.compute.backend == "local":
         price = hourly_cost(spec)
@@ -141,7 +145,7 @@ def plan(spec) -> int:
             if price.hourly_usd == 0
             else f"# local backend, priced at {price.describe()}"
         )
-        print_prediction(predicted, price)
+        print_prediction(prediction, price)
         return 0
     from gpuflow.cluster.backends.skypilot import resources_for, task_yaml
 
@@ -157,7 +161,7 @@ def plan(spec) -> int:
             f"# budget estimate (the dearest option that may launch): {price.describe()}; at most "
             f"${price.max_runtime_cost_usd(spec):.2f} in limits.max_runtime_minutes={spec.limits.max_runtime_minutes:g}"
         )
-        print_prediction(predicted, price)
+        print_prediction(prediction, price)
     except CatalogMissing as exc:  # not a plan that can launch: SkyPilot would fail at launch, offline
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
@@ -191,9 +195,7 @@ def reuse_line(spec, twin=None) -> str:
     )
 
 
-def print_prediction(spec, price) -> None:
+def print_prediction(prediction, price) -> None:
     """The run's time and cost predicted from past runs of its loop on its hardware, or why there is none."""
-    from gpuflow.cluster.cost.history import prediction_for
-
-    for line in prediction_for(spec).lines(price):
+    for line in prediction.lines(price):
         print(f"# {line}")
