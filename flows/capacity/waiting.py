@@ -61,11 +61,7 @@ class Capacity:
         while True:
             tried_at = time.time()
             if self.deadline and not self.follow_deadline(spot_available):  # ahead of its pace: no spot, no cost
-                self.life.stopped_wait(RETRY_S)
-                if self.life.stopped:
-                    raise RunStopped(self.life.stop_reason, self.life.stop_detail)
-                self.life.meter.not_billed_until(time.time())
-                job, spot_available = billed_later(job, time.time() - tried_at), True  # try spot again
+                job, spot_available = self.wait_unbilled(RETRY_S, job, tried_at), True  # then try spot again
                 continue
             try:
                 handle = provision(self.launch_spec, cluster_name, job)
@@ -93,16 +89,21 @@ class Capacity:
                 log.info(message)
                 self.set_state(WAITING, message)
                 waited_said = True
-                self.life.stopped_wait(min(RETRY_S, max(0.0, limit_s - waited)))
-                if self.life.stopped:
-                    raise RunStopped(self.life.stop_reason, self.life.stop_detail) from None
-                self.life.meter.not_billed_until(time.time())
-                job = billed_later(job, time.time() - tried_at)  # the job's own cost check skips the wait too
+                job = self.wait_unbilled(min(RETRY_S, max(0.0, limit_s - waited)), job, tried_at)
                 continue
             if waited_said:
                 self.set_state(None, f"capacity found after {(time.monotonic() - started) / 60:.1f} min")
             self.launched(handle)
             return handle
+
+    def wait_unbilled(self, seconds: float, job: Job | None, since: float) -> Job | None:
+        """Waits `seconds` with no cluster (a stop ends the wait: RunStopped), billing nothing from `since`; returns
+        the job, its own cost check told to skip the wait too."""
+        self.life.stopped_wait(seconds)
+        if self.life.stopped:
+            raise RunStopped(self.life.stop_reason, self.life.stop_detail) from None
+        self.life.meter.not_billed_until(time.time())
+        return billed_later(job, time.time() - since)
 
     def launched(self, handle: ClusterHandle) -> None:
         """Meters the cluster at the price of the option that launched, and records which it was."""
