@@ -3,7 +3,7 @@ deadline can be met, and what to launch each time the run needs a cluster, by Un
 
     spec = resolved(spec, created_at)                     # finish_within_hours made an absolute limits.deadline
     clock = DeadlineClock.of(spec, prediction, started_at)  # None without a deadline
-    clock.check(time.time())                             # refuses a deadline on-demand alone cannot meet
+    checked_deadline(spec, prediction)                   # the clock, or SpecError: on-demand alone cannot meet it
     clock.choose(time.time(), progress, spot_available)  # spot, on-demand or wait, with the reason
 
 C(0), the compute the run needs: the slowest of this loop's past runs on this hardware (its first epoch and the rest),
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from gpuflow.cluster.cost.deadline import Choice, Feasibility, Mode, Situation, feasibility, uniform_progress
+from gpuflow.cluster.cost.predict import dollars, duration
 
 # 0.2 h on a cloud (the NSDI '24 paper's d for VMs: boot, setup, reload); a Slurm allocation, a local Ray cluster
 DEFAULT_CHANGEOVER_S = {"skypilot": 720.0, "slurm": 300.0, "local": 60.0}
@@ -89,10 +90,12 @@ class DeadlineClock:
         can = self.feasibility(now)
         if can.feasible:
             return None
+        left_s = self.deadline_at - now
+        when = f"is {duration(left_s)} away" if left_s >= 0 else f"passed {duration(-left_s)} ago"
         return (
-            f"{self.field}: {utc(self.deadline_at)} is {hours(self.deadline_at - now)} away, but on-demand alone "
-            f"needs {hours(can.earliest_finish_s)} ({hours(self.compute_s)} of training from {self.compute_from}, "
-            f"{hours(self.changeover_s)} to start from {self.changeover_from}): set it to "
+            f"{self.field}: {utc(self.deadline_at)} {when}, but on-demand alone needs "
+            f"{duration(can.earliest_finish_s)} ({duration(self.compute_s)} of training from {self.compute_from}, "
+            f"{duration(self.changeover_s)} to start from {self.changeover_from}): set it to "
             f"{utc(now + can.earliest_finish_s)} or later, or train fewer epochs"
         )
 
@@ -116,10 +119,12 @@ class DeadlineClock:
     def lines(self, now: float, on_demand_hourly_usd: float | None = None) -> list[str]:
         """What `gpuflow plan` and the validate task say of the deadline."""
         can = self.feasibility(now)
-        bound = f", ${can.on_demand_hours * on_demand_hourly_usd:.2f} on-demand alone" if on_demand_hourly_usd else ""
+        bound = (
+            f", {dollars(can.on_demand_hours * on_demand_hourly_usd)} on-demand alone" if on_demand_hourly_usd else ""
+        )
         return [
-            f"deadline {utc(self.deadline_at)}, in {hours(self.deadline_at - now)}: training needs "
-            f"{hours(self.compute_s)} ({self.compute_from}), a switch of cluster {hours(self.changeover_s)} "
+            f"deadline {utc(self.deadline_at)}, in {duration(self.deadline_at - now)}: training needs "
+            f"{duration(self.compute_s)} ({self.compute_from}), a switch of cluster {duration(self.changeover_s)} "
             f"({self.changeover_from})",
             f"  {can.reason}{bound}; spot while the run keeps pace, on-demand when it falls behind or "
             "must finish (Uniform Progress)",
@@ -159,7 +164,3 @@ def kind_of(option: str) -> str | None:
 
 def utc(at: float) -> str:
     return datetime.fromtimestamp(at, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def hours(seconds: float) -> str:
-    return f"{seconds / 3600:.2f} h" if abs(seconds) >= 3600 else f"{seconds / 60:.1f} min"
