@@ -16,14 +16,14 @@ once every run is done.
 """
 
 import argparse
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.warm_runs import home_of_its_own  # noqa: E402
+
 SPEC = REPO / "experiments" / "digits.yaml"
 GPUFLOW = Path(sys.executable).parent / "gpuflow"
 WORKERS = 2  # the digits spec's: 1 node × 2 workers
@@ -34,12 +34,7 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--points", type=int, default=4)
     args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="gpuflow-reuse-"))
-    print(f"gpuflow home {home}: each run's console output in run-N.txt there", flush=True)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_"))}
-    env.update(
-        GPUFLOW_HOME=str(home), PREFECT_HOME=str(home / "prefect"), GPUFLOW_STACK="off", GPUFLOW_REUSE="finished"
-    )
+    home, env = home_of_its_own("gpuflow-reuse-", GPUFLOW_STACK="off", GPUFLOW_REUSE="finished")
     data = [
         "--set",
         f"data.train={home}/data/train.parquet",

@@ -23,15 +23,22 @@ SPEC = REPO / "experiments" / "digits.yaml"
 GPUFLOW = Path(sys.executable).parent / "gpuflow"
 
 
+def home_of_its_own(prefix: str, **settings: str) -> tuple[Path, dict[str, str]]:
+    """A new gpuflow home, and the environment of a `gpuflow` command that uses it (Prefect's home inside, no API or
+    gpuflow setting of this shell) with `settings` on top."""
+    home = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"gpuflow home {home}: each run's console output in run-N.txt there", flush=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_"))}
+    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(home / "prefect"), **settings)
+    return home, env
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=2)
     args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="gpuflow-warm-runs-"))
-    print(f"gpuflow home {home}: each run's console output in run-N.txt there", flush=True)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_API", "GPUFLOW_"))}
-    env.update(GPUFLOW_HOME=str(home), PREFECT_HOME=str(home / "prefect"), GPUFLOW_STACK="auto")
+    home, env = home_of_its_own("gpuflow-warm-runs-", GPUFLOW_STACK="auto")
     overrides = ["--force", "--set", f"train.epochs={args.epochs}"]  # each run trains: none reuses the last
     overrides += ["--set", f"data.train={home}/data/train.parquet"]
     overrides += ["--set", f"data.validation={home}/data/validation.parquet"]
