@@ -266,6 +266,11 @@ def true_status(status: str, tags: dict[str, str]) -> str:
     return "FINISHED" if status == "FAILED" and TRAINED_TAG in tags else status
 
 
+def trained_then_orphaned(tags: dict[str, str]) -> str:
+    """The stop detail of a run that true_status makes FINISHED: which flow run died before it closed the run."""
+    return f"trained to the end; its flow run {tags.get(FLOW_RUN_TAG, '(unknown)')} died before it closed the run"
+
+
 # How a run stopped early ends in MLflow: a stop the user asked for, or a limit, is KILLED; a lost run FAILED.
 STATUS_FOR_STOP = {
     "cancelled": "KILLED",

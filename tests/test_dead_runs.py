@@ -386,3 +386,76 @@ def test_a_cancelling_run_whose_process_is_gone_is_dead_once_silent(prefect_serv
     assert cancelling not in dead_without_lease(set(), [default_tracking_uri()], now)
     late = dead_without_lease(set(), [default_tracking_uri()], now + liveness.PROVISION_GRACE_S + 10)
     assert "its process died" in late[cancelling], late
+
+
+@pytest.mark.full  # a real run on a local Ray cluster
+def test_a_job_that_trained_to_the_end_after_its_flow_froze_is_finished_and_every_record_agrees(
+    prefect_server, gpuflow_home
+):
+    """The flow of `gpuflow run` freezes (SIGSTOP) at the first epoch; its job trains to the end within the orphan
+    grace, then the flow is killed (SIGKILL) before it closed anything. The MLflow run is FINISHED with every epoch
+    and its checkpoint, saying its flow died; one pass marks the flow run Crashed and frees its slot. At every poll
+    from the kill on, `gpuflow status` agrees with the flow run, the slot and the MLflow run: it never shows the run
+    live while its slot is free or its MLflow run closed."""
+    from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG, TRAINED_TAG
+
+    pool = f"ended-{uuid.uuid4().hex[:8]}"
+    set_quota(pool, 1)
+    overrides = [f"workdir={REPO}", f"train.loop={PLAIN_LOOP}", "train.params.offset=0", "train.params.pace_s=0.5"]
+    overrides += ["train.epochs=3", "data=null", "compute.workers_per_node=1", f"compute.quota={pool}"]
+    flow = subprocess.Popen(
+        [sys.executable, "-m", "gpuflow.flows.cli", "run", str(REPO / "experiments" / "digits.yaml")]
+        + [f"--set={override}" for override in (*overrides, "tracking.register_model=false")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+        env=base_env(PREFECT_API_URL=PREFECT_API_URL.value(), GPUFLOW_HOME=str(gpuflow_home)),
+    )
+    mlflow = MlflowClient(default_tracking_uri())
+
+    def runs_where(condition):
+        experiments = [experiment.experiment_id for experiment in mlflow.search_experiments()]
+        return [run for run in mlflow.search_runs(experiments) if condition(run)] if experiments else []
+
+    try:
+        wait_until(lambda: runs_where(lambda run: "loss" in run.data.metrics), 300, "the first epoch in MLflow")
+        flow.send_signal(signal.SIGSTOP)
+        [mlflow_run] = wait_until(
+            lambda: runs_where(lambda run: TRAINED_TAG in run.data.tags), 120, "the job to train to the end"
+        )
+        run_id, flow_run_id = mlflow_run.info.run_id, mlflow_run.data.tags[FLOW_RUN_TAG]
+        wait_until(lambda: "checkpoint" in {a.path for a in mlflow.list_artifacts(run_id)}, 60, "its checkpoint kept")
+        flow.kill()
+        flow.wait()
+
+        def records() -> tuple[str, int, str]:
+            return mlflow.get_run(run_id).info.status, quota_of(pool).active_slots, state_of(flow_run_id).type.value
+
+        polls = []  # ((MLflow status, slots held, flow run state), what `gpuflow status` shows)
+
+        def poll():  # judged only where the records held still while `status` read them
+            before = records()
+            row = next((row for row in status() if row.flow_run_id == flow_run_id), None)
+            if records() == before:
+                polls.append((before, row and row.state))
+            return polls[-1] if polls else None
+
+        wait_until(lambda: poll() and processes_of(gpuflow_home) == [], 180, "the job and its cluster gone")
+        for _ in range(3):
+            poll()
+        reap_clusters(backends=["local"], tracking_uris=[default_tracking_uri()])
+        poll()
+    finally:
+        stop_all([flow], pool)
+    ended = mlflow.get_run(run_id)
+    assert (ended.info.status, ended.data.tags[STOPPED_BY_TAG]) == ("FINISHED", "orphaned"), ended.data.tags
+    assert flow_run_id in ended.data.tags[STOP_DETAIL_TAG], ended.data.tags
+    assert [metric.step for metric in mlflow.get_metric_history(run_id, "loss")] == [0, 1, 2]
+    state = state_of(flow_run_id)
+    assert state.type.value == "CRASHED", state
+    assert polls[-1] == (("FINISHED", 0, "CRASHED"), None), polls
+    for (mlflow_status, slots, flow_state), shown in polls:
+        assert shown is None or shown.startswith("dead") or (mlflow_status == "RUNNING" and slots == 1), polls
+        assert shown is not None or flow_state != "RUNNING", polls  # a live flow run is listed
+    assert any(shown and shown.startswith("dead") for _, shown in polls), polls  # seen between the kill and the pass
+    assert processes_of(gpuflow_home) == []

@@ -25,6 +25,7 @@ from gpuflow.cluster.protocol import (
     STOPPED_BY_TAG,
     JobEnv,
     stop_line,
+    trained_then_orphaned,
     true_status,
 )
 from gpuflow.cluster.run.lease import LeaseWatch
@@ -139,7 +140,9 @@ class JobGuard:
         status = STATUS_FOR_STOP.get(reason, "FAILED")
         if reason == "orphaned":  # the training may have ended well just before its flow's end was seen
             with contextlib.suppress(Exception):  # unread, the run is closed as stopped: the reaper reads it again
-                status = true_status(status, self.client().get_run(self.run_id).data.tags)
+                tags = self.client().get_run(self.run_id).data.tags
+                if (status := true_status(status, tags)) == "FINISHED":
+                    detail = trained_then_orphaned(tags)
         close_run(
             self.client(),
             self.run_id,

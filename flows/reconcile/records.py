@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
 from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.job.reports import fill_from_checkpoints
-from gpuflow.cluster.protocol import CLOSED_BY_TAG, FLOW_RUN_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG, true_status
+from gpuflow.cluster.protocol import (
+    CLOSED_BY_TAG,
+    FLOW_RUN_TAG,
+    STOP_DETAIL_TAG,
+    STOPPED_BY_TAG,
+    trained_then_orphaned,
+    true_status,
+)
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
 from gpuflow.cluster.util.local_store import store_exists
@@ -238,21 +245,25 @@ def close_stale_mlflow_runs(
             if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":  # closed by its job, maybe without its last reports
                 fill_quietly(client, run)
             continue
-        if state is not None and not state[1]:
-            if not lease_dead:
-                continue  # its flow is still going
-            fill_quietly(client, run)
-            status = true_status("FAILED", run.data.tags)
-            tags = {STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"}
-            if status == "FINISHED":
-                tags[STOP_DETAIL_TAG] = f"trained to the end; its flow run {flow_run_id} died before it closed the run"
-            close_run(client, run.info.run_id, status, tags=tags)
+        if state is not None and not state[1] and not lease_dead:
+            continue  # its flow is still going
+        fill_quietly(client, run)
+        if state is not None and (not state[1] or state[0] == "CRASHED"):  # its flow died (this pass sees it or saw)
+            close_run(client, run.info.run_id, *end_of_orphan(run))
         else:
-            fill_quietly(client, run)
             status = true_status(RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED", run.data.tags)
             close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
         closed.append(run.info.run_id)
     return closed
+
+
+def end_of_orphan(run) -> tuple[str, None, dict[str, str]]:
+    """A run whose flow died before closing it: FINISHED where its job trained to the end, else FAILED; orphaned."""
+    status = true_status("FAILED", run.data.tags)
+    tags = {STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"}
+    if status == "FINISHED":
+        tags[STOP_DETAIL_TAG] = trained_then_orphaned(run.data.tags)
+    return status, None, tags
 
 
 def fill_quietly(client, run) -> None:
