@@ -154,7 +154,9 @@ def test_a_run_that_trained_to_the_end_is_finished_though_its_flow_died(gpuflow_
             tags = {FLOW_RUN_TAG: flow_run_id, **lapsed, **({TRAINED_TAG: "2026-12-06T05:00:00Z"} if trained else {})}
             runs[(trained, flow_state[0])] = client.create_run(experiment, tags=tags).info.run_id
             flows[flow_run_id] = flow_state
-    close_stale_mlflow_runs(uri, states_of=lambda flow_run_ids: {run: flows[run] for run in flow_run_ids})
+    close_stale_mlflow_runs(
+        uri, states_of=lambda flow_run_ids: {run: flows[run] for run in flow_run_ids}, heartbeat_at=lambda run: None
+    )
     ended = {key: client.get_run(run_id) for key, run_id in runs.items()}
     assert {key: run.info.status for key, run in ended.items()} == {
         (True, "RUNNING"): "FINISHED",
@@ -262,3 +264,80 @@ def test_the_reaper_lists_only_the_backends_runs_used(prefect_server):
     with get_client(sync_client=True) as client:
         client.create_flow_run(finished_experiment, tags=[f"backend:{unused}"])
     assert backends_in_use(["local", unused]) == ["local", unused]
+
+
+def test_the_jobs_lease_watch_does_not_count_a_tracking_server_outage_against_the_flow(gpuflow_home):
+    """The job's guard judges the flow's lease by reads of the MLflow run. A renewal unchanged for the grace period of
+    quick reads is expired; a read that failed, or that hung in the client's retries for a quarter of the grace (the
+    server was down: the flow's renewals could not get through either), starts the window again."""
+    from gpuflow.cluster.protocol import RENEWED_TAG
+    from gpuflow.cluster.run.lease import LeaseWatch, lease_tags
+
+    client = MlflowClient(f"sqlite:///{gpuflow_home}/mlflow.db")
+    experiment = client.create_experiment("lease", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    run_id = client.create_run(experiment, tags=lease_tags(12)).info.run_id
+    now = [0.0]
+
+    class Tracking:  # the real store, reached through a server that is quick, or down (the read hangs, or fails)
+        delay_s, fails = 0.0, False
+
+        def get_run(self, run_id):
+            if self.fails:
+                raise ConnectionError("tracking server down")
+            now[0] += self.delay_s
+            return client.get_run(run_id)
+
+    tracking = Tracking()
+    watch = LeaseWatch(tracking, run_id, 12, clock=lambda: now[0])
+
+    def after(seconds: float) -> bool:
+        now[0] += seconds
+        return watch.expired()
+
+    assert not after(0) and not after(11) and after(1.5)  # quick reads, no renewal for 12 s: the flow is gone
+    watch = LeaseWatch(tracking, run_id, 12, clock=lambda: now[0])
+    assert not after(0)
+    tracking.delay_s = 10  # the server went away: the read hung in the client's retries and came back unchanged
+    assert not after(1)
+    tracking.delay_s = 0
+    assert not after(11) and after(1.5)  # a whole grace of quick reads since
+    watch = LeaseWatch(tracking, run_id, 12, clock=lambda: now[0])
+    tracking.fails = True
+    assert not after(0) and not after(30)
+    tracking.fails = False
+    assert not after(1) and not after(11) and after(1.5)
+    client.set_tag(run_id, RENEWED_TAG, f"{time.time():.3f}")
+    assert not after(0)  # renewed: a new window
+
+
+def test_a_lapsed_lease_is_a_dead_flow_only_once_its_prefect_heartbeats_stopped_too(gpuflow_home):
+    """A tracking server that was down stopped the flow's renewals, not its Prefect heartbeats: a pass in or right
+    after the outage keeps the run (its MLflow run open, the flow run's death unsaid); once the heartbeats are late
+    too, or where none are kept, the lapsed lease is a dead flow."""
+    from gpuflow.cluster.protocol import FLOW_RUN_TAG
+    from gpuflow.cluster.run.lease import lease_tags
+    from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S
+    from gpuflow.flows.reconcile.lapsed import lease_lapsed, lease_reader
+
+    uri = f"sqlite:///{gpuflow_home}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("outage", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    now, flow_run_id = time.time(), str(uuid.uuid4())
+    lapsed = lease_tags(12, now=now - 60)
+    run_id = client.create_run(experiment, tags={FLOW_RUN_TAG: flow_run_id, **lapsed}).info.run_id
+    beats = {"beating": now - 20, "late": now - HEARTBEAT_LATE_S - 10, "none kept": None}
+    assert {name: lease_lapsed(lapsed, flow_run_id, now, lambda _, at=at: at) for name, at in beats.items()} == {
+        "beating": False,
+        "late": True,
+        "none kept": True,
+    }
+    assert lease_lapsed(lease_tags(12, now=now - 5), flow_run_id, now, lambda _: None) is False  # renewed: alive
+    assert lease_lapsed({}, flow_run_id, now, lambda _: None) is None  # no lease: others judge
+
+    running = {flow_run_id: ("RUNNING", False)}
+    assert not lease_reader([uri], lambda _: now - 20)(flow_run_id)
+    assert close_stale_mlflow_runs(uri, lambda ids: running, dead=set(), heartbeat_at=lambda _: now - 20) == []
+    assert client.get_run(run_id).info.status == "RUNNING"
+    dead = set()
+    assert close_stale_mlflow_runs(uri, lambda ids: running, dead=dead, heartbeat_at=lambda _: None) == [run_id]
+    assert dead == {flow_run_id} and client.get_run(run_id).info.status == "FAILED"

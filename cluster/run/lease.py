@@ -65,7 +65,9 @@ class LeaseKeeper(threading.Thread):
 
 class LeaseWatch:
     """The job's side: `expired()` is True once the lease value stayed the same over a whole grace period
-    of successful reads, measured on this machine's clock."""
+    of successful reads, measured on this machine's clock. A read that failed, or that took a quarter of the grace
+    (MLflow's client retries a server that is down for minutes), starts the window again: the flow's renewals could
+    not get through either, so the time the tracking server was away does not count against the flow."""
 
     def __init__(self, client, run_id: str, grace_s: float, clock=time.monotonic):
         self.client, self.run_id, self.grace_s, self.clock = client, run_id, grace_s, clock
@@ -75,6 +77,7 @@ class LeaseWatch:
         self.run = None  # the latest read of the run: the hung check reads it too (one call per poll)
 
     def expired(self) -> bool:
+        asked = self.clock()
         try:
             self.run = self.client.get_run(self.run_id)
             value = self.run.data.tags.get(RENEWED_TAG)
@@ -82,7 +85,7 @@ class LeaseWatch:
             self.run, self.reads_failed = None, True
             return False
         now = self.clock()
-        if value != self.value or self.reads_failed:
+        if value != self.value or self.reads_failed or now - asked >= self.grace_s / 4:
             self.value, self.unchanged_since, self.reads_failed = value, now, False
             return False
         return now - self.unchanged_since >= self.grace_s

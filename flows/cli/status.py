@@ -27,7 +27,8 @@ from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import found_dead
-from gpuflow.flows.reconcile.records import DEFAULT_GRACE_S, tracking_uris_or_local
+from gpuflow.flows.reconcile.lapsed import DEFAULT_GRACE_S
+from gpuflow.flows.reconcile.records import tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
 
@@ -42,7 +43,7 @@ class RunStatus:
     gpus: str | None = None
     hourly_usd: float | None = None
     spent_usd: float | None = None
-    lease: str | None = None  # "alive" or "dead", and the age of its last renewal
+    lease: str | None = None  # "alive" or "lapsed", and the age of its last renewal
     queue: str | None = None  # "2 of 3 in aws-h100" while waiting for the quota
     mlflow: str | None = None
     message: str | None = None  # the run's end message, when its webhook did not get it
@@ -213,7 +214,7 @@ def add_mlflow_facts(rows: list[RunStatus], runs, now: float) -> None:
             started = mlflow_run.info.start_time / 1000
             row.spent_usd = None if hourly is None else round(hourly * age_s(now, started) / 3600, 4)
             if RENEWED_TAG in tags:
-                verdict = "dead" if stale(tags, now, DEFAULT_GRACE_S) else "alive"
+                verdict = "lapsed" if stale(tags, now, DEFAULT_GRACE_S) else "alive"  # the state says dead
                 row.lease = (
                     f"{verdict}, {renewed(now, float(tags[RENEWED_TAG]))} "
                     f"(grace {float(tags.get(GRACE_TAG, DEFAULT_GRACE_S)):g} s)"

@@ -82,7 +82,8 @@ def found_dead(found, tracking_uris: list[str], now: float) -> dict[str, str]:
     """The live runs the reconciler's next pass marks Crashed, flow run id → why, by its own verdicts: their
     cluster's (lease stale, or their process and local cluster gone), else their silence. found: the clusters the
     backends list, as (backend, status)."""
-    from gpuflow.flows.reconcile.records import DEFAULT_TTL_S, RunRecords, judge_found, lease_reader
+    from gpuflow.flows.reconcile.lapsed import lease_reader
+    from gpuflow.flows.reconcile.records import DEFAULT_TTL_S, RunRecords, judge_found
 
     judged = judge_found(found, RunRecords(lease_stale=lease_reader(tracking_uris)), DEFAULT_TTL_S, now)
     verdicts = [verdict for _, verdict in judged]

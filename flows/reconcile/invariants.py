@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from gpuflow.cluster.backends import Backend
 from gpuflow.flows.reconcile.dead_runs import dead_without_lease
+from gpuflow.flows.reconcile.lapsed import lease_reader
 from gpuflow.flows.reconcile.records import (
     DEFAULT_TTL_S,
     ORPHANED,
     RunRecords,
     Verdict,
     close_stale_mlflow_runs,
-    lease_reader,
     mark_crashed,
     reap,
 )

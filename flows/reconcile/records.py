@@ -21,14 +21,13 @@ from gpuflow.cluster.protocol import (
     trained_then_orphaned,
     true_status,
 )
-from gpuflow.cluster.run.lease import stale
-from gpuflow.cluster.run.mlflow_run import close_run, runs_of_flow_run
+from gpuflow.cluster.run.mlflow_run import close_run
 from gpuflow.cluster.util.local_store import store_exists
 from gpuflow.flows.deployments.known_servers import known_tracking_uris
+from gpuflow.flows.reconcile.lapsed import HeartbeatAt, heartbeat_reader, lease_lapsed
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRACE_S = 120.0  # for a lease written without its grace period
 DEFAULT_TTL_S = 24 * 3600.0  # the reaper's: a cluster up longer is downed whatever its run says
 DEAD = "dead (lease stale)"
 ORPHANED = "dead (its process and its cluster's are gone)"  # the local backend knows the process that launched it
@@ -157,23 +156,6 @@ def reap(
     return [verdict for _, verdict in judged]
 
 
-def lease_reader(tracking_uris: list[str]) -> Callable[[str], bool | None]:
-    """flow run id → is it dead: its lease is stale, or its job closed its run as orphaned (None: no lease found)."""
-    from mlflow import MlflowClient
-
-    def lease_stale(flow_run_id: str) -> bool | None:
-        for uri in tracking_uris:
-            for run in runs_of_flow_run(MlflowClient(tracking_uri=uri), flow_run_id):
-                if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":
-                    return True  # the job on the cluster found its flow gone and said so
-                verdict = stale(run.data.tags, time.time(), DEFAULT_GRACE_S)
-                if verdict is not None:
-                    return verdict
-        return None
-
-    return lease_stale
-
-
 def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone), each
     owed the message of its end (no hook of theirs will say it: flows/run_messages.py notify_owed)."""
@@ -209,8 +191,9 @@ def close_stale_mlflow_runs(
     tracking_uri: str,
     states_of: Callable[[set[str]], dict[str, tuple[str, bool]]] = flow_run_states,
     dead: set[str] | None = None,
+    heartbeat_at: HeartbeatAt | None = None,
 ) -> list[str]:
-    """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease stale), in every experiment.
+    """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease lapsed), in every experiment.
 
     Flow runs found dead are added to `dead` (to be marked Crashed), also those whose job already closed its
     run as orphaned."""
@@ -237,15 +220,19 @@ def close_stale_mlflow_runs(
     for run in candidates:
         flow_run_id = run.data.tags[FLOW_RUN_TAG]
         state = states.get(flow_run_id)
-        lease_dead = flow_run_id in (dead or ()) or bool(stale(run.data.tags, time.time(), DEFAULT_GRACE_S))
-        if state is not None and not state[1] and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
+        live = state is not None and not state[1]  # the lease judges only a flow run Prefect calls live
+        lease_dead = live and (
+            flow_run_id in (dead or ())
+            or bool(lease_lapsed(run.data.tags, flow_run_id, time.time(), heartbeat_at or heartbeat_reader()))
+        )
+        if live and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
             if dead is not None:
                 dead.add(flow_run_id)
         if run.info.status != "RUNNING":
             if run.data.tags.get(STOPPED_BY_TAG) == "orphaned":  # closed by its job, maybe without its last reports
                 fill_quietly(client, run)
             continue
-        if state is not None and not state[1] and not lease_dead:
+        if live and not lease_dead:
             continue  # its flow is still going
         fill_quietly(client, run)
         if state is not None and (not state[1] or state[0] == "CRASHED"):  # its flow died (this pass sees it or saw)
