@@ -31,9 +31,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.chaos_checks import Check, check  # noqa: E402
+from benchmarks.chaos_checks import Check, check, check_plan  # noqa: E402
 from benchmarks.chaos_faults import NOT_YET, Run, done, draw, launch, soak_overrides, stop, strike  # noqa: E402
 from benchmarks.chaos_stack import Stack  # noqa: E402
+from benchmarks.chaos_watch import Beside  # noqa: E402
 from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S, NEVER_BEGUN_S  # noqa: E402
 
 QUOTA = 2
@@ -84,15 +85,23 @@ def soak(
     root: Path | None = None,
     keep: bool = False,
     say=print,
+    beside: dict | None = None,
 ) -> Soak:
+    """`beside`: Beside's passes, every_s and users_every_s (benchmarks/chaos_watch.py), while the runs go."""
     plan = draw(random.Random(seed), runs, serve)
     stack = Stack(root)
     say(f"[chaos] {runs} runs, seed {seed}, in {stack.root}: " + ", ".join(r.fault["name"] for r in plan))
     try:
         stack.start(QUOTA, soak_overrides(stack) if any(r.via == "serve" for r in plan) else None)
-        drive(plan, stack, overlap, say)
-        stack.stop_serve()  # its runs are over; a serve process carries the soak's GPUFLOW_HOME too
-        time.sleep(until_judged(plan))
+        with Beside(stack, QUOTA, **(beside or {})) as watch:
+            drive(plan, stack, overlap, say)
+            stack.stop_serve()  # its runs are over; a serve process carries the soak's GPUFLOW_HOME too
+            time.sleep(until_judged(plan))
+        done_passes, failed_passes = watch.pass_lines()
+        say(
+            f"[chaos] beside the runs: {done_passes} passes ({failed_passes} failed: a server down), "
+            f"{watch.user_commands} user commands, {watch.samples} samples of the quota's invariants"
+        )
         reaped_at = time.monotonic()
         reaper_output = reap(stack)
         said = [
@@ -103,6 +112,9 @@ def soak(
         say("[chaos] reaper: " + (" | ".join(said) or "nothing to do"))
         while True:
             found = check(stack)
+            check_plan(plan, found)
+            found.violations += watch.violations
+            found.figures.update(passes_beside=done_passes, samples=watch.samples)
             converged = time.monotonic() - reaped_at
             if not found.violations or converged > converge_bound_s:
                 break
@@ -196,12 +208,16 @@ def main() -> int:
         "--converge-s", type=float, default=120, help="how long the invariants may take after the reaper"
     )
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, databases) for a look")
+    parser.add_argument("--passes", type=int, default=3, help="reconciler passes at once while the runs go")
+    parser.add_argument("--pass-every-s", type=float, default=20, help="each pass process's interval")
+    parser.add_argument("--users-every-s", type=float, default=30, help="`gpuflow status` and `quota list`; 0: none")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, interrupted)  # `kill` stops it as Ctrl-C does: everything started is stopped
 
     from benchmarks.record import record
 
-    result = soak(args.runs, args.seed, args.overlap, not args.no_serve, args.converge_s, keep=args.keep)
+    beside = {"passes": args.passes, "every_s": args.pass_every_s, "users_every_s": args.users_every_s}
+    result = soak(args.runs, args.seed, args.overlap, not args.no_serve, args.converge_s, keep=args.keep, beside=beside)
     print(result.report())
     figures = result.check.figures
     converged = f"{result.converge_s:.0f}" if result.converge_s is not None else f"> {args.converge_s:.0f}"

@@ -103,3 +103,37 @@ def check(stack) -> Check:
         violations,
         records,
     )
+
+
+WHOLE = {"none", "webhook-down", "mlflow-restart"}  # faults a run trains through: it must end Completed
+
+
+def check_plan(plan, found: Check) -> None:
+    """What the soak planned against what it finds: every fault applied (a run that ended before its fault could
+    strike proves nothing), every run's flow run seen, and a run its fault leaves whole Completed. Adds violations."""
+    from benchmarks.chaos_faults import NOT_YET
+
+    for run in plan:
+        if not run.applied or run.applied.startswith((NOT_YET, "could not apply")):
+            found.violations.append(f"every fault applied: run {run.index}'s {run.fault['name']}: {run.applied}")
+        if run.hung:
+            found.violations.append(f"no run hung: run {run.index} was still going after the bound")
+        if run.flow_run_id and run.flow_run_id not in found.records:
+            found.violations.append(
+                f"every run seen: run {run.index}'s flow run {run.flow_run_id} is not on its server"
+            )
+        if run.fault["name"] in WHOLE and not struck_by_another(run, plan):
+            ended = found.records.get(run.flow_run_id or "", {}).get("flow run", "")
+            if " Completed:" not in ended:
+                found.violations.append(f"a whole run completes: run {run.index} ({run.fault['name']}) ended {ended}")
+    found.figures["flow runs seen/planned"] = f"{len(found.records)}/{len(plan)}"
+
+
+def struck_by_another(run, plan) -> bool:
+    """Whether another run's fault on a shared server (Prefect's restart) struck while this run was going."""
+    for other in plan:
+        if other is not run and other.fault["target"] == "prefect" and other.struck_s is not None:
+            at = other.started + other.struck_s
+            if run.started <= at <= (run.ended or float("inf")):
+                return True
+    return False
