@@ -114,7 +114,7 @@ def soak(
             found = check(stack)
             check_plan(plan, found)
             found.violations += watch.violations
-            found.figures.update(passes_beside=done_passes, samples=watch.samples)
+            found.figures.update({"passes beside": done_passes, "quota samples": watch.samples})
             converged = time.monotonic() - reaped_at
             if not found.violations or converged > converge_bound_s:
                 break
@@ -233,6 +233,7 @@ def main() -> int:
             "runs": args.runs,
             "seed": args.seed,
             "overlap": args.overlap,
+            "passes at once, every s": f"{args.passes}, {args.pass_every_s:g}",
             "faults": result.faults(),
             **figures,
             "converge s": converged,

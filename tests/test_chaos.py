@@ -26,4 +26,6 @@ def test_every_run_ends_true_whatever_dies_with_passes_side_by_side(tmp_path):
     result = soak(runs=RUNS, seed=SEED, overlap=2, converge_bound_s=60, root=tmp_path / "chaos", beside=BESIDE)
     print(result.report())
     assert result.passed, "\n" + result.report()
-    assert result.check.figures["passes_beside"] >= 6 and result.check.figures["samples"] >= 60, result.check.figures
+    assert result.check.figures["passes beside"] >= 6 and result.check.figures["quota samples"] >= 60, (
+        result.check.figures
+    )
