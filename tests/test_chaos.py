@@ -1,7 +1,7 @@
 """The chaos soak (benchmarks/chaos.py) in the whole matrix: 8 tiny runs, two at a time, four through `gpuflow run`
 and four through `gpuflow serve`, each struck at a random moment by a fault of the table (seed 6 draws each of its
 eight kinds once), while three reconciler passes run every 20 s side by side, a user runs `gpuflow status` and
-`gpuflow quota list` every 30 s, and the quota's invariants are sampled every second; then one more pass. Every run
+`gpuflow quota list` every minute, and the quota's invariants are sampled every second; then one more pass. Every run
 must end true in all five of its records (issue #38): flow run final, no MLflow run RUNNING, no cluster nor process
 left, no quota slot held, one message per bad end; every fault applied, no run hung, a run its fault leaves whole
 Completed; at no sample more slots held than the quota's limit, nor more clusters up than its size.
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.full
 # webhook-down, none, mlflow-restart.
 SEED = 6
 RUNS = 8
-BESIDE = {"passes": 3, "every_s": 20.0, "users_every_s": 30.0}
+BESIDE = {"passes": 3, "every_s": 20.0, "users_every_s": 60.0}
 
 
 def test_every_run_ends_true_whatever_dies_with_passes_side_by_side(tmp_path):
