@@ -226,8 +226,8 @@ def slurm_infra():
 # compute; the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
 # - "slurm": the recovery tests, the watchdog's limits, then the Slurm tier (one Slurm cluster on this machine, one
 #   harness: its launches wait on SkyPilot and Slurm);
-# - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests and the chaos
-#   soak; most of them wait for a signal, a lease or a cleanup (an epoch a second);
+# - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests, the dead runs
+#   and the chaos soak; most of them wait for a signal, a lease or a cleanup (an epoch a second);
 # - "main": everything else, the worker in a fresh venv included.
 LANES = {
     "slurm": ("tests/infra/slurm/", "tests/test_slurm.py", "tests/test_recovery.py", "tests/test_watchdog.py"),
@@ -236,6 +236,7 @@ LANES = {
         "tests/test_quota.py",
         "tests/test_stack.py",
         "tests/test_faults.py",
+        "tests/test_dead_runs.py",
         "tests/test_chaos.py",
     ),
 }

@@ -1,10 +1,11 @@
-"""The chaos soak (benchmarks/chaos.py) in the whole matrix: 8 tiny runs, two at a time, four through `gpuflow run`
-and four through `gpuflow serve`, each struck at a random moment by a fault of the table (seed 6 draws each of its
-eight kinds once), while three reconciler passes run every 20 s side by side, a user runs `gpuflow status` and
-`gpuflow quota list` every minute, and the quota's invariants are sampled every second; then one more pass. Every run
-must end true in all five of its records (issue #38): flow run final, no MLflow run RUNNING, no cluster nor process
-left, no quota slot held, one message per bad end; every fault applied, no run hung, a run its fault leaves whole
-Completed; at no sample more slots held than the quota's limit, nor more clusters up than its size.
+"""The chaos soak (benchmarks/chaos.py) in the whole matrix: 8 tiny runs, three at a time on a quota of two (one waits
+for its turn), four through `gpuflow run` and four through `gpuflow serve`, each struck at a random moment by a
+fault of the table (seed 6 draws each of its eight kinds once), while three reconciler passes run every 20 s side by
+side and the quota's invariants are sampled every second; then one more pass. Every run must end true in all five of
+its records (issue #38): flow run final, no MLflow run RUNNING, no cluster nor process left, no quota slot held, one
+message per bad end; every fault applied, no run hung, a run its fault leaves whole Completed; at no sample more
+slots held than the quota's limit, nor more clusters up than its size. (The benchmark adds a user's `gpuflow status`
+and `gpuflow quota list`: two more processes a minute that the matrix's CPU budget does not pay for.)
 
     .venv/bin/python -m pytest --full tests/test_chaos.py -s
 """
@@ -19,11 +20,11 @@ pytestmark = pytest.mark.full
 # webhook-down, none, mlflow-restart.
 SEED = 6
 RUNS = 8
-BESIDE = {"passes": 3, "every_s": 20.0, "users_every_s": 60.0}
+BESIDE = {"passes": 3, "every_s": 20.0}  # a user's commands too: benchmarks/chaos.py
 
 
 def test_every_run_ends_true_whatever_dies_with_passes_side_by_side(tmp_path):
-    result = soak(runs=RUNS, seed=SEED, overlap=2, converge_bound_s=60, root=tmp_path / "chaos", beside=BESIDE)
+    result = soak(runs=RUNS, seed=SEED, overlap=3, converge_bound_s=60, root=tmp_path / "chaos", beside=BESIDE)
     print(result.report())
     assert result.passed, "\n" + result.report()
     assert result.check.figures["passes beside"] >= 6 and result.check.figures["quota samples"] >= 60, (
