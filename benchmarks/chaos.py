@@ -1,14 +1,16 @@
-"""Chaos soak: N short runs, each struck by a fault drawn from a seed; then one reconciler pass, and every run must end
-true in all five of its records.
+"""Chaos soak: N short runs, each struck by a fault drawn from a seed, while reconciler passes run side by side; then
+one more pass, and every run must end true in all five of its records.
 
     python benchmarks/chaos.py --runs 4 --seed 1 [--overlap 2] [--no-serve] [--converge-s 120] [--keep]
+                               [--passes 3] [--pass-every-s 20] [--users-every-s 30]
 
 Starts a real Prefect server and a real MLflow server on 127.0.0.1 (sqlite; in a temp dir of its own, with its own
 GPUFLOW_HOME and PREFECT_HOME), `gpuflow quota set local 2`, a webhook block pointing at a receiver that counts
 messages per flow run, and `gpuflow serve` of run-experiment. It runs N tiny runs of the plain Ray Train loop (8
 epochs of a second, one worker, no data), OVERLAP at a time: through `gpuflow run` in a session of its own, and
 every other run through the served deployment. Each run gets a fault from the table in benchmarks/chaos_faults.py
-(`random.Random(seed)`), applied at a random moment of it. Then the reaper's pass (`reap_clusters`, local backend)
+(`random.Random(seed)`), applied at a random moment of it; meanwhile benchmarks/chaos_watch.py runs the passes, a
+user's commands and the quota's sampled invariants. Then the reaper's pass (`reap_clusters`, local backend)
 and, up to --converge-s, the invariants (benchmarks/chaos_checks.py): every flow run final, no MLflow run RUNNING,
 no cluster nor process of the soak left, no quota slot held, one message per bad end. Prints and records a row; exits
 1 on any violated invariant, naming the run and its records. Everything it started is stopped, also on Ctrl-C.
