@@ -216,14 +216,14 @@ def close_stale_mlflow_runs(
     }
     candidates = [run for run in found.values() if run.data.tags.get(FLOW_RUN_TAG)]
     states = states_of({run.data.tags[FLOW_RUN_TAG] for run in candidates}) if candidates else {}
+    heartbeat_at = heartbeat_at or heartbeat_reader()
     closed = []
     for run in candidates:
         flow_run_id = run.data.tags[FLOW_RUN_TAG]
         state = states.get(flow_run_id)
         live = state is not None and not state[1]  # the lease judges only a flow run Prefect calls live
         lease_dead = live and (
-            flow_run_id in (dead or ())
-            or bool(lease_lapsed(run.data.tags, flow_run_id, time.time(), heartbeat_at or heartbeat_reader()))
+            flow_run_id in (dead or ()) or bool(lease_lapsed(run.data.tags, flow_run_id, time.time(), heartbeat_at))
         )
         if live and (lease_dead or run.data.tags.get(STOPPED_BY_TAG) == "orphaned"):
             if dead is not None:
@@ -235,8 +235,9 @@ def close_stale_mlflow_runs(
         if live and not lease_dead:
             continue  # its flow is still going
         fill_quietly(client, run)
-        if state is not None and (not state[1] or state[0] == "CRASHED"):  # its flow died (this pass sees it or saw)
-            close_run(client, run.info.run_id, *end_of_orphan(run))
+        if live or (state is not None and state[0] == "CRASHED"):  # its flow died (this pass sees it, or one saw)
+            status, tags = end_of_orphan(run)
+            close_run(client, run.info.run_id, status, tags=tags)
         else:
             status = true_status(RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED", run.data.tags)
             close_run(client, run.info.run_id, status, tags={CLOSED_BY_TAG: "reaper"})
@@ -244,13 +245,13 @@ def close_stale_mlflow_runs(
     return closed
 
 
-def end_of_orphan(run) -> tuple[str, None, dict[str, str]]:
+def end_of_orphan(run) -> tuple[str, dict[str, str]]:
     """A run whose flow died before closing it: FINISHED where its job trained to the end, else FAILED; orphaned."""
     status = true_status("FAILED", run.data.tags)
     tags = {STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"}
     if status == "FINISHED":
         tags[STOP_DETAIL_TAG] = trained_then_orphaned(run.data.tags)
-    return status, None, tags
+    return status, tags
 
 
 def fill_quietly(client, run) -> None:
