@@ -392,12 +392,13 @@ def test_a_cancelling_run_whose_process_is_gone_is_dead_once_silent(prefect_serv
 def test_a_job_that_trained_to_the_end_after_its_flow_froze_is_finished_and_every_record_agrees(
     prefect_server, gpuflow_home
 ):
-    """The flow of `gpuflow run` freezes (SIGSTOP) at the first epoch; its job trains to the end within the orphan
+    """The flow of `gpuflow run` freezes (SIGSTOP) at its first checkpoint; its job trains to the end within the orphan
     grace, then the flow is killed (SIGKILL) before it closed anything. The MLflow run is FINISHED with every epoch
     and its checkpoint, saying its flow died; one pass marks the flow run Crashed and frees its slot. At every poll
     from the kill on, `gpuflow status` agrees with the flow run, the slot and the MLflow run: it never shows the run
     live while its slot is free or its MLflow run closed."""
     from gpuflow.cluster.protocol import STOP_DETAIL_TAG, STOPPED_BY_TAG, TRAINED_TAG
+    from tests.test_faults import checkpoints_under
 
     pool = f"ended-{uuid.uuid4().hex[:8]}"
     set_quota(pool, 1)
@@ -420,8 +421,7 @@ def test_a_job_that_trained_to_the_end_after_its_flow_froze_is_finished_and_ever
     try:
         # the first checkpoint on disk (Ray Train persists it as the loop reports; MLflow hears of it later): the
         # training has 3 epochs of a second to go, and the flow's end is still far
-        first = lambda: list(gpuflow_home.glob("checkpoints/*/checkpoint_*/state.json"))  # noqa: E731
-        wait_until(first, 300, "the first checkpoint", interval_s=0.05)
+        wait_until(lambda: checkpoints_under(gpuflow_home, "state.json"), 300, "the first checkpoint", interval_s=0.05)
         flow.send_signal(signal.SIGSTOP)
         [mlflow_run] = wait_until(
             lambda: runs_where(lambda run: TRAINED_TAG in run.data.tags), 120, "the job to train to the end"
