@@ -76,6 +76,32 @@ def test_down_of_a_half_made_cluster(gpuflow_home):
     assert not folder.exists()
 
 
+def test_a_cluster_whose_folder_cannot_be_removed_is_not_down_until_it_is(gpuflow_home):
+    """A down that cannot remove the cluster's state raises, naming it (the run's teardown then fails, and its quota
+    slot stays held): it never says down while anything of the cluster is left. Pinned as the chaos soak pins it."""
+    backend = LocalBackend()
+    folder = backend.root / NAME
+    folder.mkdir(parents=True)
+    session = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    (folder / "cluster.json").write_text(json.dumps({"session": session.pid, "temp_dir": "", "jobs": {}}))
+    pin = folder / "pinned"
+    pin.touch()
+    if subprocess.run(["chattr", "+i", str(pin)], capture_output=True).returncode:
+        session.kill()
+        pytest.skip("chattr +i is not allowed here (it needs root and a filesystem with immutable files)")
+    try:
+        with pytest.raises(OSError, match=f"local cluster {NAME}: its folder .* could not be removed"):
+            backend.down(NAME)
+        assert session.wait(timeout=10) is not None, "its processes are stopped all the same"
+        assert [cluster.name for cluster in backend.status()] == [NAME], "a cluster not down is still listed"
+        with pytest.raises(OSError, match="could not be removed"):
+            backend.down(NAME)  # again: its record is gone, its folder not
+    finally:
+        subprocess.run(["chattr", "-i", str(pin)], check=True)
+    backend.down(NAME)
+    assert backend.status() == [] and not folder.exists()
+
+
 def test_an_early_job_handed_a_run_takes_its_environment_and_keeps_what_it_set_itself(monkeypatch):
     from gpuflow.cluster.backends.local.early_job import handoff_environment
 

@@ -54,8 +54,9 @@ def session_alive(session: int) -> bool:
     return in_session(session, session) or bool(session_members(session))
 
 
-def stop_sessions(sessions: list[int], timeout_s: float = 10) -> None:
-    """SIGKILLs every process of each session and waits until they are gone.
+def stop_sessions(sessions: list[int], timeout_s: float = 10) -> list[int]:
+    """SIGKILLs every process of each session and waits until they are gone; returns those still there after
+    `timeout_s` (none, unless a process is not ours to kill or stuck in the kernel).
 
     Nothing in a throwaway local cluster needs a graceful stop: checkpoints and metrics are persisted before teardown,
     and Ray's own shutdown takes seconds. A caller inside one of the sessions (the supervisor) is spared, to go on
@@ -64,10 +65,11 @@ def stop_sessions(sessions: list[int], timeout_s: float = 10) -> None:
     while time.monotonic() < deadline:
         members = [pid for session in sessions for pid in session_members(session) if pid != os.getpid()]
         if not members:
-            return
+            return []
         for pid in members:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         time.sleep(0.02)
+    return members

@@ -223,22 +223,27 @@ class LocalBackend(WarmClusters):
         return f"local cluster {cluster_name}: {lost_file.read_text()}" if lost_file.exists() else None
 
     def down(self, cluster_name: str) -> bool:
-        """Stops every process of the cluster (jobs first), removes its state. Safe to repeat."""
+        """Stops every process of the cluster (jobs first), removes its state. Safe to repeat. Raises OSError while
+        a process survives or the folder stays: a cluster is down only once nothing of it is left."""
         folder = self.root / cluster_name
         record = self.record(cluster_name)
-        if record is None:
-            if folder.exists():
-                shutil.rmtree(folder, ignore_errors=True)
-            return False
-        sessions = [int(pid) for pid in record.get("jobs", {})] + [record["session"]]
-        stop_sessions(sessions)
-        # reap only this cluster's children: this object may also hold other clusters that stay up
-        for process in self._children.values():
-            if process.pid in sessions and process.poll() is None:
-                process.wait(timeout=5)
-        shutil.rmtree(record.get("temp_dir", ""), ignore_errors=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        return True
+        if record is not None:
+            sessions = [int(pid) for pid in record.get("jobs", {})] + [record["session"]]
+            if survivors := stop_sessions(sessions):
+                raise OSError(f"local cluster {cluster_name}: processes {survivors} survive SIGKILL")
+            # reap only this cluster's children: this object may also hold other clusters that stay up
+            for process in self._children.values():
+                if process.pid in sessions and process.poll() is None:
+                    process.wait(timeout=5)
+            shutil.rmtree(record.get("temp_dir", ""), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)  # another down of it (its supervisor, the reaper) may race this one
+        try:
+            shutil.rmtree(folder)  # whatever is left: to know why it stays
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise OSError(f"local cluster {cluster_name}: its folder {folder} could not be removed: {exc}") from exc
+        return record is not None
 
     def pids(self, cluster_name: str) -> set[int]:
         """Every live process of the cluster (for tests and the reaper's report)."""
