@@ -236,11 +236,8 @@ class LocalBackend(WarmClusters):
                 if process.pid in sessions and process.poll() is None:
                     process.wait(timeout=5)
             shutil.rmtree(record.get("temp_dir", ""), ignore_errors=True)
-        shutil.rmtree(folder, ignore_errors=True)  # another down of it (its supervisor, the reaper) may race this one
         try:
-            shutil.rmtree(folder)  # whatever is left: to know why it stays
-        except FileNotFoundError:
-            pass
+            remove_record_last(folder)
         except OSError as exc:
             raise OSError(f"local cluster {cluster_name}: its folder {folder} could not be removed: {exc}") from exc
         return record is not None
@@ -260,6 +257,22 @@ class LocalBackend(WarmClusters):
 
     def _write(self, cluster_name: str, record: dict) -> None:
         write_atomically(self.root / cluster_name / "cluster.json", json.dumps(record))
+
+
+def remove_record_last(folder: Path) -> None:
+    """Removes a cluster's folder, its record last: a folder that cannot be removed keeps the record that says whose
+    cluster it is, to be downed again. Another down of it racing this one (its supervisor, the reaper) is no error."""
+    if not folder.is_dir():
+        return
+    for entry in sorted(folder.iterdir(), key=lambda entry: entry.name == "cluster.json"):
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        folder.rmdir()
+    except FileNotFoundError:
+        pass
 
 
 def drop_prewarmed() -> None:
