@@ -110,6 +110,7 @@ def notify_end(flow, flow_run, state) -> None:
         return
     if not says(spec, state) or (state.is_crashed() and cancel_asked(flow_run)):
         return
+    run = None
     try:
         webhook = webhook_of(spec.notify.block)
         client = MlflowClient(spec.tracking_uri)
@@ -120,6 +121,20 @@ def notify_end(flow, flow_run, state) -> None:
         failure = f"notification not sent: {type(exc).__name__}"
     if failure:
         log.warning(failure)
+        if run is None:  # no MLflow run known to record what is owed (notify_undelivered's): the flow run says it
+            owe_message(flow_run)
+
+
+def owe_message(flow_run) -> None:
+    """Tags the flow run as owed its end's message: the reaper's next pass says it (notify_owed)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            tags = client.read_flow_run(flow_run.id).tags
+            client.update_flow_run(flow_run.id, tags=sorted({*tags, OWED_TAG}))
+    except Exception as exc:  # Prefect's API down too: nothing left to record it in
+        log.warning(f"the message owed is recorded nowhere: {type(exc).__name__}")
 
 
 def cancel_asked(flow_run) -> bool:
@@ -225,13 +240,15 @@ def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
     )
 
 
-OWED_TAG = "notify-owed"  # a flow run the reaper marked Crashed: its end's message is owed until delivered
+OWED_TAG = "notify-owed"  # a flow run whose end's message is owed until delivered: the reaper marked it Crashed, or
+# its own hook could not say it and no MLflow run of it is known
 
 
 def notify_owed() -> list[str]:
-    """The reaper's pass: the ends of the flow runs it marked Crashed (they ran no hook). One that has an MLflow run
-    is said through it (notify_undelivered, with its delivery recorded there); one that died before its MLflow run
-    opened (waiting for GPUs, provisioning) is said here, its tag dropped once delivered."""
+    """The reaper's pass: the ends of the flow runs it marked Crashed (they ran no hook) and of those whose hook could
+    not say it before their MLflow run opened. One that has an MLflow run is said through it (notify_undelivered, with
+    its delivery recorded there); one that ended before its MLflow run opened (refused, waiting for GPUs,
+    provisioning) is said here, its tag dropped once delivered."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 

@@ -310,3 +310,44 @@ def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_s
                 notify_end(run_experiment, prefect.read_flow_run(flow_run.id), Crashed(message="killed"))
         time.sleep(0.5)
         assert [message["subject"] for message in messages] == [f"gpuflow: {runs[1].name} crashed"]
+
+
+def test_a_run_that_failed_before_its_mlflow_run_with_its_webhook_down_is_said_once_by_passes_side_by_side(
+    prefect_server, digits_spec, monkeypatch
+):
+    """A run refused before it opened an MLflow run (its tracking server down as it checked the spec) while its
+    webhook was down: no MLflow run can record the message owed, so its flow run does (notify-owed), and the passes
+    say it once the webhook is back, once, two passes at once included (they say messages in turns)."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.reconcile.invariants import Pass, send_unsaid
+    from gpuflow.flows.run_messages import OWED_TAG, notify_end
+
+    quick_retries(monkeypatch, 1.0)
+
+    @flow(name="run-experiment", on_failure=[notify_end])
+    def refused_experiment(spec: dict):
+        raise RuntimeError("tracking.uri: the MLflow server does not answer")
+
+    spec = digits_spec.model_copy(update={"notify": NotifySpec(block="down-at-the-end")})
+    with webhook_receiver() as (url, _):
+        assert gpuflow(["notify", "add", "down-at-the-end", url]) == 0  # and then it is gone
+    state = refused_experiment(spec.model_dump(mode="json"), return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    assert state.is_failed()
+    with get_client(sync_client=True) as client:
+        assert OWED_TAG in client.read_flow_run(flow_run_id).tags
+
+    with webhook_receiver() as (url, messages):
+        assert gpuflow(["notify", "add", "down-at-the-end", url]) == 0  # back, at a new address
+        passes = [threading.Thread(target=send_unsaid, args=(Pass([], [spec.tracking_uri]),)) for _ in range(2)]
+        for one in passes:
+            one.start()
+        for one in passes:
+            one.join(60)
+        time.sleep(0.5)
+        said = [m for m in messages if str(flow_run_id) in str(m)]
+        assert len(said) == 1 and said[0]["subject"].endswith(" failed"), messages
+    with get_client(sync_client=True) as client:
+        assert OWED_TAG not in client.read_flow_run(flow_run_id).tags

@@ -88,10 +88,23 @@ def crash_flow_runs(run: Pass) -> list[str]:
     return said
 
 
+MESSAGES_TURN = "gpuflow-messages"
+MESSAGES_TURN_S = 300.0  # a pass tries each message once; a webhook that hangs takes its timeout per message
+
+
 def send_unsaid(run: Pass) -> list[str]:
+    """In its turn only: two passes at once would both find an end unsaid, and both say it."""
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.reconcile.turns import Turn
     from gpuflow.flows.run_messages import notify_owed, notify_undelivered
 
-    run.said = [] if run.dry_run else notify_undelivered(run.tracking_uris) + notify_owed()
+    if run.dry_run:
+        return []
+    with get_client(sync_client=True) as client, Turn(client, MESSAGES_TURN, MESSAGES_TURN_S) as ours:
+        if not ours:
+            return ["messages: another pass is saying them"]
+        run.said = notify_undelivered(run.tracking_uris) + notify_owed()
     return [f"message: {line}" for line in run.said]
 
 

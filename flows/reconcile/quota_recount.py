@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from gpuflow.flows.quota.pools import (
     need_of,
     quotas,
 )
+from gpuflow.flows.reconcile.turns import Turn
 
 log = logging.getLogger(__name__)
 
@@ -248,22 +248,9 @@ def free(client, found: Recount, clusters: dict | None, not_now: str | None) -> 
         )
 
 
-class turn:
+def turn(client) -> Turn:
     """The recounts' turn: entered as True when this recount has it, False when another has."""
-
-    def __init__(self, client):
-        self.client, self.ours = client, False
-
-    def __enter__(self) -> bool:
-        from gpuflow.flows.reconcile.turns import take_a_turn
-
-        self.ours = take_a_turn(self.client, LOCK, LOCK_S)
-        self.taken = time.monotonic()
-        return self.ours
-
-    def __exit__(self, *exc) -> None:
-        if self.ours and time.monotonic() - self.taken < LOCK_S:  # else it decayed, and may be another's now
-            self.client.release_concurrency_slots(names=[LOCK], slots=1, occupancy_seconds=None)
+    return Turn(client, LOCK, LOCK_S)
 
 
 def slots_of(run) -> int | None:

@@ -1,7 +1,10 @@
 """One process at a time, across machines: a one-slot global concurrency limit on the Prefect server they share,
-whose slot decays, so that a holder that dies never keeps it (the recount's turn, the overdue pass's asker)."""
+whose slot decays, so that a holder that dies never keeps it (the recount's turn, the messages' turn, the overdue
+pass's asker)."""
 
 from __future__ import annotations
+
+import time
 
 
 def take_a_turn(client, name: str, decay_s: float) -> bool:
@@ -24,3 +27,20 @@ def take_a_turn(client, name: str, decay_s: float) -> bool:
         if exc.response.status_code != 423:  # 423: the slot is held
             raise
         return False
+
+
+class Turn:
+    """`with Turn(client, name, decay_s) as ours`: True when this process has the turn, False when another has; the
+    slot is given back at the end, unless it decayed meanwhile (and may be another's now)."""
+
+    def __init__(self, client, name: str, decay_s: float):
+        self.client, self.name, self.decay_s, self.ours = client, name, decay_s, False
+
+    def __enter__(self) -> bool:
+        self.ours = take_a_turn(self.client, self.name, self.decay_s)
+        self.taken = time.monotonic()
+        return self.ours
+
+    def __exit__(self, *exc) -> None:
+        if self.ours and time.monotonic() - self.taken < self.decay_s:
+            self.client.release_concurrency_slots(names=[self.name], slots=1, occupancy_seconds=None)
