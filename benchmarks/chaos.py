@@ -34,7 +34,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.chaos_checks import Check, check, check_plan  # noqa: E402
-from benchmarks.chaos_faults import NOT_YET, Run, done, draw, launch, soak_overrides, stop, strike  # noqa: E402
+from benchmarks.chaos_faults import (  # noqa: E402
+    NOT_YET,
+    Run,
+    done,
+    draw,
+    launch,
+    soak_overrides,
+    stop,
+    strike,
+    unpin_all,
+)
 from benchmarks.chaos_stack import Stack  # noqa: E402
 from benchmarks.chaos_watch import Beside  # noqa: E402
 from gpuflow.cluster.run.liveness import HEARTBEAT_LATE_S, NEVER_BEGUN_S  # noqa: E402
@@ -129,11 +139,17 @@ def soak(
 
 def until_judged(plan: list[Run]) -> float:
     """How long the reaper's pass must wait for every dead run to be judged dead: a lease to read stale, a flow run
-    `gpuflow run` never began (an API restart as it was made) to be old enough, and a served run found without its
-    process (its engine died as the API restarted) to be silent long enough (cluster/run/liveness.py)."""
+    `gpuflow run` never began (an API restart as it was made) to be old enough, a served run found without its
+    process (its engine died as the API restarted) to be silent long enough (cluster/run/liveness.py), and a cluster
+    whose teardown failed to be free to go."""
     now = time.monotonic()
     waits = [LEASE_LAPSE_S, NEVER_BEGUN_S - (now - max(run.started for run in plan))]
     waits += [HEARTBEAT_LATE_S - (now - run.started - (run.struck_s or 0)) for run in plan if run.without_process]
+    waits += [
+        run.started + run.struck_s + run.fault["down_s"] + 1 - now
+        for run in plan
+        if run.fault["target"] == "teardown" and run.struck_s is not None
+    ]
     return max(waits)
 
 
@@ -187,6 +203,7 @@ def clean_up(plan: list[Run], stack: Stack) -> None:
             with contextlib.suppress(OSError):
                 os.killpg(run.process.pid, signal.SIGKILL)
     stack.stop_serve()
+    unpin_all(stack.home)  # a teardown fault still on
     backend = LocalBackend(root=stack.home / "clusters")
     for cluster in backend.status():
         with contextlib.suppress(Exception):

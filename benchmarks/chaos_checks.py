@@ -112,7 +112,8 @@ WHOLE = {"none", "webhook-down", "mlflow-restart"}  # faults a run trains throug
 
 def check_plan(plan, found: Check) -> None:
     """What the soak planned against what it finds: every fault applied (a run that ended before its fault could
-    strike proves nothing), every run's flow run seen, and a run its fault leaves whole Completed. Adds violations."""
+    strike proves nothing), every run's flow run seen, a run its fault leaves whole Completed, and a run whose
+    teardown failed Failed saying so (its cluster and slot are the invariants' of every run). Adds violations."""
     from benchmarks.chaos_faults import NOT_YET
 
     for run in plan:
@@ -128,6 +129,10 @@ def check_plan(plan, found: Check) -> None:
             if found.states.get(run.flow_run_id) != "COMPLETED":
                 ended = found.records.get(run.flow_run_id or "", {}).get("flow run", "no flow run")
                 found.violations.append(f"a whole run completes: run {run.index} ({run.fault['name']}) ended {ended}")
+        if run.fault["target"] == "teardown" and run.struck_s is not None and not struck_by_another(run, plan):
+            ended = found.records.get(run.flow_run_id or "", {}).get("flow run", "no flow run")
+            if "could not tear down" not in ended:  # its teardown came after the fault lifted: it proves nothing
+                found.violations.append(f"a failed teardown is said: run {run.index} ended {ended}")
     found.figures["flow runs seen/planned"] = f"{len(found.records)}/{len(plan)}"
 
 

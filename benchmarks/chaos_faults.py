@@ -22,7 +22,8 @@ from tests.support.servers import BIN, REPO
 FLOW_RUN_URL = re.compile(r"/runs/flow-run/([0-9a-f-]{36})")
 
 # The fault table: one row per fault. `target`: what it strikes (the run's flow process, its cluster, Prefect's API, a
-# server, the webhook, nothing); `down_s`: how long a server or the webhook stays down.
+# server, the webhook, its cluster's teardown, nothing); `down_s`: how long a server, the webhook or the teardown stays
+# down.
 FAULTS = [
     {"name": "none", "target": "nothing"},
     {"name": "kill-9-flow", "target": "flow", "signal": signal.SIGKILL, "group": True},
@@ -32,6 +33,7 @@ FAULTS = [
     {"name": "prefect-restart", "target": "prefect", "down_s": 5},
     {"name": "mlflow-restart", "target": "mlflow", "down_s": 5},
     {"name": "webhook-down", "target": "webhook", "down_s": 30},
+    {"name": "teardown-fails", "target": "teardown", "down_s": 60},
 ]
 NOT_YET = "not yet: "  # a fault that needs the run's id or cluster is tried again until the run ends
 STRIKE_WINDOW_S = (2.0, 30.0)  # seconds after a run's start: queueing, provisioning, training or teardown
@@ -84,10 +86,11 @@ class Run:
 
 
 def draw(rng: random.Random, runs: int, serve: bool) -> list[Run]:
-    """Each run's fault and moment, from the seed alone; every other run through the served deployment."""
+    """Each run's fault and moment, from the seed alone; every other run through the served deployment. The faults
+    come in rounds of the whole table, each round in an order of its own: as many runs as faults strike each once."""
+    faults = [fault for _ in range(0, runs, len(FAULTS)) for fault in rng.sample(FAULTS, len(FAULTS))]
     return [
-        Run(i, "serve" if serve and i % 2 else "cli", rng.choice(FAULTS), rng.uniform(*STRIKE_WINDOW_S))
-        for i in range(runs)
+        Run(i, "serve" if serve and i % 2 else "cli", faults[i], rng.uniform(*STRIKE_WINDOW_S)) for i in range(runs)
     ]
 
 
@@ -205,6 +208,8 @@ def strike(run: Run, stack) -> None:
         elif target in ("prefect", "mlflow"):
             stack.kill_and_restart(target, fault["down_s"])
             run.applied = f"{target} server killed (-9), restarted after {fault['down_s']}s"
+        elif target == "teardown":
+            run.applied = pin_cluster(run, stack, fault["down_s"])
         elif target == "webhook":
             stack.webhook.down()
             timer = threading.Timer(fault["down_s"], stack.webhook.up)
@@ -230,6 +235,37 @@ def kill_raylet(run: Run, stack) -> str:
     pid = nodes[0]["raylet"]
     os.kill(pid, signal.SIGKILL)
     return f"SIGKILL to raylet pid {pid}"
+
+
+PIN = "chaos-pinned"  # a file in a cluster's folder that no one can remove, root included, while it is immutable
+
+
+def pin_cluster(run: Run, stack, for_s: float) -> str:
+    """Makes the run's cluster impossible to down for `for_s` seconds, as a cloud whose delete call fails does: an
+    immutable file (chattr +i) in its folder, so that the local backend's down raises while it is there."""
+    if not run.flow_run_id:
+        return NOT_YET + "no flow run id known"
+    from gpuflow.cluster.backends import cluster_name_for
+
+    folder = stack.home / "clusters" / cluster_name_for(run.flow_run_id)
+    if not (folder / "cluster.json").exists():
+        return NOT_YET + "its cluster is not up"
+    pin = folder / PIN
+    pin.touch()
+    subprocess.run(["chattr", "+i", str(pin)], check=True, capture_output=True)
+    timer = threading.Timer(for_s, unpin, args=(pin,))
+    timer.daemon = True  # the soak's clean-up unpins what is left
+    timer.start()
+    return f"its cluster pinned (chattr +i) for {for_s}s: its teardown fails meanwhile"
+
+
+def unpin(pin: Path) -> None:
+    subprocess.run(["chattr", "-i", str(pin)], capture_output=True)
+
+
+def unpin_all(home: Path) -> None:
+    for pin in (home / "clusters").glob(f"*/{PIN}"):
+        unpin(pin)
 
 
 def stop(run: Run) -> None:
