@@ -305,6 +305,55 @@ def test_tracking_server_that_is_down_is_a_clear_error(gpuflow_home):
     assert any(p.startswith("tracking.uri") and "does not answer" in p for p in problems), problems
 
 
+def test_a_run_waits_for_a_tracking_server_that_comes_back_and_one_that_does_not_is_refused(gpuflow_home):
+    """A flow run nobody watches (a schedule, the UI) outlives a restart of its tracking server: it waits, saying
+    so, and goes on once the server answers; one still down after the wait is refused as before."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gpuflow.cluster.spec.probes import wait_for_tracking_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri, said = f"http://127.0.0.1:{port}", []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+
+    def come_back():
+        servers.append(ThreadingHTTPServer(("127.0.0.1", port), Health))
+        threading.Thread(target=servers[0].serve_forever, daemon=True).start()
+
+    back = threading.Timer(3, come_back)
+    back.start()
+    try:
+        started = time.monotonic()
+        wait_for_tracking_server(uri, said.append, bound_s=60)
+        assert servers and time.monotonic() - started < 30, "it went on once the server was back"
+        assert said[0].startswith(f"the MLflow server at '{uri}' does not answer") and "waiting 60 s" in said[0]
+        assert said[-1] == f"the MLflow server at '{uri}' answers again" and len(said) == 2, said
+    finally:
+        back.cancel()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+    said.clear()
+    started = time.monotonic()
+    wait_for_tracking_server(uri, said.append, bound_s=1)
+    assert time.monotonic() - started < 1 + 10 and len(said) == 1, said
+    assert any(p.startswith("tracking.uri") and "does not answer" in p for p in checked({"tracking": {"uri": uri}}))
+
+
 def test_tracking_uri_of_a_server_that_is_not_http_is_a_clear_error(gpuflow_home):
     with not_http_server() as port:  # as Ray's gRPC servers are
         problems = checked({"tracking": {"uri": f"http://127.0.0.1:{port}"}})

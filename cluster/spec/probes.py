@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from gpuflow.cluster.spec.model import ExperimentSpec
 from gpuflow.cluster.util.http import NOT_HTTP, probe
 
 TRACKING_PROBE_TIMEOUT_S = 5.0
+TRACKING_WAIT_S = 120.0  # a run nobody watches waits this long for a tracking server that does not answer (restarting)
 CURRENT_USER = "/api/2.0/mlflow/users/current"
 USER_PERMISSION = "/api/3.0/mlflow/users/permissions/get"
 WRITE = ("EDIT", "MANAGE")  # what creating runs and model versions takes
@@ -152,6 +154,25 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
         f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)} within "
         f"{timeout_s:g}s); start it, or fix the host and port"
     )
+
+
+def wait_for_tracking_server(uri: str, say, bound_s: float = TRACKING_WAIT_S) -> None:
+    """Waits up to `bound_s` while an http(s) tracking server does not answer, saying so once: a scheduled or served
+    run outlives a restart of it, where a person at `gpuflow run` is told at once. The spec's check then refuses a
+    server still down; what is not an HTTP server is no restart, and is not waited for."""
+    if scheme_of(uri) not in ("http", "https"):
+        return
+    deadline, waited = time.monotonic() + bound_s, False
+    while time.monotonic() < deadline:
+        status, why = probe(uri.rstrip("/") + "/health", TRACKING_PROBE_TIMEOUT_S)
+        if status is not None or why == NOT_HTTP:
+            if waited:
+                say(f"the MLflow server at {shorten(uri)} answers again")
+            return
+        if not waited:
+            say(f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)}): waiting {bound_s:g} s")
+            waited = True
+        time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
 
 
 # -- the tracking user may write ------------------------------------------------------------------------------
