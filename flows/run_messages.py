@@ -121,8 +121,7 @@ def notify_end(flow, flow_run, state) -> None:
         failure = f"notification not sent: {type(exc).__name__}"
     if failure:
         log.warning(failure)
-        if run is None:  # no MLflow run known to record what is owed (notify_undelivered's): the flow run says it
-            owe_message(flow_run)
+        owe_message(flow_run)  # the reaper's passes retry FAILED and KILLED MLflow runs; this covers every other end
 
 
 def owe_message(flow_run) -> None:
@@ -241,14 +240,14 @@ def say_unsaid(prefect, client: MlflowClient, run) -> str | None:
 
 
 OWED_TAG = "notify-owed"  # a flow run whose end's message is owed until delivered: the reaper marked it Crashed, or
-# its own hook could not say it and no MLflow run of it is known
+# its own end hook could not say it
 
 
 def notify_owed() -> list[str]:
     """The reaper's pass: the ends of the flow runs it marked Crashed (they ran no hook) and of those whose hook could
-    not say it before their MLflow run opened. One that has an MLflow run is said through it (notify_undelivered, with
-    its delivery recorded there); one that ended before its MLflow run opened (refused, waiting for GPUs,
-    provisioning) is said here, its tag dropped once delivered."""
+    not say it: through their MLflow run where they have one (its delivery recorded there, so said once whoever says
+    it), else as such (a run that ended before its MLflow run opened: refused, waiting for GPUs, provisioning). The
+    tag is dropped once the end is delivered, or is no news any more (UNSAID_WITHIN_S)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
@@ -260,9 +259,16 @@ def notify_owed() -> list[str]:
             try:
                 spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
                 failure = None
-                if says(spec, flow_run.state) and not has_a_run(spec, str(flow_run.id)):
-                    event = end_event(spec, None, flow_run, flow_run.state)
-                    failure = send(webhook_of(spec.notify.block), event, PASS_RETRY_FOR_S)
+                stale = flow_run.state.timestamp.timestamp() < time.time() - UNSAID_WITHIN_S
+                if says(spec, flow_run.state) and not stale:
+                    client = MlflowClient(spec.tracking_uri) if store_exists(spec.tracking_uri) else None
+                    run = client and main_run(client, spec, str(flow_run.id))
+                    event, webhook = end_event(spec, run, flow_run, flow_run.state), webhook_of(spec.notify.block)
+                    failure = (
+                        send_once(client, run.info.run_id, webhook, event, PASS_RETRY_FOR_S)
+                        if run
+                        else send(webhook, event, PASS_RETRY_FOR_S)
+                    )
                     said.append(f"flow run {flow_run.id}: {failure or 'message delivered'}")
             except Exception as exc:  # one run's message must not stop the others'
                 failure = f"notification not sent: {type(exc).__name__}"
@@ -270,11 +276,6 @@ def notify_owed() -> list[str]:
             if not failure:
                 prefect.update_flow_run(flow_run.id, tags=[tag for tag in flow_run.tags if tag != OWED_TAG])
     return said
-
-
-def has_a_run(spec: ExperimentSpec, flow_run_id: str) -> bool:
-    """Whether the flow run opened its MLflow run; a store that is not there holds none (and is not created)."""
-    return store_exists(spec.tracking_uri) and bool(main_run(MlflowClient(spec.tracking_uri), spec, flow_run_id))
 
 
 def add_webhook(name: str, url: str, format: str = "json") -> str:

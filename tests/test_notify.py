@@ -312,32 +312,46 @@ def test_a_cancel_that_timed_out_is_not_said_as_a_crash(prefect_server, digits_s
         assert [message["subject"] for message in messages] == [f"gpuflow: {runs[1].name} crashed"]
 
 
-def test_a_run_that_failed_before_its_mlflow_run_with_its_webhook_down_is_said_once_by_passes_side_by_side(
+def test_ends_no_pass_would_find_unsaid_in_mlflow_are_owed_and_said_once_by_passes_side_by_side(
     prefect_server, digits_spec, monkeypatch
 ):
-    """A run refused before it opened an MLflow run (its tracking server down as it checked the spec) while its
-    webhook was down: no MLflow run can record the message owed, so its flow run does (notify-owed), and the passes
-    say it once the webhook is back, once, two passes at once included (they say messages in turns)."""
-    from prefect import flow
+    """Two bad ends while the webhook is down that no MLflow run records as owed (the passes retry FAILED and KILLED
+    MLflow runs): a run refused before it opened its MLflow run (its tracking server down as it checked the spec),
+    and a run whose training FINISHED but whose teardown failed. Each flow run records the debt (notify-owed), and the
+    passes say each once, two passes at once included (they say messages in turns)."""
+    from prefect import flow, runtime
     from prefect.client.orchestration import get_client
 
     from gpuflow.flows.reconcile.invariants import Pass, send_unsaid
     from gpuflow.flows.run_messages import OWED_TAG, notify_end
 
     quick_retries(monkeypatch, 1.0)
+    spec = digits_spec.model_copy(update={"notify": NotifySpec(block="down-at-the-end")})
 
     @flow(name="run-experiment", on_failure=[notify_end])
-    def refused_experiment(spec: dict):
+    def refused(spec: dict):
         raise RuntimeError("tracking.uri: the MLflow server does not answer")
 
-    spec = digits_spec.model_copy(update={"notify": NotifySpec(block="down-at-the-end")})
+    @flow(name="run-experiment", on_failure=[notify_end])
+    def trained_then_not_torn_down(spec: dict):
+        client = MlflowClient(digits_spec.tracking_uri)
+        experiment = client.get_experiment_by_name(digits_spec.experiment_name)
+        run = client.create_run(
+            experiment.experiment_id if experiment else client.create_experiment(digits_spec.experiment_name),
+            tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: "down-at-the-end"},
+        )
+        client.set_terminated(run.info.run_id, "FINISHED")
+        raise RuntimeError("could not tear down cluster gpuflow-x after 3 tries")
+
     with webhook_receiver() as (url, _):
         assert gpuflow(["notify", "add", "down-at-the-end", url]) == 0  # and then it is gone
-    state = refused_experiment(spec.model_dump(mode="json"), return_state=True)
-    flow_run_id = state.state_details.flow_run_id
-    assert state.is_failed()
+    ids = []
+    for failing in (refused, trained_then_not_torn_down):
+        state = failing(spec.model_dump(mode="json"), return_state=True)
+        assert state.is_failed()
+        ids.append(str(state.state_details.flow_run_id))
     with get_client(sync_client=True) as client:
-        assert OWED_TAG in client.read_flow_run(flow_run_id).tags
+        assert all(OWED_TAG in client.read_flow_run(flow_run_id).tags for flow_run_id in ids)
 
     with webhook_receiver() as (url, messages):
         assert gpuflow(["notify", "add", "down-at-the-end", url]) == 0  # back, at a new address
@@ -347,7 +361,8 @@ def test_a_run_that_failed_before_its_mlflow_run_with_its_webhook_down_is_said_o
         for one in passes:
             one.join(60)
         time.sleep(0.5)
-        said = [m for m in messages if str(flow_run_id) in str(m)]
-        assert len(said) == 1 and said[0]["subject"].endswith(" failed"), messages
+        for flow_run_id in ids:
+            said = [m for m in messages if flow_run_id in str(m)]
+            assert len(said) == 1 and said[0]["subject"].endswith(" failed"), messages
     with get_client(sync_client=True) as client:
-        assert OWED_TAG not in client.read_flow_run(flow_run_id).tags
+        assert not any(OWED_TAG in client.read_flow_run(flow_run_id).tags for flow_run_id in ids)
