@@ -1,7 +1,7 @@
 """The chaos soak (benchmarks/chaos.py) in the whole matrix: 9 tiny runs, three at a time on a quota of two (one waits
 for its turn), five through `gpuflow run` and four through `gpuflow serve`, each struck at a random moment by a
 fault of the table (each of its nine kinds once, in the order seed 6 draws), while three reconciler passes run every
-20 s side by side and the quota's invariants are sampled every second; then one more pass. Every run must end true in
+30 s side by side and the quota's invariants are sampled every second; then one more pass. Every run must end true in
 all five of its records (issue #38): flow run final, no MLflow run RUNNING, no cluster nor process left, no quota slot
 held, one message per bad end; every fault applied, no run hung, a run its fault leaves whole Completed, a failed
 teardown said; at no sample more slots held than the quota's limit, nor more clusters up than its size. (The
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.full
 # strikes every run going); by `gpuflow serve`: webhook-down, sigterm-run, cancel, teardown-fails.
 SEED = 6
 RUNS = 9
-BESIDE = {"passes": 3, "every_s": 20.0}  # a user's commands too: benchmarks/chaos.py
+BESIDE = {"passes": 3, "every_s": 30.0}  # the benchmark's every 20 s, and a user's commands too: benchmarks/chaos.py
 
 
 def test_every_run_ends_true_whatever_dies_with_passes_side_by_side(tmp_path):
