@@ -110,7 +110,6 @@ def notify_end(flow, flow_run, state) -> None:
         return
     if not says(spec, state) or (state.is_crashed() and cancel_asked(flow_run)):
         return
-    run = None
     try:
         webhook = webhook_of(spec.notify.block)
         client = MlflowClient(spec.tracking_uri)
