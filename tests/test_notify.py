@@ -167,21 +167,28 @@ def test_a_client_error_is_not_retried_a_busy_webhook_is():
     assert webhook.failure_of(error(429)) == ("HTTP 429", False) and webhook.failure_of(error(503))[1] is False
 
 
+def open_and_close_this_flows_run(spec, block: str, status: str) -> None:
+    """Inside a flow: its MLflow run, opened as an experiment opens it (naming its webhook block), closed `status`."""
+    from prefect import runtime
+
+    client = MlflowClient(spec.tracking_uri)
+    experiment = client.get_experiment_by_name(spec.experiment_name)
+    run = client.create_run(
+        experiment.experiment_id if experiment else client.create_experiment(spec.experiment_name),
+        tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: block},
+    )
+    client.set_terminated(run.info.run_id, status)
+
+
 def failing_flow_run(spec, block: str):
     """A flow run that fails as an experiment does, with the real end hook: its MLflow run FAILED, then raised."""
-    from prefect import flow, runtime
+    from prefect import flow
 
     from gpuflow.flows.run_messages import notify_end
 
     @flow(name="run-experiment", on_failure=[notify_end])
     def failing_experiment(spec: dict):
-        client = MlflowClient(spec_obj.tracking_uri)
-        experiment = client.get_experiment_by_name(spec_obj.experiment_name)
-        run = client.create_run(
-            experiment.experiment_id if experiment else client.create_experiment(spec_obj.experiment_name),
-            tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: block},
-        )
-        client.set_terminated(run.info.run_id, "FAILED")
+        open_and_close_this_flows_run(spec_obj, block, "FAILED")
         raise RuntimeError("fail_at_epoch=2: failing on purpose")
 
     spec_obj = spec.model_copy(update={"notify": NotifySpec(block=block)})
@@ -319,7 +326,7 @@ def test_ends_no_pass_would_find_unsaid_in_mlflow_are_owed_and_said_once_by_pass
     MLflow runs): a run refused before it opened its MLflow run (its tracking server down as it checked the spec),
     and a run whose training FINISHED but whose teardown failed. Each flow run records the debt (notify-owed), and the
     passes say each once, two passes at once included (they say messages in turns)."""
-    from prefect import flow, runtime
+    from prefect import flow
     from prefect.client.orchestration import get_client
 
     from gpuflow.flows.reconcile.invariants import Pass, send_unsaid
@@ -334,13 +341,7 @@ def test_ends_no_pass_would_find_unsaid_in_mlflow_are_owed_and_said_once_by_pass
 
     @flow(name="run-experiment", on_failure=[notify_end])
     def trained_then_not_torn_down(spec: dict):
-        client = MlflowClient(digits_spec.tracking_uri)
-        experiment = client.get_experiment_by_name(digits_spec.experiment_name)
-        run = client.create_run(
-            experiment.experiment_id if experiment else client.create_experiment(digits_spec.experiment_name),
-            tags={FLOW_RUN_TAG: runtime.flow_run.id, NOTIFY_BLOCK_TAG: "down-at-the-end"},
-        )
-        client.set_terminated(run.info.run_id, "FINISHED")
+        open_and_close_this_flows_run(digits_spec, "down-at-the-end", "FINISHED")
         raise RuntimeError("could not tear down cluster gpuflow-x after 3 tries")
 
     with webhook_receiver() as (url, _):
