@@ -139,12 +139,19 @@ def storage_write_problem(uri: str) -> str | None:
     return None
 
 
-def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> str | None:
-    """An http(s) tracking URI must answer; any HTTP answer counts (a 401 means it is up, behind auth)."""
+def silence_of(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> str | None:
+    """Why an http(s) tracking server did not answer its health probe (`NOT_HTTP`: something else did); None when it
+    answered (any HTTP status: a 401 means it is up, behind auth) or the URI names no server."""
     if scheme_of(uri) not in ("http", "https"):
         return None
     status, why = probe(uri.rstrip("/") + "/health", timeout_s)
-    if status is not None:
+    return None if status is not None else why
+
+
+def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_S) -> str | None:
+    """An http(s) tracking URI must answer."""
+    why = silence_of(uri, timeout_s)
+    if why is None:
         return None
     if why == NOT_HTTP:
         return (
@@ -160,12 +167,10 @@ def wait_for_tracking_server(uri: str, say, bound_s: float = TRACKING_WAIT_S) ->
     """Waits up to `bound_s` while an http(s) tracking server does not answer, saying so once: a scheduled or served
     run outlives a restart of it, where a person at `gpuflow run` is told at once. The spec's check then refuses a
     server still down; what is not an HTTP server is no restart, and is not waited for."""
-    if scheme_of(uri) not in ("http", "https"):
-        return
     deadline, waited = time.monotonic() + bound_s, False
     while time.monotonic() < deadline:
-        status, why = probe(uri.rstrip("/") + "/health", TRACKING_PROBE_TIMEOUT_S)
-        if status is not None or why == NOT_HTTP:
+        why = silence_of(uri)
+        if why in (None, NOT_HTTP):
             if waited:
                 say(f"the MLflow server at {shorten(uri)} answers again")
             return
