@@ -110,6 +110,7 @@ def notify_end(flow, flow_run, state) -> None:
         return
     if not says(spec, state) or (state.is_crashed() and cancel_asked(flow_run)):
         return
+    run = None
     try:
         webhook = webhook_of(spec.notify.block)
         client = MlflowClient(spec.tracking_uri)
@@ -120,7 +121,8 @@ def notify_end(flow, flow_run, state) -> None:
         failure = f"notification not sent: {type(exc).__name__}"
     if failure:
         log.warning(failure)
-        owe_message(flow_run)  # the reaper's passes retry FAILED and KILLED MLflow runs; this covers every other end
+        if not (run and run.info.status in RETRIED_STATUSES):  # else its MLflow run says it is owed
+            owe_message(flow_run)
 
 
 def owe_message(flow_run) -> None:
@@ -171,6 +173,7 @@ def notify_recovered(run: ExperimentRun, lost: str, recovery: int) -> None:
         log.warning(failure)
 
 
+RETRIED_STATUSES = ("FAILED", "KILLED")  # MLflow runs whose undelivered end a pass finds there (notify_undelivered)
 PASS_RETRY_FOR_S = 0.0  # a pass tries each message once: the next pass is its retry, not minutes of this one
 UNSAID_WITHIN_S = 3 * 24 * 3600  # an end older than this is no news any more: the reaper stops trying to say it
 
@@ -194,7 +197,7 @@ def notify_undelivered(tracking_uris: list[str]) -> list[str]:
                 runs = (
                     [
                         run
-                        for status in ("FAILED", "KILLED")
+                        for status in RETRIED_STATUSES
                         for run in client.search_runs(
                             experiments, f"attributes.status = '{status}' AND {unsaid}", max_results=500
                         )
