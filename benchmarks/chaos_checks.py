@@ -119,11 +119,14 @@ def check_plan(plan, found: Check) -> None:
 
     for run in plan:
         unapplied = not run.applied or run.applied.startswith((NOT_YET, "could not apply"))
-        # `gpuflow run` refuses at once a server that does not answer: a run begun while another run's fault had one
-        # down ends there, with no flow run; and a run going as Prefect's API restarts ends where the API went. Its
-        # own fault then has nothing left to strike: the invariants of its records still hold it
-        refused_in_an_outage = run.flow_run_id is None and struck_by_another(run, plan, ("prefect", "mlflow"))
-        if unapplied and not (refused_in_an_outage or struck_by_another(run, plan)):
+        ended = found.records.get(run.flow_run_id or "", {}).get("flow run", "no flow run")
+        # A run going as Prefect's API restarts ends where the API went; `gpuflow run` refuses at once a server that
+        # does not answer, so a run begun while another run's fault had one down ends there, with no flow run. Its
+        # own fault then has nothing left to strike, nor its end to show: the invariants of its records still hold it
+        excused = struck_by_another(run, plan) or (
+            run.flow_run_id is None and struck_by_another(run, plan, ("prefect", "mlflow"))
+        )
+        if unapplied and not excused:
             found.violations.append(f"every fault applied: run {run.index}'s {run.fault['name']}: {run.applied}")
         if run.hung:
             found.violations.append(f"no run hung: run {run.index} was still going after the bound")
@@ -131,13 +134,11 @@ def check_plan(plan, found: Check) -> None:
             found.violations.append(
                 f"every run seen: run {run.index}'s flow run {run.flow_run_id} is not on its server"
             )
-        if run.fault["name"] in WHOLE and not struck_by_another(run, plan) and not refused_in_an_outage:
-            if found.states.get(run.flow_run_id) != "COMPLETED":
-                ended = found.records.get(run.flow_run_id or "", {}).get("flow run", "no flow run")
-                found.violations.append(f"a whole run completes: run {run.index} ({run.fault['name']}) ended {ended}")
-        if run.fault["target"] == "teardown" and run.struck_s is not None and not struck_by_another(run, plan):
-            ended = found.records.get(run.flow_run_id or "", {}).get("flow run", "no flow run")
-            if "could not tear down" not in ended:  # its teardown came after the fault lifted: it proves nothing
+        if run.fault["name"] in WHOLE and not excused and found.states.get(run.flow_run_id) != "COMPLETED":
+            found.violations.append(f"a whole run completes: run {run.index} ({run.fault['name']}) ended {ended}")
+        # a teardown that came after the fault lifted proves nothing
+        if run.fault["target"] == "teardown" and run.struck_s is not None and not excused:
+            if "could not tear down" not in ended:
                 found.violations.append(f"a failed teardown is said: run {run.index} ended {ended}")
     found.figures["flow runs seen/planned"] = f"{len(found.records)}/{len(plan)}"
 

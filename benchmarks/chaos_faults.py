@@ -220,13 +220,18 @@ def strike(run: Run, stack) -> None:
         run.applied = f"could not apply: {type(exc).__name__}: {str(exc)[:200]}"
 
 
-def kill_raylet(run: Run, stack) -> str:
-    """kill -9 of the head raylet of the run's cluster (its pid in the cluster's nodes.json)."""
-    if not run.flow_run_id:
-        return NOT_YET + "no flow run id known"
+def cluster_folder(run: Run, stack) -> Path | None:
+    """The local backend's folder of the run's cluster; None while its flow run id is not known."""
     from gpuflow.cluster.backends import cluster_name_for
 
-    folder = stack.home / "clusters" / cluster_name_for(run.flow_run_id)
+    return stack.home / "clusters" / cluster_name_for(run.flow_run_id) if run.flow_run_id else None
+
+
+def kill_raylet(run: Run, stack) -> str:
+    """kill -9 of the head raylet of the run's cluster (its pid in the cluster's nodes.json)."""
+    folder = cluster_folder(run, stack)
+    if folder is None:
+        return NOT_YET + "no flow run id known"
     try:
         record = json.loads((folder / "cluster.json").read_text())
         nodes = json.loads((Path(record["temp_dir"]) / "nodes.json").read_text())
@@ -243,11 +248,9 @@ PIN = "chaos-pinned"  # a file in a cluster's folder that no one can remove, roo
 def pin_cluster(run: Run, stack, for_s: float) -> str:
     """Makes the run's cluster impossible to down for `for_s` seconds, as a cloud whose delete call fails does: an
     immutable file (chattr +i) in its folder, so that the local backend's down raises while it is there."""
-    if not run.flow_run_id:
+    folder = cluster_folder(run, stack)
+    if folder is None:
         return NOT_YET + "no flow run id known"
-    from gpuflow.cluster.backends import cluster_name_for
-
-    folder = stack.home / "clusters" / cluster_name_for(run.flow_run_id)
     if not (folder / "cluster.json").exists():
         return NOT_YET + "its cluster is not up"
     pin = folder / PIN
