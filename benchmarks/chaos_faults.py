@@ -205,6 +205,10 @@ def strike(run: Run, stack) -> None:
                 with stack.client() as client:
                     client.set_flow_run_state(run.flow_run_id, Cancelling(message="chaos: cancelled"), force=True)
                 run.applied = "Cancelling set through the API"
+        elif target == "mlflow" and not run.flow_run_id:
+            # before its flow run exists, `gpuflow run` refuses a silent server at once: the restart must strike a
+            # run that has begun, the run it is to train through
+            run.applied = NOT_YET + "its flow run has not begun"
         elif target in ("prefect", "mlflow"):
             stack.kill_and_restart(target, fault["down_s"])
             run.applied = f"{target} server killed (-9), restarted after {fault['down_s']}s"

@@ -77,7 +77,7 @@ def flow_runs_in(api_url: str) -> list:
     return asyncio.run(read())
 
 
-def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_kill_9_of_one_stops_its_cluster(
+def test_a_run_on_the_stack_uses_its_api_and_spare_a_kill_9_of_one_stops_its_cluster_and_of_the_stack_all_of_it(
     stack_env, digits_spec, gpuflow_home
 ):
     # the run's secret and the tracking server's password are in the shell: they reach the run's workers from the
@@ -141,65 +141,16 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_the_next_spare_follows_and_a_
     assert set(alive(own)) == own, "the stack goes on"
     assert stack_record(gpuflow_home)["api_url"] == stack["api_url"]
 
-    assert gpuflow(stack_env, "down") == "gpuflow: warm stack stopped\n"
-    wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
-
-
-def test_a_spare_serves_only_a_run_from_its_shell_and_each_runs_workers_see_their_own_values(stack_env, gpuflow_home):
-    """A spare's workers would see the values of the shell that started the stack: a run from another shell starts
-    its own cluster, and the workers of a warm run and of a cold one each see their own shell's value."""
-    spec = gpuflow_home / "report-shell.yaml"
-    spec.write_text(
-        f"name: report-shell\nworkdir: {REPO}\ntrain:\n  loop: tests.loops.plain:report_shell\n  epochs: 1\n"
-        "  params: {variable: GPUFLOW_TEST_SHELL_VALUE}\ntracking: {register_model: false}\n"
-        "compute: {backend: local, workers_per_node: 1}\n"
-    )
-    first = {**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "1"}
-    gpuflow(first, "up", str(spec), "--idle-minutes", "5")
-    spare = spare_pids(gpuflow_home)
-    gpuflow(first, "run", str(spec))
-    assert alive(spare) == [], "the run from the stack's shell trained on its spare"
+    # A kill -9 of the stack itself, its next spare up: its API and spare go with it; the next run starts cold
     wait_until(lambda: stack_record(gpuflow_home)["spare"] and spare_pids(gpuflow_home), 120, "the next spare")
-    spare = spare_pids(gpuflow_home)
-    gpuflow({**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "2"}, "run", str(spec))
-    assert sorted(alive(spare)) == sorted(spare), "a run from another shell left the spare alone"
-    client = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("report-shell").experiment_id], order_by=["start_time"])
-    assert [run.data.metrics["shell_value"] for run in runs] == [1.0, 2.0]  # warm, then cold: each its own shell's
+    kill_9_the_stack_then_run_cold_then_warm(stack_env, gpuflow_home)
 
 
-def assert_a_clean_console(out: str) -> None:
-    """What a person reads of a 2-epoch run: a line per epoch and the end of training in readable metrics; not the
-    job's result JSON, Ray's or MLflow's own lines, nor raw metric dicts. The log file keeps every line."""
-    epoch_lines = [line for line in out.splitlines() if line.startswith("epoch ")]
-    assert [line.split()[1] for line in epoch_lines] == ["1/2", "2/2"], out  # one short line per epoch, in a pipe
-    for line in epoch_lines:
-        assert len(line) <= 120 and "val_accuracy " in line and " s/epoch" in line and "$" in line, line
-    for hidden in ("perf/", "TrainController", "RayTrainWorker", "[gpuflow] epoch", "\r"):
-        assert not any(hidden in line for line in out.splitlines() if "metrics      " not in line), hidden
-    [finished] = [line for line in out.splitlines() if "training finished in" in line]
-    assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
-    for hidden in (
-        "[gpuflow] result ",
-        "{'train_loss'",
-        "INFO worker.py",
-        "Started training worker group",
-        "Running hook 'notify_end'",
-    ):
-        assert hidden not in out, hidden
-    log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
-    kept = Path(log_file).read_text()
-    assert "[gpuflow] result " in kept and "Started training worker group" in kept and "[gpuflow] epoch 1: " in kept
-    assert "Running hook 'notify_end'" in kept
-
-
-def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leaves_a_stack_that_goes_once_idle(
-    stack_env, gpuflow_home
-):
-    """Without `gpuflow up`, after a stack was killed: the first run starts cold and leaves a stack behind, the second
-    is warm without asking (and, on a terminal, shows one line rewritten in place), and left alone the stack goes."""
-    gpuflow(stack_env, "up", str(SPEC), "--idle-minutes", "5")
-    assert spare_pids(gpuflow_home)
+def kill_9_the_stack_then_run_cold_then_warm(stack_env, gpuflow_home) -> None:
+    """A kill -9 of the stack leaves nothing. Then, without `gpuflow up`: the first run starts cold and leaves a stack
+    behind, the second is warm without asking (and, on a terminal, shows one line rewritten in place), and left alone
+    the stack goes."""
+    before = {run.info.run_id for run in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])}
     dead = stack_record(gpuflow_home)["pid"]
     os.kill(dead, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -240,11 +191,61 @@ def test_a_kill_9_of_the_stack_leaves_nothing_the_next_run_starts_cold_and_leave
     assert not (gpuflow_home / "prefect-of-the-second-run" / "prefect.db").exists(), "no Prefect API of its own"
     assert alive(spare) == [], "it trained on the stack's spare, and downed it as its own cluster"
     runs = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
-    assert [run.info.status for run in runs] == ["FINISHED", "FINISHED"]
+    assert [run.info.status for run in runs if run.info.run_id not in before] == ["FINISHED", "FINISHED"]
 
     # left alone, the stack stops after its idle time: its API, its next spare, itself
     wait_until(lambda: processes_of(gpuflow_home) == [], 180, "the stack gone once idle, with its API and spare")
     assert "stopping" in log.read_bytes()[logged:].decode(errors="replace")
+
+
+def test_a_spare_serves_only_a_run_from_its_shell_and_each_runs_workers_see_their_own_values(stack_env, gpuflow_home):
+    """A spare's workers would see the values of the shell that started the stack: a run from another shell starts
+    its own cluster, and the workers of a warm run and of a cold one each see their own shell's value."""
+    spec = gpuflow_home / "report-shell.yaml"
+    spec.write_text(
+        f"name: report-shell\nworkdir: {REPO}\ntrain:\n  loop: tests.loops.plain:report_shell\n  epochs: 1\n"
+        "  params: {variable: GPUFLOW_TEST_SHELL_VALUE}\ntracking: {register_model: false}\n"
+        "compute: {backend: local, workers_per_node: 1}\n"
+    )
+    first = {**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "1"}
+    gpuflow(first, "up", str(spec), "--idle-minutes", "5")
+    spare = spare_pids(gpuflow_home)
+    gpuflow(first, "run", str(spec))
+    assert alive(spare) == [], "the run from the stack's shell trained on its spare"
+    wait_until(lambda: stack_record(gpuflow_home)["spare"] and spare_pids(gpuflow_home), 120, "the next spare")
+    spare = spare_pids(gpuflow_home)
+    gpuflow({**stack_env, "GPUFLOW_TEST_SHELL_VALUE": "2"}, "run", str(spec))
+    assert sorted(alive(spare)) == sorted(spare), "a run from another shell left the spare alone"
+    client = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("report-shell").experiment_id], order_by=["start_time"])
+    assert [run.data.metrics["shell_value"] for run in runs] == [1.0, 2.0]  # warm, then cold: each its own shell's
+    assert gpuflow(stack_env, "down") == "gpuflow: warm stack stopped\n"
+    wait_until(lambda: processes_of(gpuflow_home) == [], 30, "nothing of the stack left")
+
+
+def assert_a_clean_console(out: str) -> None:
+    """What a person reads of a 2-epoch run: a line per epoch and the end of training in readable metrics; not the
+    job's result JSON, Ray's or MLflow's own lines, nor raw metric dicts. The log file keeps every line."""
+    epoch_lines = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in epoch_lines] == ["1/2", "2/2"], out  # one short line per epoch, in a pipe
+    for line in epoch_lines:
+        assert len(line) <= 120 and "val_accuracy " in line and " s/epoch" in line and "$" in line, line
+    for hidden in ("perf/", "TrainController", "RayTrainWorker", "[gpuflow] epoch", "\r"):
+        assert not any(hidden in line for line in out.splitlines() if "metrics      " not in line), hidden
+    [finished] = [line for line in out.splitlines() if "training finished in" in line]
+    assert "val_accuracy=" in finished and "perf/" not in finished and "{" not in finished, finished
+    for hidden in (
+        "[gpuflow] result ",
+        "{'train_loss'",
+        "INFO worker.py",
+        "Started training worker group",
+        "Running hook 'notify_end'",
+    ):
+        assert hidden not in out, hidden
+    log_file = out.split("full log     ", 1)[1].split(" ", 1)[0]
+    kept = Path(log_file).read_text()
+    assert "[gpuflow] result " in kept and "Started training worker group" in kept and "[gpuflow] epoch 1: " in kept
+    assert "Running hook 'notify_end'" in kept
 
 
 LIVING_FLOW = """
