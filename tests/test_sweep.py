@@ -121,22 +121,23 @@ def digits_sweep(digits_spec, learning_rates: list[float]):
 
 
 @pytest.mark.full
-def test_a_sweep_with_a_new_point_trains_that_point_alone_and_picks_the_best_of_both(
+def test_a_sweep_with_a_run_of_one_point_trains_the_other_alone_and_picks_the_best_of_both(
     prefect_server, digits_spec, gpuflow_home, monkeypatch
 ):
     from gpuflow.cluster.protocol import REUSED_RUN_TAG, WORK_KEY_TAG
     from gpuflow.flows.experiment import run_experiment
 
     monkeypatch.setenv("GPUFLOW_REUSE", "finished")
-    first = run_experiment(digits_sweep(digits_spec, [0.01]), return_state=True)
-    assert first.is_completed(), first.message
     spec = digits_sweep(digits_spec, [0.01, 0.05])
+    single = spec.model_copy(update={"sweep": None, "train": spec.train.model_copy(update={"lr": 0.01})})
+    first = run_experiment(single, return_state=True)  # a trial's key is that of a run of its own training
+    assert first.is_completed(), first.message
     state = run_experiment(spec, return_state=True)
     assert state.is_completed(), state.message
 
     client, before = mlflow_run_of(spec.tracking_uri, first.state_details.flow_run_id, spec.experiment_name)
     _, parent = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
-    trained_before = {t.data.params["train.lr"]: t for t in children_of(client, before)}
+    trained_before = {before.data.params["train.lr"]: before}
     trials = children_of(client, parent)
     reused = {t.data.params["train.lr"]: t for t in trials if REUSED_RUN_TAG in t.data.tags}
     trained = [t for t in trials if REUSED_RUN_TAG not in t.data.tags]
