@@ -3,6 +3,8 @@
 .venv/bin/python -m pytest --full tests/test_deployments.py
 """
 
+import uuid
+
 import pytest
 
 from gpuflow.cluster.spec import SpecError, parse_spec
@@ -55,6 +57,46 @@ def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run, se
         artifacts = client.read_artifacts()
     summary = [a for a in artifacts if a.flow_run_id == scheduled_run.id and a.type == "markdown"]
     assert summary and served.mlflow_url in summary[0].data and "val_accuracy" in summary[0].data
+
+
+@pytest.mark.full
+def test_the_schedule_on_unchanged_code_and_data_reuses_the_last_run_without_a_cluster(tmp_path, mlflow_url):
+    """A serve of nightly-digits on a Prefect server of its own (the session's serves it too), reusing finished work
+    (GPUFLOW_REUSE=finished; its experiment its own): a run of
+    it trains; then its schedule fires on the same code, data and training, and that run trains nothing (no cluster,
+    no MLflow run of its own), ends Completed in seconds, and links the run it reused."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from gpuflow.flows.run_tags import REUSED_TAG_PREFIX
+    from tests.conftest import served_overrides
+    from tests.support.runs import mlflow_run_of, mlflow_runs_of
+    from tests.support.servers import ServedDeployments, gpuflow_serve, prefect_server, run_on_a_schedule_a_minute_away
+
+    home = tmp_path / "served"
+    overrides = [*served_overrides(mlflow_url, home), f"name=nightly-{uuid.uuid4().hex[:8]}"]
+    reuse = {"GPUFLOW_REUSE": "finished"}
+    with (
+        prefect_server(tmp_path / "prefect") as api_url,
+        gpuflow_serve(api_url, home, overrides, ("nightly-digits",), only=True, env=reuse),
+    ):
+        served = ServedDeployments(api_url, mlflow_url, home)
+        deployment = served.deployment("nightly-digits")
+        spec = {**deployment.parameters["spec"], "train": {**deployment.parameters["spec"]["train"], "epochs": 2}}
+        with served.client() as client:
+            first = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec})
+        first = served.wait_until_final(first.id)
+        assert first.state.is_completed(), first.state.message
+        again = run_on_a_schedule_a_minute_away(served, "nightly-digits", overrides={"epochs": 2})
+        with served.client() as client:
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[again.id])))
+    _, trained = mlflow_run_of(mlflow_url, first.id)
+    assert again.auto_scheduled and again.state.is_completed(), again.state.message
+    assert REUSED_TAG_PREFIX + trained.info.run_id in again.tags
+    assert mlflow_runs_of(mlflow_url, again.id)[1] == [], "no MLflow run of its own"
+    assert not {"provision", "open-mlflow-run"} & {task.name.rsplit("-", 1)[0] for task in tasks}, tasks
+    took, trained_in = (run.end_time - run.start_time for run in (again, first))
+    print(f"\nreused in reused in {took.total_seconds():.1f}s, trained in {trained_in.total_seconds():.1f}s")
+    assert took < trained_in / 2, (took, trained_in)
 
 
 def test_a_stopped_serve_pauses_what_nobody_else_serves(prefect_server):

@@ -240,9 +240,10 @@ def gpuflow_serve(
     limit: int | None = None,
     stop_grace_s: float = 15,
     poll_s: float = 1,
+    env: dict[str, str] | None = None,
 ):
     """`gpuflow serve` against the test's Prefect server; yields once every named deployment is registered
-    (only: serve only those; limit: its --limit; poll_s: how often it polls for runs)."""
+    (only: serve only those; limit: its --limit; poll_s: how often it polls for runs; env: more of its environment)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -254,6 +255,7 @@ def gpuflow_serve(
         PREFECT_RUNNER_POLL_FREQUENCY=f"{poll_s:g}",
         MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
         PYTHONUNBUFFERED="1",
+        **(env or {}),
     )
     command = [
         str(BIN / "gpuflow"),
