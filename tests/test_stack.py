@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -258,6 +259,7 @@ def elsewhere():  # a run on another backend (SkyPilot), or one waiting for the 
     time.sleep(float(sys.argv[1]))
 
 elsewhere()
+print("done", flush=True)  # its end is recorded; the exit's flush of logs to an API that may have gone comes after
 """
 
 
@@ -272,10 +274,13 @@ def test_the_stack_stays_up_while_a_run_on_its_api_lives_without_a_local_cluster
         assert run.stdout.readline().strip() == "started"
         time.sleep(30)  # past two idle times
         assert alive([stack["pid"]]), "the stack went while a run on its API lived"
-        assert run.wait(60) == 0
+        assert select.select([run.stdout], [], [], 90)[0] and run.stdout.readline().strip() == "done"
+        ended = time.monotonic()
+        [flow_run] = flow_runs_in(stack["api_url"])
+        assert flow_run.state.is_completed(), "the run's end recorded on the stack's API, still up"
     finally:
-        run.kill()
-    ended = time.monotonic()
+        run.kill()  # its exit may still be flushing logs to the stack's API, gone 12 s after the run ended
+        run.wait()
     wait_until(lambda: processes_of(gpuflow_home) == [], 60, "the stack gone once its run was over and it was idle")
     print(f"the stack went {time.monotonic() - ended:.1f} s after its last run ended")
 
