@@ -66,6 +66,11 @@ def spare_pids(home) -> list[int]:
     return LocalBackend(home / "clusters").pids(stack_record(home)["spare"])
 
 
+def digits_runs(home) -> list:
+    """The MLflow runs of the digits experiment (the store's first) in the home's local store, newest first."""
+    return MlflowClient(f"sqlite:///{home / 'mlflow.db'}").search_runs(["1"])
+
+
 def flow_runs_in(api_url: str) -> list:
     import asyncio
 
@@ -103,7 +108,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_a_kill_9_of_one_stops_its_clu
     assert flow_run.state.is_completed()
     assert not (gpuflow_home / "prefect-of-the-run" / "prefect.db").exists(), "the run started no Prefect API"
     assert alive(spare) == [], "the run trained on the spare, and downed it at its end as its own cluster"
-    [finished] = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+    [finished] = digits_runs(gpuflow_home)
     assert finished.info.status == "FINISHED"
 
     # once the run is over, the stack makes the next spare
@@ -131,9 +136,7 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_a_kill_9_of_one_stops_its_clu
     wait_until(lambda: alive(of_the_run) == [], 60, "the claimed cluster, the job and its workers gone")
     [mlflow_run] = wait_until(
         lambda: [
-            r
-            for r in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
-            if r.info.run_id != finished.info.run_id and r.info.status != "RUNNING"
+            r for r in digits_runs(gpuflow_home) if r.info.run_id != finished.info.run_id and r.info.status != "RUNNING"
         ],
         60,
         "the MLflow run closed",
@@ -151,7 +154,7 @@ def kill_9_the_stack_then_run_cold_then_warm(stack_env, gpuflow_home) -> None:
     """A kill -9 of the stack leaves nothing. Then, without `gpuflow up`: the first run starts cold and leaves a stack
     behind, the second is warm without asking (and, on a terminal, shows one line rewritten in place), and left alone
     the stack goes."""
-    before = {run.info.run_id for run in MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])}
+    before = {run.info.run_id for run in digits_runs(gpuflow_home)}
     dead = stack_record(gpuflow_home)["pid"]
     os.kill(dead, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -191,7 +194,7 @@ def kill_9_the_stack_then_run_cold_then_warm(stack_env, gpuflow_home) -> None:
     assert [run.state.is_completed() for run in flow_runs_in(stack["api_url"])] == [True, True]
     assert not (gpuflow_home / "prefect-of-the-second-run" / "prefect.db").exists(), "no Prefect API of its own"
     assert alive(spare) == [], "it trained on the stack's spare, and downed it as its own cluster"
-    runs = MlflowClient(f"sqlite:///{gpuflow_home / 'mlflow.db'}").search_runs(["1"])
+    runs = digits_runs(gpuflow_home)
     assert [run.info.status for run in runs if run.info.run_id not in before] == ["FINISHED", "FINISHED"]
 
     # left alone, the stack stops after its idle time: its API, its next spare, itself
