@@ -76,6 +76,24 @@ def test_down_of_a_half_made_cluster(gpuflow_home):
     assert not folder.exists()
 
 
+def test_status_lists_what_is_there_while_folders_come_and_go(gpuflow_home, monkeypatch):
+    """A folder renamed (a spare claimed) or removed (downed) while status lists the clusters is not listed, and the
+    listing goes on: the warm stack's idle check lists them every second, and a listing that raised stopped the stack
+    and its API under a run starting on it."""
+    backend = LocalBackend()
+    for name in ("gpuflow-warm-claimed", "gpuflow-new"):
+        (backend.root / name).mkdir(parents=True)
+    read = LocalBackend.record
+
+    def read_as_it_goes(self, name):
+        if name == "gpuflow-warm-claimed":  # claimed between the listing and this read
+            (self.root / name).rmdir()
+        return read(self, name)
+
+    monkeypatch.setattr(LocalBackend, "record", read_as_it_goes)
+    assert [(s.name, s.status) for s in backend.status()] == [("gpuflow-new", "INIT")]
+
+
 def test_a_cluster_whose_folder_cannot_be_removed_is_not_down_until_it_is(gpuflow_home):
     """A down that cannot remove the cluster's state raises, naming it (the run's teardown then fails, and its quota
     slot stays held): it never says down while anything of the cluster is left. Pinned as the chaos soak pins it."""

@@ -205,7 +205,10 @@ class LocalBackend(WarmClusters):
         for folder in sorted(self.root.glob("*")) if self.root.exists() else []:
             record = self.record(folder.name) or {}
             if not record:  # its launcher writes the record right after the folder: an old folder without one is
-                starting = time.time() - folder.stat().st_mtime < RECORD_S  # a launcher killed in between
+                try:  # a launcher killed in between
+                    starting = time.time() - folder.stat().st_mtime < RECORD_S
+                except FileNotFoundError:  # renamed (a spare claimed) or removed (downed) since the listing
+                    continue
                 found.append(ClusterStatus(folder.name, self.name, "INIT" if starting else "ORPHANED"))
                 continue
             state = "UP" if session_alive(record.get("session", -1)) else "GONE"
