@@ -168,6 +168,26 @@ def test_a_run_that_trained_to_the_end_is_finished_though_its_flow_died(gpuflow_
     assert said[STOPPED_BY_TAG] == "orphaned" and "trained to the end" in said[STOP_DETAIL_TAG], said
 
 
+def test_a_run_cancelled_whose_process_died_before_it_closed_is_killed_not_failed(gpuflow_home):
+    """Its cancel was asked for (the flow run Cancelling), its process then gone (its lease lapsed): the pass closes
+    the MLflow run as the cancel would have, KILLED, stopped_by cancelled; not FAILED as an orphan."""
+    from gpuflow.cluster.protocol import FLOW_RUN_TAG, STOP_DETAIL_TAG, STOPPED_BY_TAG
+    from gpuflow.cluster.run.lease import lease_tags
+
+    uri = f"sqlite:///{gpuflow_home}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("cancels", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    flow_run_id = str(uuid.uuid4())
+    tags = {FLOW_RUN_TAG: flow_run_id, **lease_tags(60, now=time.time() - 3600)}
+    run_id = client.create_run(experiment, tags=tags).info.run_id
+    close_stale_mlflow_runs(
+        uri, states_of=lambda ids: {flow_run_id: ("CANCELLING", False)}, heartbeat_at=lambda r: None
+    )
+    closed = client.get_run(run_id)
+    assert closed.info.status == "KILLED" and closed.data.tags[STOPPED_BY_TAG] == "cancelled"
+    assert "cancelled" in closed.data.tags[STOP_DETAIL_TAG]
+
+
 def test_the_reaper_finds_every_tracking_server_the_runs_use(prefect_server, gpuflow_home):
     from gpuflow.cluster.config import default_tracking_uri
     from gpuflow.flows.deployments.known_servers import known_tracking_uris, tracking_tag
@@ -229,11 +249,12 @@ def test_a_pass_never_turns_a_run_that_ended_since_its_verdict_crashed(prefect_s
 def test_a_run_that_ends_between_the_passs_last_read_and_its_write_keeps_its_end(prefect_server, monkeypatch):
     """The pass reads a run just before it marks it Crashed; a run whose own end lands in between keeps that end
     (Prefect refuses Crashed to a final run: the pass proposes it, never forces it). A Cancelling run whose process
-    is gone is still Crashed: Prefect lets Cancelling move only to Cancelled, so that one is forced."""
+    is gone ends Cancelled, as its cancel would have ended it: not Crashed, and owed no message of a bad end."""
     from prefect.client.orchestration import SyncPrefectClient
     from prefect.states import Cancelling, Completed
 
     from gpuflow.flows.reconcile.records import mark_crashed
+    from gpuflow.flows.run_messages import OWED_TAG
 
     with get_client(sync_client=True) as client:
         racing = client.create_flow_run(finished_experiment, state=Running())
@@ -249,11 +270,13 @@ def test_a_run_that_ends_between_the_passs_last_read_and_its_write_keeps_its_end
         return found
 
     monkeypatch.setattr(SyncPrefectClient, "read_flow_run", read_then_the_run_ends)
-    assert mark_crashed({str(racing.id), str(cancelling.id)}, "found dead") == [str(cancelling.id)]
+    assert mark_crashed({str(racing.id), str(cancelling.id)}, "found dead") == []
     monkeypatch.undo()
     with get_client(sync_client=True) as client:
         assert client.read_flow_run(racing.id).state.is_completed()
-        assert client.read_flow_run(cancelling.id).state.is_crashed()
+        cancelled = client.read_flow_run(cancelling.id)
+        assert cancelled.state.is_cancelled() and "found dead" in cancelled.state.message
+        assert OWED_TAG not in cancelled.tags
 
 
 def test_the_reaper_lists_only_the_backends_runs_used(prefect_server):

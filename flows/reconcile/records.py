@@ -158,13 +158,15 @@ def reap(
 
 def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone), each
-    owed the message of its end (no hook of theirs will say it: flows/run_messages.py notify_owed)."""
+    owed the message of its end (no hook of theirs will say it: flows/run_messages.py notify_owed). A run whose
+    cancel was asked for (Cancelling) ends Cancelled instead, as its cancel would have ended it: what its user asked
+    for, and no bad end to be told of. Returns those marked Crashed."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.responses import SetStateStatus
-    from prefect.states import Crashed
+    from prefect.states import Cancelled, Crashed
 
     from gpuflow.flows.run_messages import OWED_TAG
 
@@ -173,13 +175,15 @@ def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
         for flow_run_id in flow_run_ids:
             # read again right before: a run that ended since the verdict (its process was alive after all) keeps its
             # true end. And the server decides last: Crashed is proposed, not forced, and Prefect refuses it to a run
-            # that reached a final state between that read and this write. Only a Cancelling run is forced (Prefect
-            # lets Cancelling go nowhere but Cancelled, which a process that died never sends).
+            # that reached a final state between that read and this write. A Cancelling run's Cancelled is forced
+            # (Prefect's runner sends it once it has stopped the process; here the process stopped without it).
             run = client.read_flow_run(UUID(flow_run_id))
             if run.state is not None and run.state.is_final():
                 continue
-            cancelling = run.state is not None and run.state.type == StateType.CANCELLING
-            result = client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message), force=cancelling)
+            if run.state is not None and run.state.type == StateType.CANCELLING:
+                client.set_flow_run_state(UUID(flow_run_id), Cancelled(message=f"cancelled; {message}"), force=True)
+                continue
+            result = client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message))
             if result.status != SetStateStatus.ACCEPT:
                 continue
             client.update_flow_run(UUID(flow_run_id), tags=sorted({*run.tags, OWED_TAG}))
@@ -236,7 +240,7 @@ def close_stale_mlflow_runs(
             continue  # its flow is still going
         fill_quietly(client, run)
         if live or (state is not None and state[0] == "CRASHED"):  # its flow died (this pass sees it, or one saw)
-            status, tags = end_of_orphan(run)
+            status, tags = end_of_orphan(run, cancelled=state is not None and state[0] == "CANCELLING")
             close_run(client, run.info.run_id, status, tags=tags)
         else:
             status = true_status(RUN_STATUS_FOR.get(state[0], "FAILED") if state else "KILLED", run.data.tags)
@@ -245,8 +249,12 @@ def close_stale_mlflow_runs(
     return closed
 
 
-def end_of_orphan(run) -> tuple[str, dict[str, str]]:
-    """A run whose flow died before closing it: FINISHED where its job trained to the end, else FAILED; orphaned."""
+def end_of_orphan(run, cancelled: bool = False) -> tuple[str, dict[str, str]]:
+    """A run whose flow died before closing it: FINISHED where its job trained to the end, else FAILED; orphaned.
+    One whose cancel was asked for before: KILLED, cancelled, as its flow would have closed it."""
+    if cancelled:
+        detail = "cancelled; its flow run's process ended before it closed the run: found by the reaper"
+        return "KILLED", {STOPPED_BY_TAG: "cancelled", CLOSED_BY_TAG: "reaper", STOP_DETAIL_TAG: detail}
     status = true_status("FAILED", run.data.tags)
     tags = {STOPPED_BY_TAG: "orphaned", CLOSED_BY_TAG: "reaper"}
     if status == "FINISHED":
