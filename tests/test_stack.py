@@ -261,8 +261,8 @@ def elsewhere():  # a run on another backend (SkyPilot), or one waiting for the 
     print("started", flush=True)
     time.sleep(float(sys.argv[1]))
 
-elsewhere()
-print("done", flush=True)  # its end is recorded; the exit's flush of logs to an API that may have gone comes after
+# the state the API accepted for its end; the exit's flush of logs to an API that may have gone comes after
+print("done", elsewhere(return_state=True).name, flush=True)
 """
 
 
@@ -277,10 +277,9 @@ def test_the_stack_stays_up_while_a_run_on_its_api_lives_without_a_local_cluster
         assert run.stdout.readline().strip() == "started"
         time.sleep(30)  # past two idle times
         assert alive([stack["pid"]]), "the stack went while a run on its API lived"
-        assert select.select([run.stdout], [], [], 90)[0] and run.stdout.readline().strip() == "done"
+        # its end recorded on the stack's API (which may go at once: the stack was idle all along, but for the run)
+        assert select.select([run.stdout], [], [], 90)[0] and run.stdout.readline().strip() == "done Completed"
         ended = time.monotonic()
-        [flow_run] = flow_runs_in(stack["api_url"])
-        assert flow_run.state.is_completed(), "the run's end recorded on the stack's API, still up"
     finally:
         run.kill()  # its exit may still be flushing logs to the stack's API, gone 12 s after the run ended
         run.wait()
