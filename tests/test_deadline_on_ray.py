@@ -6,10 +6,8 @@ tests/test_deadline_run.py's; the policy's own cases tests/test_deadline.py's.""
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
-from mlflow import MlflowClient
 
 from gpuflow.cluster.backends.local import LocalBackend
 from gpuflow.cluster.spec import parse_spec
@@ -33,16 +31,16 @@ EPOCHS, LOST_AFTER, EPOCH_S, DEADLINE_S = 16, 4, 3.0, 600
 
 
 class Preemption(NodeKiller):
-    """Once LOST_AFTER checkpoints are registered, the market takes its spot back, and the spot cluster with it."""
+    """Once LOST_AFTER checkpoints are registered, the market takes its spot back, and the whole spot cluster with it
+    (every process of its session, as NodeKiller kills a cluster)."""
 
     def __init__(self, home, market: SpotMarket):
         super().__init__(home, "spot cluster", after=LOST_AFTER)
         self.market = market
 
     def kill(self, what, record, nodes):
-        self.market.preempt(record)
-        self.killed.append(what)
-        self.killed_at.append(time.time())
+        self.market.spot = False
+        super().kill(what, record, nodes)
 
 
 def test_a_deadline_run_on_ray_goes_on_demand_when_behind_and_back_to_spot_when_ahead(
@@ -90,7 +88,7 @@ def test_a_deadline_run_on_ray_goes_on_demand_when_behind_and_back_to_spot_when_
     assert metrics["spot_seconds"] > 0 and metrics["on_demand_seconds"] > 0
     assert 0 < metrics["deadline_slack_seconds"] < DEADLINE_S
     # each epoch once, resumed from a checkpoint twice (after the loss, after the move), the second further on
-    epochs = MlflowClient(spec.tracking_uri).get_metric_history(run.info.run_id, "val_accuracy")
+    epochs = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in epochs) == list(range(EPOCHS))
     resumed = sorted({int(epoch) for epoch in re.findall(r"resuming at epoch (\d+)", logs)})
     assert len(resumed) == 2 and LOST_AFTER - 1 <= resumed[0] < resumed[1], logs[-3000:]

@@ -7,9 +7,9 @@ reason); a launch that succeeds starts the job it is given and says in its handl
 hourly price (the catalog's, as SkyPilot's launched resources do); the job's log begins with the node's "setup
 finished" line, from which the flow counts the job's time.
 
-The market's script: spot is there at first; `preempt` takes it away and kills the spot cluster (every process of
-its session, as the recovery tests' losses do); it is back once the run has launched on on-demand, so that a run
-behind its pace goes on-demand and, once ahead again, has spot to go back to.
+The market's script: spot is there at first; a test's preemption sets `spot` False as it kills the spot cluster; it
+is back once the run has launched on on-demand, so that a run behind its pace goes on-demand and, once ahead again,
+has spot to go back to.
 """
 
 from __future__ import annotations
@@ -21,18 +21,12 @@ from gpuflow.cluster.cost.pricing import option_price
 from gpuflow.cluster.protocol import SETUP_DONE
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.spec.options import compute_options
-from gpuflow.cluster.util.processes import stop_sessions
 
 
 class SpotMarket:
     def __init__(self):
         self.spot = True
         self.launched: list[str] = []  # each cluster launched: "spot" or "on-demand", in order
-
-    def preempt(self, cluster: dict) -> None:
-        """The cloud reclaims its spot capacity, and with it the spot cluster (its local record)."""
-        self.spot = False
-        stop_sessions([cluster["session"]])
 
     def backend(self) -> SpotMarketBackend:
         return SpotMarketBackend(self)
