@@ -156,11 +156,14 @@ def reap(
     return [verdict for _, verdict in judged]
 
 
+CANCELLED_BY_REAPER = "cancelled; its process ended before it said so: found by the reaper (stopped_by=cancelled)"
+
+
 def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
     """Sets dead flow runs Crashed through Prefect's API (nothing else ever would: their process is gone), each
     owed the message of its end (no hook of theirs will say it: flows/run_messages.py notify_owed). A run whose
-    cancel was asked for (Cancelling) ends Cancelled instead, as its cancel would have ended it: what its user asked
-    for, and no bad end to be told of. Returns those marked Crashed."""
+    cancel was asked for (Cancelling) ends Cancelled instead, as its cancel would have ended it (CANCELLED_BY_REAPER,
+    not the crash's message): what its user asked for, no bad end to be told of. Returns those marked Crashed."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -181,7 +184,7 @@ def mark_crashed(flow_run_ids: set[str], message: str) -> list[str]:
             if run.state is not None and run.state.is_final():
                 continue
             if run.state is not None and run.state.type == StateType.CANCELLING:
-                client.set_flow_run_state(UUID(flow_run_id), Cancelled(message=f"cancelled; {message}"), force=True)
+                client.set_flow_run_state(UUID(flow_run_id), Cancelled(message=CANCELLED_BY_REAPER), force=True)
                 continue
             result = client.set_flow_run_state(UUID(flow_run_id), Crashed(message=message))
             if result.status != SetStateStatus.ACCEPT:
