@@ -53,7 +53,7 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
     if run.has_cluster or run.has_mlflow_run is not False:
         return None  # the reaper's cluster and lease checks judge it, or it cannot be told now
     if run.heartbeat_age_s is not None or run.heartbeats_kept:
-        silent_s = run.state_age_s if run.heartbeat_age_s is None else run.heartbeat_age_s
+        silent_s = silent_for(run.state_age_s, run.heartbeat_age_s)
         if not beating(silent_s):
             return (
                 f"its process died before its MLflow run opened (no Prefect heartbeat for "
@@ -66,6 +66,12 @@ def silent_death(run: LiveRun, stale_s: float) -> str | None:
             f"{run.state_age_s / 60:.0f} min after it started): found by the reaper"
         )
     return None
+
+
+def silent_for(state_age_s: float, heartbeat_age_s: float | None) -> float:
+    """How long a run that sends heartbeats has said nothing: since its last one, or since its state was set when it
+    has sent none yet (a run killed in its first seconds may never send one)."""
+    return state_age_s if heartbeat_age_s is None else heartbeat_age_s
 
 
 def beating(heartbeat_age_s: float) -> bool:

@@ -41,6 +41,7 @@ from gpuflow.cluster.config import STARTING_ENVIRONMENT, stack_enabled, state_di
 from gpuflow.cluster.util.files import write_atomically
 from gpuflow.cluster.util.processes import session_alive, started_at, still_the_process, stop_sessions
 from gpuflow.cluster.util.waiting import wait_until
+from gpuflow.flows.local_stack.idle import IdleClock, since_api_used
 
 POLL_S = 1.0
 UP_TIMEOUT_S = 180
@@ -144,7 +145,7 @@ class Stack:
         self.backend = LocalBackend()
         self.api = None
         self.spare: str | None = None
-        self.last_busy = time.monotonic()
+        self.clock = IdleClock(self.idle_s, time.monotonic())
 
     def start_api(self) -> str:
         from gpuflow.flows.local_stack import temporary_api
@@ -155,29 +156,6 @@ class Stack:
     def runs_going(self) -> bool:
         """Any local cluster up other than the spare: a run is using this machine (and its CPUs)."""
         return any(status.status == "UP" and status.name != self.spare for status in self.backend.status())
-
-    def api_in_use(self) -> bool:
-        """Whether a flow run on the stack's API still lives: one waiting for a quota, or training on another backend
-        (SkyPilot), uses the API though no local cluster of it is up. A run not over is judged as the reaper judges
-        it: by the Prefect heartbeats its process sends while it lives (cluster/run/liveness.py); a killed one's stop.
-        An API that does not answer is in use by none."""
-        from prefect.client.orchestration import SyncPrefectClient
-        from prefect.client.schemas import filters
-
-        from gpuflow.cluster.run.liveness import age_s, beating
-        from gpuflow.flows.heartbeats import last_heartbeat
-
-        not_over = filters.FlowRunFilterStateType(any_=["PENDING", "RUNNING", "CANCELLING", "PAUSED"])
-        try:
-            with SyncPrefectClient(self.api.api_url) as client:
-                runs = client.read_flow_runs(
-                    flow_run_filter=filters.FlowRunFilter(state=filters.FlowRunFilterState(type=not_over)), limit=20
-                )
-                beats = [last_heartbeat(client, str(run.id)) for run in runs]
-        except Exception as exc:
-            print(f"cannot read the runs on this API ({type(exc).__name__}: {str(exc)[:300]}): none count", flush=True)
-            return False
-        return any(beat is not None and beating(age_s(time.time(), beat)) for beat in beats)
 
     def keep_a_spare(self) -> None:
         """A spare of the wanted shape, started only while no run goes: its start would take CPU from one."""
@@ -200,7 +178,7 @@ class Stack:
             self.backend.wait_until_up(self.spare)
             self.backend.start_early_job(self.spare, os.getcwd())  # the job's imports done before a run claims it
             self.backend.offer_spare(self.spare)  # claimable from now: the stack writes its record no more
-            self.last_busy = time.monotonic()  # idle from when the spare is ready, not while it starts
+            self.clock.busy(time.monotonic())  # idle from when the spare is ready, not while it starts
             print(f"spare cluster {self.spare} up: {shape}", flush=True)
 
     def record(self) -> dict:
@@ -218,17 +196,15 @@ class Stack:
     def serve(self) -> None:
         write_json(stack_file(), self.record())  # `gpuflow down` finds it from now
         print(f"Prefect API at {self.start_api()}", flush=True)
-        self.last_busy = time.monotonic()
+        self.clock.busy(time.monotonic())
         while True:
             for child in list(CHILDREN.values()):  # a spare's early job ends as a run's job: reaped here
                 child.poll()
             if self.runs_going():
-                self.last_busy = time.monotonic()
-            elif time.monotonic() - self.last_busy > self.idle_s:
-                if not self.api_in_use():
-                    print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
-                    return
-                self.last_busy = time.monotonic()  # asked again once idle that long again
+                self.clock.busy(time.monotonic())
+            elif self.clock.idle_out(time.monotonic(), lambda: since_api_used(self.api.api_url)):
+                print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
+                return
             try:
                 self.keep_a_spare()
             except Exception as exc:  # the spare went while it started (downed, its session gone): the API stays
