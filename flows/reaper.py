@@ -19,7 +19,7 @@ from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.deployments import REAPER
 from gpuflow.flows.deployments.known_servers import backends_in_use
 from gpuflow.flows.reconcile.invariants import Pass, reconcile
-from gpuflow.flows.reconcile.records import available_backends, tracking_uris_or_local
+from gpuflow.flows.reconcile.sources import available_backends, tracking_uris_or_local
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 
 

@@ -117,6 +117,32 @@ def test_stale_mlflow_runs_closed_by_state(prefect_server, digits_spec, gpuflow_
     assert client.get_run(untagged).info.status == "RUNNING"  # not a gpuflow flow's run: left alone
 
 
+def test_a_live_run_of_another_prefect_server_keeps_its_cluster_and_mlflow_run(prefect_server, gpuflow_home):
+    """Two Prefect servers (a team's staging and production, or a test's own beside the session's) may share a
+    tracking server and a cloud account: a flow run this pass's API does not know is not dead while its flow renews
+    its MLflow lease. Once the lease lapses, its records are ended as a missing run's."""
+    from gpuflow.cluster.protocol import FLOW_RUN_TAG
+    from gpuflow.cluster.run.lease import lease_tags
+    from gpuflow.flows.reconcile.lapsed import lease_reader
+    from gpuflow.flows.reconcile.records import RunRecords
+
+    uri = f"sqlite:///{gpuflow_home}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("elsewhere", artifact_location=(gpuflow_home / "artifacts").as_uri())
+    elsewhere, lapsed = str(uuid.uuid4()), str(uuid.uuid4())  # flow runs of another Prefect server
+    runs = {
+        flow_run_id: client.create_run(experiment, tags={FLOW_RUN_TAG: flow_run_id, **lease_tags(120, now)}).info.run_id
+        for flow_run_id, now in ((elsewhere, time.time()), (lapsed, time.time() - 600))
+    }
+    cloud = CloudDouble({cluster_name_for(elsewhere): time.time(), cluster_name_for(lapsed): time.time()})
+
+    verdicts = reap([cloud], 24 * 3600, records=RunRecords(lease_stale=lease_reader([uri])))
+    assert cloud.downed == [cluster_name_for(lapsed)], [v.reason for v in verdicts]
+    assert close_stale_mlflow_runs(uri) == [runs[lapsed]]
+    assert client.get_run(runs[elsewhere]).info.status == "RUNNING"
+    assert client.get_run(runs[lapsed]).info.status == "KILLED"
+
+
 def test_an_orphaned_run_of_last_month_is_not_read_again(gpuflow_home):
     """A pass reads the runs that can still change: one its job closed as orphaned lately (its flow run may still
     need marking Crashed), not every one ever closed so."""

@@ -239,7 +239,7 @@ def tracking_uris(given: str | None):
         yield given
         return
     yield default_tracking_uri()
-    from gpuflow.flows.reconcile.records import tracking_uris_or_local
+    from gpuflow.flows.reconcile.sources import tracking_uris_or_local
 
     yield from (uri for uri in tracking_uris_or_local() if uri != default_tracking_uri())
 

@@ -28,7 +28,7 @@ from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import found_dead
 from gpuflow.flows.reconcile.lapsed import DEFAULT_GRACE_S
-from gpuflow.flows.reconcile.records import tracking_uris_or_local
+from gpuflow.flows.reconcile.sources import tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
 

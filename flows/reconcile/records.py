@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuflow.cluster.backends import CLUSTER_PREFIX, Backend, flow_run_id_of
-from gpuflow.cluster.config import default_tracking_uri
 from gpuflow.cluster.job.reports import fill_from_checkpoints
 from gpuflow.cluster.protocol import (
     CLOSED_BY_TAG,
@@ -22,8 +21,6 @@ from gpuflow.cluster.protocol import (
     true_status,
 )
 from gpuflow.cluster.run.mlflow_run import close_run
-from gpuflow.cluster.util.local_store import store_exists
-from gpuflow.flows.deployments.known_servers import known_tracking_uris
 from gpuflow.flows.reconcile.lapsed import HeartbeatAt, heartbeat_reader, lease_lapsed
 
 log = logging.getLogger(__name__)
@@ -88,8 +85,8 @@ class RunRecords:
 def judge(
     backends: list[Backend], records: RunRecords, ttl_seconds: float, now: float
 ) -> list[tuple[Backend, Verdict]]:
-    """What to do with each of our clusters: down when its flow run is final, missing, dead (its lease is stale),
-    or it is older than the TTL."""
+    """What to do with each of our clusters: down when its flow run is final, dead (its lease is stale), missing
+    with no fresh lease (another Prefect server's live run has one), or it is older than the TTL."""
     return judge_found(listed(backends), records, ttl_seconds, now)
 
 
@@ -117,6 +114,8 @@ def judge_found(
         age_s = now - status.launched_at if status.launched_at else None
         if state is not None and not state[1] and status.status == "ORPHANED":
             action, reason = "down", f"flow run is {state[0]} but {ORPHANED}"
+        elif state is None and lease_stale(run_id) is False:  # a live run of another Prefect server
+            action, reason = "keep", f"flow run {run_id} is not on this Prefect API, but its MLflow lease is fresh"
         elif state is None:
             action, reason = "down", f"flow run {run_id} does not exist"
         elif state[1]:
@@ -200,7 +199,8 @@ def close_stale_mlflow_runs(
     dead: set[str] | None = None,
     heartbeat_at: HeartbeatAt | None = None,
 ) -> list[str]:
-    """Ends MLflow runs left RUNNING whose flow run is final, missing or dead (lease lapsed), in every experiment.
+    """Ends MLflow runs left RUNNING whose flow run is final, dead (lease lapsed), or missing with no lease to show it
+    alive (a run of another Prefect server sharing the tracking server renews its lease), in every experiment.
 
     Flow runs found dead are added to `dead` (to be marked Crashed), also those whose job already closed its
     run as orphaned."""
@@ -228,6 +228,8 @@ def close_stale_mlflow_runs(
     for run in candidates:
         flow_run_id = run.data.tags[FLOW_RUN_TAG]
         state = states.get(flow_run_id)
+        if state is None and lease_lapsed(run.data.tags, flow_run_id, time.time(), heartbeat_at) is False:
+            continue  # not on this Prefect API, but its flow renews its lease: another server's live run
         live = state is not None and not state[1]  # the lease judges only a flow run Prefect calls live
         lease_dead = live and (
             flow_run_id in (dead or ()) or bool(lease_lapsed(run.data.tags, flow_run_id, time.time(), heartbeat_at))
@@ -272,28 +274,3 @@ def fill_quietly(client, run) -> None:
             log.info(f"reaper: MLflow run {run.info.run_id}: {filled} metric(s) from its persisted checkpoints")
     except Exception as exc:  # the tracking server blinked: the next pass tries again
         log.warning(f"reaper: MLflow run {run.info.run_id}: {type(exc).__name__}: {str(exc)[:200]}")
-
-
-def available_backends(names: list[str]) -> list[Backend]:
-    """The backends that can be used here; one that cannot (SkyPilot not set up) is skipped with a log line."""
-    from gpuflow.cluster.backends import get_backend
-
-    backends = []
-    for name in names:
-        try:
-            backends.append(get_backend(name))
-        except Exception as exc:  # an import error, missing credentials: skip, never stop the whole pass
-            log.warning(f"reaper: skipping the {name} backend: {type(exc).__name__}: {exc}")
-    return backends
-
-
-def tracking_uris_or_local() -> list[str]:
-    """Every tracking server the deployments and recent runs name, and this machine's store if it has one: a store
-    that does not exist holds no run, and opening it would make one (in a team's serve folder, say)."""
-    local = default_tracking_uri()
-    try:
-        uris = known_tracking_uris(local)
-    except Exception as exc:  # the Prefect API down: this machine's store can still be reaped
-        log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
-        uris = [local]
-    return [uri for uri in uris if store_exists(uri)]
