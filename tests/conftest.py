@@ -224,8 +224,9 @@ def slurm_infra():
 # them busier here (46 minutes, not 50) but every test's CPU rose with the contention (4,866 CPU-s, not 4,234) and CI's
 # slower cores took longer, not less (57 minutes, not 55). The lanes pair tests that mostly wait with tests that
 # compute; the longest lane is the suite's wall time (the end-of-run report's seconds by file balance them):
-# - "slurm": the recovery tests, the deadline run on Ray, the watchdog's limits, then the Slurm tier (one Slurm
-#   cluster on this machine, one harness: its launches wait on SkyPilot and Slurm);
+# - "slurm": the recovery tests, the deadline run on Ray, the watchdog's limits, the worker elsewhere (its own venv and
+#   Prefect server), then the Slurm tier (one Slurm cluster on this machine, one harness: its launches wait on SkyPilot
+#   and Slurm);
 # - "faults": the team stack and its load test, the GPU quota's queue, the warm stack, the fault tests, the dead runs
 #   and the chaos soak; most of them wait for a signal, a lease or a cleanup (an epoch a second);
 # - "main": everything else, the worker in a fresh venv included.
@@ -236,6 +237,7 @@ LANES = {
         "tests/test_recovery.py",
         "tests/test_deadline_on_ray.py",
         "tests/test_watchdog.py",
+        "tests/test_workers.py",
     ),
     "faults": (
         "tests/test_team_stack.py",

@@ -1,5 +1,6 @@
-"""A lost node or cluster mid-training (real local Ray cluster, processes SIGKILLed): the flow relaunches it (as
-<name>-r1, then -r2), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once. With a
+"""A lost node mid-training (real local Ray cluster, its raylet SIGKILLed): the flow relaunches the cluster (as
+<name>-r1), resumes from the last checkpoint, in the same MLflow run, and logs every epoch once. (A whole cluster lost,
+head included, is the deadline run's spot preemption: tests/test_deadline_on_ray.py.) With a
 spot notice first (a double of the cloud's metadata service), the loop checkpoints until the node goes and the
 flow provisions the replacement cluster before the loss. An elastic run (num_workers: [min, max]) trains on without
 the node instead."""
@@ -26,7 +27,7 @@ from tests.support.runs import flow_logs, mlflow_run_of
 
 pytestmark = pytest.mark.full
 
-EPOCHS = 10  # the first loss comes after 3 checkpoints, the next 2 checkpoints after the resume
+EPOCHS = 6  # the loss comes after 3 checkpoints
 
 
 def two_nodes(spec, **compute):
@@ -94,27 +95,27 @@ def epochs_logged(spec, run) -> list[int]:
 
 
 def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_server, digits_spec, gpuflow_home):
-    """One run loses a worker node, then, once resumed, its whole cluster: each loss is relaunched and resumed."""
+    """A run loses a worker node: the cluster is relaunched, the run resumed, and its webhook told."""
     from gpuflow.cluster.spec.notifying import NotifySpec
     from gpuflow.flows.experiment import run_experiment
     from gpuflow.flows.run_messages import add_webhook
     from tests.support.servers import the_messages, webhook_receiver
 
     spec = two_nodes(digits_spec)
-    killer = NodeKiller(gpuflow_home, "worker node", "whole cluster")
+    killer = NodeKiller(gpuflow_home, "worker node")
     with webhook_receiver() as (url, messages):
         add_webhook("recoveries", url)
         killer.start()
         state = run_experiment(spec.model_copy(update={"notify": NotifySpec(block="recoveries")}), return_state=True)
-        assert killer.killed == ["worker node", "whole cluster"]
+        assert killer.killed == ["worker node"]
         assert state.is_completed(), state.message
         _, run = mlflow_run_of(spec.tracking_uri, state.state_details.flow_run_id, spec.experiment_name)
         # a message per recovery: a completed run says nothing unless notify.completed asks
-        sent = the_messages(messages, ["recovered", "recovered"], run.info.run_id, str(state.state_details.flow_run_id))
+        sent = the_messages(messages, ["recovered"], run.info.run_id, str(state.state_details.flow_run_id))
     assert all("relaunched" in message["reason"] for message in sent), sent
 
     assert run.info.status == "FINISHED"
-    assert run.data.metrics["recoveries"] == 2
+    assert run.data.metrics["recoveries"] == 1
     assert run.data.metrics["lost_compute_seconds"] >= 0 and run.data.metrics["recovery_seconds"] > 0
     logged = epochs_logged(spec, run)
     # Each epoch exactly once: those the lost controller had not logged yet come from Ray Train's checkpoint record.
@@ -122,10 +123,9 @@ def test_a_lost_node_is_relaunched_and_training_resumes_in_the_same_run(prefect_
     logs = flow_logs(state.state_details.flow_run_id)
     # (a lost attempt's error quotes the end of its log, resume line included: the epochs, not the lines, count)
     resumed = sorted({int(epoch) for epoch in re.findall(r"resuming at epoch (\d+)", logs)})
-    # from a checkpoint each time, not from scratch, and the second from further on than the first
-    assert len(resumed) == 2 and 1 <= resumed[0], logs[-3000:]
+    assert len(resumed) == 1 and 1 <= resumed[0], logs[-3000:]  # from a checkpoint, not from scratch
     print(
-        f"\n[worker node, then whole cluster lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → "
+        f"\n[worker node lost] recovery {run.data.metrics['recovery_seconds']:.1f}s (loss → "
         f"first resumed epoch), lost compute {run.data.metrics['lost_compute_seconds']:.1f}s"
     )
     assert LocalBackend().status() == [] and processes_of(gpuflow_home) == []
