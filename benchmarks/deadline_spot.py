@@ -4,9 +4,12 @@ against the omniscient bound (benchmarks/deadline_optimum.py).
 
     python benchmarks/deadline_spot.py [--starts 300] [--seed 52] [--no-gcp] [--no-record]
 
-The model, the policies and the setting are those of Wu et al., "Can't Be Late" (NSDI '24, its Table 3): the AWS
-V100 traces (9 zones, 195 s steps), 300 random start points a zone, C(0) = 48 h, d = 0.2 h, C/R = 0.8, on-demand k = 3
-times spot. The traces are the SkyNomad NSDI '27 artifact's (andylizf/skynomad-artifact, Apache-2.0), in
+The model and the policies are those of Wu et al., "Can't Be Late" (NSDI '24), in the setting of its Table 3 (300
+random start points a trace, C(0) = 48 h, d = 0.2 h, C/R = 0.8, on-demand k = 3 times spot) but not on its traces:
+Table 3 averages the 2-week traces of 2022-10-26 (8 pairs of p3.2xlarge/p3.16xlarge/p2.xlarge/p2.16xlarge and
+us-west-2a/b, 600 s steps, spot about half the time), which are not here. These are the paper's 2-month traces of
+2023-02-15 (AWS V100, 9 zones, 195 s steps, spot about 65 % of the time), whose results the paper gives only as
+figures (its Figs. 18 and 20), from the SkyNomad NSDI '27 artifact (andylizf/skynomad-artifact, Apache-2.0), in
 benchmarks/traces/. Time is in whole trace steps: d rounds up to them (4 steps, 0.217 h), C(0) and R(0) to the
 nearest and down. Then gpuflow's variants: C(0) misestimated by ±20 % with the run's progress measured (and, for
 contrast, −20 % by C(0) alone), and on the GCP H100 traces (13 zones, 600 s steps, the zones' own prices) each zone
