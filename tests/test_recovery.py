@@ -43,40 +43,36 @@ def two_nodes(spec, **compute):
 
 
 class NodeKiller(threading.Thread):
-    """Once `after` checkpoints are registered, SIGKILLs a part of the running local cluster: each of `losses` in
-    turn, the next once the resumed run has checkpointed twice more."""
+    """Once `after` checkpoints are registered, SIGKILLs a part of the running local cluster: `what` (its worker
+    node's raylet, or the whole cluster)."""
 
-    def __init__(self, home: Path, *losses: str, after: int = 3):
+    def __init__(self, home: Path, what: str, after: int = 3):
         super().__init__(daemon=True)
-        self.home, self.losses, self.after = home, losses, after
+        self.home, self.what, self.after = home, what, after
         self.killed: list[str] = []
         self.killed_at: list[float] = []
-        self.registered = 0
 
     def checkpoints(self) -> int:
         """Those Ray Train registered (its snapshot lists them), not the folders: a folder is there as soon as rank 0
         uploaded it, before every rank reported the epoch, and a loss then takes the whole epoch with it. A snapshot
-        being rewritten keeps the last count: read as none, it would set the next loss's target too low."""
+        being rewritten counts as none yet: the next look reads it whole."""
         try:
-            self.registered = sum(
+            return sum(
                 len(json.loads(snapshot.read_text())["checkpoint_results"])
                 for snapshot in self.home.glob(f"checkpoints/*/{SNAPSHOT_FILE}")
             )
         except (OSError, ValueError, KeyError):
-            pass
-        return self.registered
+            return 0
 
     def run(self):
         deadline = time.monotonic() + 600
-        target = self.after
-        while len(self.killed) < len(self.losses) and time.monotonic() < deadline:
+        while not self.killed and time.monotonic() < deadline:
             clusters = [s for s in LocalBackend().status() if s.status == "UP"]
-            if self.checkpoints() >= target and clusters:
+            if self.checkpoints() >= self.after and clusters:
                 record = LocalBackend().record(clusters[0].name)
                 nodes = Path(record["temp_dir"]) / NODES_FILE
                 if nodes.exists():
-                    self.kill(self.losses[len(self.killed)], record, json.loads(nodes.read_text()))
-                    target = self.checkpoints() + 2  # the next loss after the resumed run checkpointed again
+                    self.kill(self.what, record, json.loads(nodes.read_text()))
             time.sleep(0.2)
 
     def kill(self, what: str, record, nodes):

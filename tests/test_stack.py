@@ -277,7 +277,7 @@ def test_the_stack_stays_up_while_a_run_on_its_api_lives_without_a_local_cluster
         assert run.stdout.readline().strip() == "started"
         time.sleep(30)  # past two idle times
         assert alive([stack["pid"]]), "the stack went while a run on its API lived"
-        # its end recorded on the stack's API (which may go at once: the stack was idle all along, but for the run)
+        # its end as the stack's API recorded it (the stack goes its idle time after it: no read of the API after)
         assert select.select([run.stdout], [], [], 90)[0] and run.stdout.readline().strip() == "done Completed"
         ended = time.monotonic()
     finally:

@@ -141,11 +141,10 @@ def down() -> str:
 # -- the stack's own process ---------------------------------------------------------------------------------------
 class Stack:
     def __init__(self, idle_minutes: float):
-        self.idle_s = idle_minutes * 60
         self.backend = LocalBackend()
         self.api = None
         self.spare: str | None = None
-        self.clock = IdleClock(self.idle_s, time.monotonic())
+        self.clock = IdleClock(idle_minutes * 60, time.monotonic())
 
     def start_api(self) -> str:
         from gpuflow.flows.local_stack import temporary_api
@@ -188,7 +187,7 @@ class Stack:
             "pid": os.getpid(),
             "started": started_at(),
             "api_url": self.api.api_url if self.api else None,
-            "idle_minutes": self.idle_s / 60,
+            "idle_minutes": self.clock.idle_s / 60,
             "spare": self.spare,
             "spare_shape": spare.get("shape") if spare and spare.get("address") else None,
         }
@@ -203,7 +202,7 @@ class Stack:
             if self.runs_going():
                 self.clock.busy(time.monotonic())
             elif self.clock.idle_out(time.monotonic(), lambda: since_api_used(self.api.api_url)):
-                print(f"no run for {self.idle_s / 60:g} min: stopping", flush=True)
+                print(f"no run for {self.clock.idle_s / 60:g} min: stopping", flush=True)
                 return
             try:
                 self.keep_a_spare()
