@@ -12,7 +12,14 @@ from prefect import allow_failure, flow, get_run_logger, runtime
 from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Failed
 
-from gpuflow.cluster.backends import ClusterHandle, cluster_name_for, cluster_names_for, flow_run_id_of, get_backend
+from gpuflow.cluster.backends import (
+    ClusterHandle,
+    NoCapacity,
+    cluster_name_for,
+    cluster_names_for,
+    flow_run_id_of,
+    get_backend,
+)
 from gpuflow.cluster.cost.idle_gpu import idle_gpu_check
 from gpuflow.cluster.cost.pricing import hourly_cost
 from gpuflow.cluster.protocol import triggered_by
@@ -96,6 +103,8 @@ def prepare_and_provision(run: ExperimentRun) -> ClusterHandle:
     run.record.opened(mlflow_run.result(), life.meter.price)
     data.result()
     handle = cluster.result()
+    if isinstance(handle, NoCapacity):  # a backend that starts no job at launch waits for no capacity
+        raise handle
     run.capacity.launched(handle)
     return handle
 

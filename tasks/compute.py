@@ -10,8 +10,9 @@ from collections import deque
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
 
-from gpuflow.cluster.backends import ClusterHandle, Job, get_backend
+from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity, get_backend
 from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, epoch_metrics, parse_line
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
@@ -31,28 +32,33 @@ from gpuflow.cluster.run.monitor import (
 )
 from gpuflow.cluster.spec import ExperimentSpec
 
+NO_CAPACITY = "No capacity"  # a provision task run's state when no option had capacity
+
 
 def worth_retrying(task, task_run, state) -> bool:
     """A broken setup fails the same way again and a cancelled launch was meant: retry only the rest."""
     try:
         state.result()
     except Exception as exc:  # SkyPilot's classes, by name: tasks/ does not import the SDK
-        return type(exc).__name__ not in (
-            "CommandError",
-            "RequestCancelled",
-            "NoCapacity",
-        )  # NoCapacity: flows/capacity/waiting.py waits
+        return type(exc).__name__ not in ("CommandError", "RequestCancelled")
     return True
 
 
 @task(name="provision", retries=1, retry_delay_seconds=5, retry_condition_fn=worth_retrying)
-def provision(spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -> ClusterHandle:
+def provision(spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -> ClusterHandle | NoCapacity:
     """Brings the cluster up (or finds it, on a retry of the same flow run); starts `job` with it where the backend
-    does (SkyPilot)."""
+    does (SkyPilot). No option with capacity is an answer the flow acts on (wait, go on-demand), not a failure: the
+    task run ends Completed, named NO_CAPACITY, and returns the NoCapacity with each option's reason; a run that
+    waits an hour for GPUs shows a quiet line per try, not a red failed task."""
     logger = get_run_logger()
     logger.info(f"provisioning {spec.compute.backend} cluster {cluster_name}: {spec.compute.num_nodes} node(s)")
     started = time.time()
-    handle = get_backend(spec.compute.backend).launch(spec, cluster_name, job=job)
+    try:
+        handle = get_backend(spec.compute.backend).launch(spec, cluster_name, job=job)
+    except NoCapacity as answer:
+        reasons = "; ".join(f"{what}: {why}" for what, why in answer.reasons)
+        logger.info(f"no capacity for cluster {cluster_name}: {reasons or answer}")
+        return Completed(name=NO_CAPACITY, message=str(answer), data=answer)
     logger.info(f"cluster {cluster_name} is up in {time.time() - started:.1f}s at {handle.address or 'remote'}")
     return handle
 

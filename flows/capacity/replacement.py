@@ -69,10 +69,8 @@ class Replacement:
         log.info(f"deadline: {choice.reason}, ahead by two changeovers: launching spot beside on-demand: {self.name}")
         future = provision.submit(capacity.spec, self.name, None)  # the spec's own options: spot
         capacity.life.launching(future, self.name)
-        try:
-            future.result()
-        except Exception as exc:  # no spot capacity, mostly: on-demand goes on, and spot is tried again later
-            log.info(f"deadline: no spot cluster beside on-demand ({type(exc).__name__}); again in {RETRY_S:g} s")
+        if not isinstance(outcome := launch_outcome(future), ClusterHandle):  # no spot capacity, mostly
+            log.info(f"deadline: no spot cluster beside on-demand ({type(outcome).__name__}); again in {RETRY_S:g} s")
             capacity.life.replacements.pop(self.name, None)  # nothing launched: nothing to bill
             if self.quota:
                 self.quota.give_back_replacement()
@@ -116,11 +114,11 @@ class Replacement:
         serve (its launch failed, or the run went on-demand since): the relaunch then provisions as before."""
         if self.future is None:
             return None
-        try:
-            handle = self.future.result()
-        except Exception as exc:
+        handle = launch_outcome(self.future)
+        if not isinstance(handle, ClusterHandle):
             log.warning(
-                f"replacement cluster {self.name} did not launch ({type(exc).__name__}: {exc}): provisioning it now"
+                f"replacement cluster {self.name} did not launch ({type(handle).__name__}: {handle}): provisioning "
+                "it now"
             )
             handle = None
         if handle is not None and self.capacity.deadline:
@@ -143,3 +141,12 @@ class Replacement:
         self._done.set()
         self.watch.finish()
         self.watch.join(timeout=60)  # a notice being acted on: `take` must see its launch, not start a second one
+
+
+def launch_outcome(future) -> ClusterHandle | Exception:
+    """What a provision task submitted beside the training gave: its cluster, or why there is none (no capacity,
+    which it returns, or what it raised)."""
+    try:
+        return future.result()
+    except Exception as exc:
+        return exc

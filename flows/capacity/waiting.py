@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from functools import cached_property
 
-from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity
+from gpuflow.cluster.backends import ClusterHandle, Job
 from gpuflow.cluster.cost.deadline import Decision
 from gpuflow.cluster.cost.deadline_run import DeadlineClock
 from gpuflow.cluster.cost.pricing import hourly_cost, option_price
@@ -63,38 +63,37 @@ class Capacity:
             if self.deadline and not self.follow_deadline(spot_available):  # ahead of its pace: no spot, no cost
                 job, spot_available = self.wait_unbilled(RETRY_S, job, tried_at), True  # then try spot again
                 continue
-            try:
-                handle = provision(self.launch_spec, cluster_name, job)
-            except NoCapacity as exc:
-                self.life.meter.not_billed_until(time.time())  # no cluster exists: the wait is not billed
-                if self.life.stopped:
-                    raise
-                if exc.spot and self.deadline:
-                    spot_available = False  # the deadline decides: on-demand at once, or wait for spot
-                    continue
-                if exc.spot and self.spot_lost(f"no spot capacity ({len(exc.reasons)} option(s))"):
-                    continue  # on-demand now: try at once
-                waited = time.monotonic() - started
-                if waited >= limit_s:
-                    raise CapacityTimeout(
-                        f"limits.max_queue_minutes: no capacity for {waited / 60:.1f} min (limit "
-                        f"{self.spec.limits.max_queue_minutes:g}); nothing is running and nothing was billed. "
-                        + "; ".join(f"{what}: {why}" for what, why in exc.reasons)
-                        + ". Add options (compute.options), raise limits.max_queue_minutes, or run later"
-                    ) from None
-                message = (
-                    f"no option has capacity: waiting for one of {len(exc.reasons)} option(s), "
-                    f"{(limit_s - waited) / 60:.1f} min left of limits.max_queue_minutes"
-                )
-                log.info(message)
-                self.set_state(WAITING, message)
-                waited_said = True
-                job = self.wait_unbilled(min(RETRY_S, max(0.0, limit_s - waited)), job, tried_at)
+            # return_state: a direct call hands back the State the task chose (NO_CAPACITY), not its answer
+            answer = provision(self.launch_spec, cluster_name, job, return_state=True).result()
+            if isinstance(answer, ClusterHandle):
+                if waited_said:
+                    self.set_state(None, f"capacity found after {(time.monotonic() - started) / 60:.1f} min")
+                self.launched(answer)
+                return answer
+            self.life.meter.not_billed_until(time.time())  # no cluster exists: the wait is not billed
+            if self.life.stopped:
+                raise answer
+            if answer.spot and self.deadline:
+                spot_available = False  # the deadline decides: on-demand at once, or wait for spot
                 continue
-            if waited_said:
-                self.set_state(None, f"capacity found after {(time.monotonic() - started) / 60:.1f} min")
-            self.launched(handle)
-            return handle
+            if answer.spot and self.spot_lost(f"no spot capacity ({len(answer.reasons)} option(s))"):
+                continue  # on-demand now: try at once
+            waited = time.monotonic() - started
+            if waited >= limit_s:
+                raise CapacityTimeout(
+                    f"limits.max_queue_minutes: no capacity for {waited / 60:.1f} min (limit "
+                    f"{self.spec.limits.max_queue_minutes:g}); nothing is running and nothing was billed. "
+                    + "; ".join(f"{what}: {why}" for what, why in answer.reasons)
+                    + ". Add options (compute.options), raise limits.max_queue_minutes, or run later"
+                )
+            message = (
+                f"no option has capacity: waiting for one of {len(answer.reasons)} option(s), "
+                f"{(limit_s - waited) / 60:.1f} min left of limits.max_queue_minutes"
+            )
+            log.info(message)
+            self.set_state(WAITING, message)
+            waited_said = True
+            job = self.wait_unbilled(min(RETRY_S, max(0.0, limit_s - waited)), job, tried_at)
 
     def wait_unbilled(self, seconds: float, job: Job | None, since: float) -> Job | None:
         """Waits `seconds` with no cluster (a stop ends the wait: RunStopped), billing nothing from `since`; returns
