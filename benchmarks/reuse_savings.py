@@ -59,7 +59,8 @@ def main() -> int:
         saved = 1 - reused["worker_s"] / baseline["worker_s"] if baseline["worker_s"] else 0.0
         print(
             f"{case:10s} reuse: {reused['worker_s']:6.1f} worker-s trained, {reused['cluster_s']:6.1f} cluster-s "
-            f"billed; --force: {baseline['worker_s']:6.1f}, {baseline['cluster_s']:6.1f}; saved {saved:.0%}",
+            f"billed; --force: {baseline['worker_s']:6.1f}, {baseline['cluster_s']:6.1f}; saved {saved:.0%}; trials "
+            f"trained: {reused['trials']} (--force: {baseline['trials']})",
             flush=True,
         )
         rows.append(
@@ -70,6 +71,8 @@ def main() -> int:
                 "cluster-s with reuse": round(reused["cluster_s"], 1),
                 "cluster-s with --force": round(baseline["cluster_s"], 1),
                 "saved %": round(100 * saved, 1),
+                "trials trained with reuse": reused["trials"],
+                "trials trained with --force": baseline["trials"],
             }
         )
     from benchmarks.record import record
@@ -101,9 +104,16 @@ class Runs:
             raise SystemExit(f"run {self.count} failed (exit {code}): {log}")
         [new] = [run for run in self.parents(client) if run.info.run_id not in before] or [None]
         if new is None:  # reused: no MLflow run, no cluster
-            return {"worker_s": 0.0, "cluster_s": 0.0}
+            return {"worker_s": 0.0, "cluster_s": 0.0, "trials": "—"}
         metrics = new.data.metrics
-        return {"worker_s": metrics["gpuflow.train_seconds"] * WORKERS, "cluster_s": metrics["cluster_hours"] * 3600}
+        trials = "—"  # a sweep's trials that trained, of all its trials (the others reused a finished trial's run)
+        if "trials" in metrics:
+            trials = f"{int(metrics['trials'] - metrics.get('reused_trials', 0))} of {int(metrics['trials'])}"
+        return {
+            "worker_s": metrics["gpuflow.train_seconds"] * WORKERS,
+            "cluster_s": metrics["cluster_hours"] * 3600,
+            "trials": trials,
+        }
 
     def parents(self, client) -> list:
         experiment = client.get_experiment_by_name("digits-mlp") if (self.home / "mlflow.db").exists() else None
