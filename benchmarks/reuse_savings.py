@@ -107,8 +107,9 @@ class Runs:
             return {"worker_s": 0.0, "cluster_s": 0.0, "trials": "—"}
         metrics = new.data.metrics
         trials = "—"  # a sweep's trials that trained, of all its trials (the others reused a finished trial's run)
-        if "trials" in metrics:
-            trials = f"{int(metrics['trials'] - metrics.get('reused_trials', 0))} of {int(metrics['trials'])}"
+        if "sweep/trials" in metrics:
+            total = int(metrics["sweep/trials"])
+            trials = f"{total - int(metrics.get('sweep/reused_trials', 0))} of {total}"
         return {
             "worker_s": metrics["gpuflow.train_seconds"] * WORKERS,
             "cluster_s": metrics["cluster_hours"] * 3600,
