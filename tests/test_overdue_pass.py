@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.states import Crashed, Running
+from prefect.states import Crashed, Running, Scheduled
 
 from gpuflow.cluster.protocol import FLOW_RUN_TAG
 from gpuflow.flows.deployments import REAPER
@@ -43,6 +43,8 @@ def test_a_pass_is_overdue_once_none_started_within_the_reapers_interval_and_one
     with get_client(sync_client=True) as client:
         started = client.create_flow_run(a_pass, state=Running())  # Running: Prefect gives it its start time
         now = datetime.now(timezone.utc)
+        # the schedule's next passes, made ahead by the scheduler, outlive a kill -9 of every serve: not a pass run
+        client.create_flow_run(a_pass, state=Scheduled(scheduled_time=now + timedelta(minutes=12)))
         assert not overdue(client, now)
         assert overdue(client, now + timedelta(minutes=11))  # the reaper's schedule is every 10 minutes
         client.set_flow_run_state(started.id, Crashed(), force=True)

@@ -49,14 +49,16 @@ def ask_for_a_pass_if_overdue() -> str | None:
 
 
 def overdue(client, now: datetime) -> bool:
-    """Whether the last reaper pass on this server started longer ago than its schedule's interval (or never)."""
+    """Whether the last reaper pass on this server started longer ago than its schedule's interval (or never). Only a
+    pass that started counts: the server compares coalesce(start_time, expected_start_time), so without is_null_ the
+    schedule's next runs, made ahead and left Scheduled when every serve is killed, would count as recent."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
     from prefect.client.schemas.sorting import FlowRunSort
 
     since = now - timedelta(seconds=interval_s(client))
     recent = client.read_flow_runs(
         flow_filter=FlowFilter(name=FlowFilterName(any_=[REAPER])),
-        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)),
+        flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since, is_null_=False)),
         sort=FlowRunSort.START_TIME_DESC,
         limit=1,
     )
