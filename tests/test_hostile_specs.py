@@ -197,10 +197,12 @@ def test_a_spec_file_with_deployment_is_refused_before_anything_is_triggered(cap
 
 
 def test_refused_credentials_are_not_called_a_bad_spec():
-    from gpuflow.cluster.spec.loading import Refusal
+    from gpuflow.cluster.spec.loading import Denied, Refusal
 
     refused = Refusal("tracking.uri: the MLflow server at http://x refused user 'bob' (401): ...")
     assert str(SpecError([refused])).startswith("credentials refused (the spec is fine):\n  - tracking.uri: ")
+    denied = Denied("tracking.experiment: MLflow user 'carol' has READ on experiment 'digits-mlp' at http://x; ...")
+    assert str(SpecError([denied])).startswith("permission refused (the spec is fine):\n  - tracking.experiment: ")
     # with a problem of the spec's own, the spec is what is wrong first
     assert str(SpecError(["train.lr: -1 is below 0", refused])).startswith("invalid experiment spec:")
 

@@ -245,6 +245,7 @@ def test_a_user_without_edit_on_the_experiment_is_refused_naming_the_fix(stack, 
     result = gpuflow_command(stack, "validate", user=("carol", users["carol"]))
     assert result.returncode == 2, result.stdout + result.stderr
     for wanted in (
+        "permission refused (the spec is fine)",
         "tracking.experiment: MLflow user 'carol' has READ on experiment 'digits-mlp'",
         "name: MLflow user 'carol' has READ on registered model 'digits-mlp'",
         "gpuflow share SPEC --user carol",

@@ -21,6 +21,15 @@ MAX_PROBLEM_CHARS = 400  # with MAX_PROBLEMS_SHOWN: a refusal always prints unde
 class Refusal(str):
     """A problem that is not the spec's: a server refused the caller's credentials (the line names the variable)."""
 
+    heading = "credentials refused (the spec is fine):"
+
+
+class Denied(Refusal):
+    """A problem that is not the spec's: the server knows the caller, who lacks a permission (the line names who
+    grants it)."""
+
+    heading = "permission refused (the spec is fine):"
+
 
 class SpecError(ValueError):
     """A spec that cannot run: each line names the field, the bad value and the fix; never more than a screenful.
@@ -31,8 +40,9 @@ class SpecError(ValueError):
         shown = [cut(problem, MAX_PROBLEM_CHARS) for problem in problems[:MAX_PROBLEMS_SHOWN]]
         if len(problems) > MAX_PROBLEMS_SHOWN:
             shown.append(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems; fix these first")
-        credentials = all(isinstance(problem, Refusal) for problem in problems)
-        heading = "credentials refused (the spec is fine):" if credentials else "invalid experiment spec:"
+        kinds = {type(problem) for problem in problems}
+        kind = kinds.pop() if len(kinds) == 1 else str  # mixed: the spec's own problems come first
+        heading = kind.heading if issubclass(kind, Refusal) else "invalid experiment spec:"
         super().__init__(heading + "\n" + "\n".join(f"  - {p}" for p in shown))
 
 

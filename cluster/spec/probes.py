@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpuflow.cluster.spec.entrypoints import entrypoint_check
 from gpuflow.cluster.spec.fields import absolute_uri, scheme_of, shorten
-from gpuflow.cluster.spec.loading import Refusal, SpecError
+from gpuflow.cluster.spec.loading import Denied, Refusal, SpecError
 from gpuflow.cluster.spec.model import ExperimentSpec
 from gpuflow.cluster.util.http import NOT_HTTP, probe
 
@@ -229,9 +229,11 @@ def tracking_access_problems(uri: str, experiment: str, model: str) -> list[str]
             permission = f"no access ({found.status_code})"
         if permission not in WRITE:
             problems.append(
-                f"{field}: MLflow user {me['username']!r} has {permission} on {kind.replace('_', ' ')} {shorten(name)} "
-                f"at {uri}; a run needs EDIT: its owner or an admin grants it with `gpuflow share SPEC --user "
-                f"{me['username']}`, or change {field}"
+                Denied(
+                    f"{field}: MLflow user {me['username']!r} has {permission} on {kind.replace('_', ' ')} "
+                    f"{shorten(name)} at {uri}; a run needs EDIT: its owner or an admin grants it with `gpuflow share "
+                    f"SPEC --user {me['username']}`, or change {field}"
+                )
             )
     return problems
 
