@@ -766,24 +766,34 @@ def test_a_run_the_quota_cannot_take_fails_saying_what_it_needs_who_holds_it_and
             client.delete_global_concurrency_limit_by_name(LIMIT_PREFIX + pool)
 
 
-def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(prefect_server, gpuflow_home, monkeypatch):
+def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(
+    prefect_server, gpuflow_home, monkeypatch, capsys
+):
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
 
     from gpuflow.cluster.protocol import TRIGGERED_BY_TAG, triggered_by
+    from gpuflow.flows.cli import main
     from gpuflow.flows.deployments.deploy import runner_deployments
     from gpuflow.flows.deployments.trigger import trigger
-    from gpuflow.tasks.tracking import open_mlflow_run
 
     monkeypatch.chdir(REPO)
+    assert main(["run", "--deployment", "run-experiment/no-such-name"]) == 2
+    assert "no deployment 'run-experiment/no-such-name' on the Prefect server at" in capsys.readouterr().err
     runner_deployments(only=["run-experiment"])[0].apply()
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
     flow_run_id = trigger("run-experiment/run-experiment", ["train.epochs=3"])
+    said = capsys.readouterr().out
+    assert "follow it with `gpuflow status`" in said and str(flow_run_id) in said, said
+    # registered, and served by nobody (no serve here): the user is told the run waits for one
+    assert "run-experiment/run-experiment is polled by no serve now: the run waits, Scheduled" in said, said
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(flow_run_id)
         client.delete_flow_run(flow_run.id)  # nothing serves it here: no run left scheduled
     assert triggered_by(flow_run.tags) == "bob" and flow_run.parameters["spec"]["train"]["epochs"] == 3
     monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")  # the serve's user is another: the trigger's is what is recorded
+
+    from gpuflow.tasks.tracking import open_mlflow_run
 
     spec = local_spec("any")
     run = open_mlflow_run(spec, "gpuflow-x", {"id": flow_run_id, "name": flow_run.name, "triggered_by": "bob"})

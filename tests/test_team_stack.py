@@ -62,6 +62,12 @@ def test_requests_without_the_credentials_are_refused(stack):
     assert status_of(flows, auth="admin:wrong", data=b"{}") == 401
     assert status_of(flows, auth=stack.prefect_auth, data=b"{}") == 200
 
+    # a gpuflow command with a wrong credential says which, in a line, not in a traceback
+    env = base_env(**{**stack.client_env(), "PREFECT_API_AUTH_STRING": "admin:wrong"}, GPUFLOW_HOME=str(stack.home))
+    status = subprocess.run([str(BIN / "gpuflow"), "status"], capture_output=True, text=True, env=env, timeout=120)
+    assert status.returncode == 2 and "Traceback" not in status.stderr, status.stderr
+    assert "refused this machine's credential (401): set PREFECT_API_AUTH_STRING" in status.stderr, status.stderr
+
     experiments = f"{stack.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1"
     assert status_of(experiments) == 401
     assert status_of(experiments, auth=f"{MLFLOW_ADMIN}:wrong") == 401

@@ -65,6 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, SettingError) as exc:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not refused_by_prefect(exc):
+            raise
+        print(f"gpuflow: {refused_by_prefect(exc)}", file=sys.stderr)
+        return 2
+
+
+def refused_by_prefect(exc: Exception) -> str | None:
+    """What to tell a user whose Prefect server refused this machine's credential (401, 403); None for other errors.
+    By name: this module imports no Prefect before a command needs it."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if type(exc).__name__ != "PrefectHTTPStatusError" or status not in (401, 403):
+        return None
+    url = exc.request.url
+    return (
+        f"the Prefect server at {url.scheme}://{url.netloc.decode()} refused this machine's credential ({status}): "
+        "set PREFECT_API_AUTH_STRING to the user:password its admin gave (the server's "
+        "PREFECT_SERVER_API_AUTH_STRING; docs/team.md, step 5)"
+    )
 
 
 def entry() -> None:

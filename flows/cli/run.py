@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "rerun":
         return rerun(args)
     if args.deployment:
-        from gpuflow.flows.deployments.trigger import trigger
+        from gpuflow.flows.deployments.trigger import NoSuchDeployment, trigger
 
         if args.spec:  # the deployment runs its own spec: a file here would be silently not what ran
             print(
@@ -96,7 +96,11 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        trigger(args.deployment, args.overrides)
+        try:
+            trigger(args.deployment, args.overrides)
+        except NoSuchDeployment as exc:
+            print(f"gpuflow run: {exc}", file=sys.stderr)
+            return 2
         return 0
     if not args.spec:
         print("gpuflow run: give a spec file, or --deployment FLOW/NAME", file=sys.stderr)

@@ -19,14 +19,26 @@ from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.cluster.spec.probes import tracking_access_problems, verified_user
 from gpuflow.flows.deployments.deploy import with_overrides
+from gpuflow.flows.run_tags import flow_run_ui_url
+
+
+class NoSuchDeployment(LookupError):
+    """The Prefect server has no deployment of that name; the message names the server and how to list them."""
 
 
 def trigger(name: str, overrides: list[str] = ()) -> str:
     """Creates a flow run of the deployment `flow/deployment` (the deployment's spec with `overrides`); its id."""
     from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name(name)
+        try:
+            deployment = client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            raise NoSuchDeployment(
+                f"no deployment {name!r} on the Prefect server at {client.api_url}: `prefect deployment ls` lists "
+                "those it has (a `gpuflow serve` registers prefect.yaml's as it starts)"
+            ) from None
         parameters = with_overrides(deployment.parameters, overrides) if overrides else None
         user = caller(parse_spec((parameters or deployment.parameters)["spec"]))
         flow_run = client.create_flow_run_from_deployment(
@@ -36,7 +48,21 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
         f"gpuflow: started {flow_run.name} ({flow_run.id}) of {name}"
         + (f", triggered by {user}" if user else "; MLFLOW_TRACKING_USERNAME unset: recorded as nobody's")
     )
+    print(f"gpuflow: follow it with `gpuflow status`, or at {flow_run_ui_url(flow_run.id) or 'the Prefect UI'}")
+    if unserved := not_served(deployment):
+        print(f"gpuflow: {name} {unserved}: the run waits, Scheduled, until a `gpuflow serve` (or worker) picks it up")
     return str(flow_run.id)
+
+
+def not_served(deployment) -> str | None:
+    """Why nothing would pick a run of `deployment` up now (paused, or polled by no serve lately); None if served."""
+    from prefect.client.schemas.objects import DeploymentStatus
+
+    if deployment.paused:
+        return "is paused (its last serve stopped)"
+    if deployment.status == DeploymentStatus.NOT_READY:
+        return "is polled by no serve now"
+    return None
 
 
 def caller(spec) -> str | None:
