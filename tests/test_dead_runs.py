@@ -71,6 +71,30 @@ def killed(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+def test_status_shows_a_run_whose_time_has_come_that_nothing_picked_up(prefect_server):
+    """A run triggered (or scheduled) while no serve polls its deployment waits, Scheduled then Late: `gpuflow status`
+    lists it, saying why; a run scheduled for later is not waiting yet."""
+    from datetime import datetime, timedelta, timezone
+
+    from prefect.states import Scheduled
+
+    from gpuflow.flows.cli.status import UNCLAIMED
+
+    now = datetime.now(timezone.utc)
+    with get_client(sync_client=True) as client:
+        due, later = (
+            client.create_flow_run(run_experiment_standin, state=Scheduled(scheduled_time=now + offset)).id
+            for offset in (timedelta(minutes=-1), timedelta(hours=1))
+        )
+        try:
+            shown = {row.flow_run_id: row for row in status()}
+        finally:
+            for flow_run_id in (due, later):
+                client.delete_flow_run(flow_run_id)
+    assert shown[str(due)].state == "Scheduled" and shown[str(due)].queue == UNCLAIMED
+    assert str(later) not in shown
+
+
 def test_runs_killed_waiting_for_gpus_or_before_mlflow_are_crashed_in_one_pass(
     prefect_server, gpuflow_home, monkeypatch
 ):

@@ -10,6 +10,7 @@ N runs hold it at once. Runs go through a served deployment of a Prefect server 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -775,16 +776,16 @@ def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(
     from gpuflow.cluster.protocol import TRIGGERED_BY_TAG, triggered_by
     from gpuflow.flows.cli import main
     from gpuflow.flows.deployments.deploy import runner_deployments
-    from gpuflow.flows.deployments.trigger import trigger
 
     monkeypatch.chdir(REPO)
     assert main(["run", "--deployment", "run-experiment/no-such-name"]) == 2
     assert "no deployment 'run-experiment/no-such-name' on the Prefect server at" in capsys.readouterr().err
     runner_deployments(only=["run-experiment"])[0].apply()
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
-    flow_run_id = trigger("run-experiment/run-experiment", ["train.epochs=3"])
+    assert main(["run", "--deployment", "run-experiment/run-experiment", "--set", "train.epochs=3"]) == 0
     said = capsys.readouterr().out
-    assert "follow it with `gpuflow status`" in said and str(flow_run_id) in said, said
+    [flow_run_id] = re.findall(r"gpuflow: started \S+ \(([0-9a-f-]{36})\) of run-experiment/run-experiment", said)
+    assert "follow it with `gpuflow status`, or at " in said, said
     # registered, and served by nobody (no serve here): the user is told the run waits for one
     assert "run-experiment/run-experiment is polled by no serve now: the run waits, Scheduled" in said, said
     with get_client(sync_client=True) as client:

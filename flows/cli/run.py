@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return rerun(args)
     if args.deployment:
         from gpuflow.flows.deployments.trigger import NoSuchDeployment, trigger
+        from gpuflow.flows.run_tags import flow_run_ui_url
 
         if args.spec:  # the deployment runs its own spec: a file here would be silently not what ran
             print(
@@ -97,10 +98,11 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         try:
-            trigger(args.deployment, args.overrides)
+            flow_run_id = trigger(args.deployment, args.overrides)
         except NoSuchDeployment as exc:
             print(f"gpuflow run: {exc}", file=sys.stderr)
             return 2
+        print(f"gpuflow: follow it with `gpuflow status`, or at {flow_run_ui_url(flow_run_id) or 'the Prefect UI'}")
         return 0
     if not args.spec:
         print("gpuflow run: give a spec file, or --deployment FLOW/NAME", file=sys.stderr)

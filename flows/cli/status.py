@@ -12,10 +12,10 @@ with its message not delivered (the reaper's pass tries again).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from gpuflow.cluster.backends import flow_run_id_of
@@ -28,9 +28,10 @@ from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import found_dead
 from gpuflow.flows.reconcile.lapsed import DEFAULT_GRACE_S
-from gpuflow.flows.reconcile.sources import tracking_uris_or_local
+from gpuflow.flows.reconcile.sources import clusters_of, tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
+UNCLAIMED = "due: no serve or worker has picked it up"  # a Scheduled (or Late) run whose time has come
 
 
 @dataclass
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     api_url = PREFECT_API_URL.value() or (read_stack() or {}).get("api_url")
     if not api_url:  # each `gpuflow run` had a temporary API of its own, gone with it
-        with listed_clusters({"local"}) as found:
+        with clusters_of({"local"}) as found:
             rows = add_clusters([], found)
         if not args.json:
             print("no Prefect server (PREFECT_API_URL) nor warm stack: this machine's clusters only")
@@ -91,6 +92,7 @@ def read_status(now: float | None = None) -> list[RunStatus]:
         FlowFilter,
         FlowFilterName,
         FlowRunFilter,
+        FlowRunFilterExpectedStartTime,
         FlowRunFilterState,
         FlowRunFilterStateType,
     )
@@ -100,6 +102,14 @@ def read_status(now: float | None = None) -> list[RunStatus]:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=LIVE_STATES))),
+            limit=200,
+        )
+        due = client.read_flow_runs(  # started from the UI or `--deployment`, or scheduled, with nothing to run it
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"])),
+                expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.fromtimestamp(now, timezone.utc)),
+            ),
             limit=200,
         )
         queues = {
@@ -124,13 +134,16 @@ def read_status(now: float | None = None) -> list[RunStatus]:
                 row.queue = f"{queue.index(row.flow_run_id) + 1} of {len(queue)} in {pool}"
     add_mlflow_facts(rows, runs, now)
     uris = tracking_uris_or_local()
-    with listed_clusters({row.backend or "local" for row in rows} | {"local"}) as found:
+    with clusters_of({row.backend or "local" for row in rows} | {"local"}) as found:
         rows += add_clusters(rows, found)
         dead = found_dead(found, uris, now)
     for row in rows:
         if row.flow_run_id in dead:
             row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id]}", None
-    return rows + add_unsaid(rows, uris, now)
+    unclaimed = [
+        RunStatus(run.name, str(run.id), run.state.name, gpus=gpus_of(run.parameters), queue=UNCLAIMED) for run in due
+    ]
+    return rows + unclaimed + add_unsaid(rows, uris, now)
 
 
 def add_unsaid(rows: list[RunStatus], tracking_uris: list[str], now: float) -> list[RunStatus]:
@@ -231,25 +244,6 @@ def renewed(now: float, at: float) -> str:
     return f"renewed {age_s(now, at):.0f} s ago" + (
         f" (its clock {ahead:.0f} s ahead of this one)" if ahead >= 1 else ""
     )
-
-
-@contextlib.contextmanager
-def listed_clusters(backends: set[str]):
-    """Every cluster the backends usable here list, as (backend, its status); the backends closed afterwards."""
-    from gpuflow.cluster.backends import get_backend
-    from gpuflow.flows.reconcile.records import listed
-
-    usable = []
-    for name in sorted(backends):
-        try:
-            usable.append(get_backend(name))
-        except Exception:  # not set up here (SkyPilot without credentials)
-            continue
-    try:
-        yield listed(usable)
-    finally:
-        for backend in usable:
-            getattr(backend, "close", lambda: None)()
 
 
 def add_clusters(rows: list[RunStatus], found) -> list[RunStatus]:

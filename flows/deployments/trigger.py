@@ -19,7 +19,6 @@ from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.cluster.spec.probes import tracking_access_problems, verified_user
 from gpuflow.flows.deployments.deploy import with_overrides
-from gpuflow.flows.run_tags import flow_run_ui_url
 
 
 class NoSuchDeployment(LookupError):
@@ -48,7 +47,6 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
         f"gpuflow: started {flow_run.name} ({flow_run.id}) of {name}"
         + (f", triggered by {user}" if user else "; MLFLOW_TRACKING_USERNAME unset: recorded as nobody's")
     )
-    print(f"gpuflow: follow it with `gpuflow status`, or at {flow_run_ui_url(flow_run.id) or 'the Prefect UI'}")
     if unserved := not_served(deployment):
         print(f"gpuflow: {name} {unserved}: the run waits, Scheduled, until a `gpuflow serve` (or worker) picks it up")
     return str(flow_run.id)

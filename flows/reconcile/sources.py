@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from gpuflow.cluster.backends import Backend
@@ -35,3 +36,16 @@ def tracking_uris_or_local() -> list[str]:
         log.warning(f"reaper: cannot list the runs' tracking servers: {type(exc).__name__}: {str(exc)[:300]}")
         uris = [local]
     return [uri for uri in uris if store_exists(uri)]
+
+
+@contextlib.contextmanager
+def clusters_of(names: set[str]):
+    """Every cluster the named backends usable here list, as (backend, its status); the backends closed afterwards."""
+    from gpuflow.flows.reconcile.records import listed
+
+    usable = available_backends(sorted(names))
+    try:
+        yield listed(usable)
+    finally:
+        for backend in usable:
+            getattr(backend, "close", lambda: None)()
