@@ -1,6 +1,7 @@
 """The SkyPilot backend: the spec → sky.Task mapping (SkyPilot's own objects, offline) and the lifecycle
 against an SDK double that behaves like SkyPilot where no cloud can be reached."""
 
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -152,9 +153,12 @@ def test_plan_never_shows_secrets(monkeypatch):
 
 def test_capacity_error_leaves_nothing():
     fake = FakeSky("capacity")
-    with pytest.raises(NoCapacity, match="Relax"):  # SkyPilot's ResourcesUnavailableError, each option's reason
+    with pytest.raises(NoCapacity, match="Relax") as refused:  # SkyPilot's ResourcesUnavailableError, each reason
         SkyPilotBackend(fake).launch(gpu_spec(), NAME)
     assert fake.clusters == {}
+    # the provision task returns it as its answer, which a persisted result pickles: it comes back whole
+    again = pickle.loads(pickle.dumps(refused.value))
+    assert (str(again), again.reasons, again.spot) == (str(refused.value), refused.value.reasons, refused.value.spot)
 
 
 # SkyPilot 0.14.1's own message, as the Slurm tier got it: a partition that refused the launch, spot not tried

@@ -110,3 +110,6 @@ class NoCapacity(RuntimeError):
     def __init__(self, message: str, reasons: list[tuple[str, str]], spot: bool = False):
         super().__init__(message)
         self.reasons, self.spot = reasons, spot
+
+    def __reduce__(self):  # the provision task's answer may be pickled as its result: rebuilt with its reasons
+        return type(self), (str(self), self.reasons, self.spot)
