@@ -784,7 +784,7 @@ def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
     assert main(["run", "--deployment", "run-experiment/run-experiment", "--set", "train.epochs=3"]) == 0
     said = capsys.readouterr().out
-    [flow_run_id] = re.findall(r"gpuflow: started \S+ \(([0-9a-f-]{36})\) of run-experiment/run-experiment", said)
+    [flow_run_id] = re.findall(r"gpuflow: started flow run ([0-9a-f-]{36}) of run-experiment/run-experiment", said)
     assert "follow it with `gpuflow status`, or at " in said, said
     # registered, and served by nobody (no serve here): the user is told the run waits for one
     assert "run-experiment/run-experiment is polled by no serve now: the run waits, Scheduled" in said, said

@@ -44,7 +44,8 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
             deployment.id, parameters=parameters, tags=[TRIGGERED_BY_PREFECT_TAG_PREFIX + user] if user else []
         )
     print(
-        f"gpuflow: started {flow_run.name} ({flow_run.id}) of {name}"
+        # not its name: Prefect's placeholder until the flow names it (`gpuflow status` shows the id's first 8)
+        f"gpuflow: started flow run {flow_run.id} of {name}"
         + (f", triggered by {user}" if user else "; MLFLOW_TRACKING_USERNAME unset: recorded as nobody's")
     )
     if unserved := not_served(deployment):
