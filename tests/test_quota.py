@@ -166,6 +166,21 @@ def holding(run) -> bool:
     )
 
 
+def test_quota_list_without_a_server_answers_in_a_line_each_time(tmp_path):
+    """No Prefect server and no warm stack: the quotas of the database `gpuflow run` uses, on a temporary API, and no
+    error on the console: not Prefect's telemetry offline, not a server traceback for a limit the first call made."""
+    env = base_env(PREFECT_HOME=str(tmp_path / "prefect"), GPUFLOW_HOME=str(tmp_path / "home"))
+    env.pop("PREFECT_API_URL", None)
+    for _ in range(2):
+        listed = subprocess.run(
+            [str(BIN / "gpuflow"), "quota", "list"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.strip() == "no quotas: runs never wait (gpuflow quota set POOL SIZE)", listed.stdout
+        assert "ERROR" not in listed.stderr and "Traceback" not in listed.stderr, listed.stderr
+    assert not (tmp_path / ".gpuflow").exists()  # no reaper pass for a server gone with the command
+
+
 def test_gpuflow_status_reads_as_a_table():
     from gpuflow.flows.cli.status import RunStatus, table
 

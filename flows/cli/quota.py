@@ -27,8 +27,12 @@ def add_parser(commands, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpuflow.flows.local_stack.prefect_api import temporary_api_launched
     from gpuflow.flows.quota import pools
 
+    api = temporary_api_launched()  # without a Prefect server: the warm stack's, or the database `gpuflow run` uses
+    if api:
+        api.ready()
     if args.action == "set":
         problem = quota_name_problem(args.pool)
         if problem or args.size < 0:
@@ -46,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
         from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
         from gpuflow.flows.reconcile.quota_recount import recount
 
-        ask_for_a_pass_if_overdue()
+        if api is None:  # a server that outlives this command: one that may hold dead runs' records
+            ask_for_a_pass_if_overdue()
         counts = recount()  # held: what the runs truly hold, once a leak is given back
         rows = [
             (found.pool, found.size, found.counted - found.freed, len(pools.waiting_runs(found.pool)))

@@ -4,6 +4,7 @@ pass's asker)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 
@@ -12,14 +13,15 @@ def take_a_turn(client, name: str, decay_s: float) -> bool:
     process holds it."""
     import httpx
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectAlreadyExists
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-    try:
-        client.create_global_concurrency_limit(
-            GlobalConcurrencyLimitCreate(name=name, limit=1, slot_decay_per_second=1 / decay_s)
-        )
-    except ObjectAlreadyExists:
-        pass
+    try:  # read first: the server logs a traceback for every create of a limit that exists (each pass, each command)
+        client.read_global_concurrency_limit_by_name(name)
+    except ObjectNotFound:
+        with contextlib.suppress(ObjectAlreadyExists):  # another process made it meanwhile
+            client.create_global_concurrency_limit(
+                GlobalConcurrencyLimitCreate(name=name, limit=1, slot_decay_per_second=1 / decay_s)
+            )
     try:
         client.increment_concurrency_slots(names=[name], slots=1, mode="concurrency")
         return True
