@@ -30,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
     from gpuflow.flows.local_stack.prefect_api import temporary_api_launched
     from gpuflow.flows.quota import pools
 
+    if args.action == "list":  # before a temporary API is this process's: a pass is for a server that outlives it
+        from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
+
+        ask_for_a_pass_if_overdue()
     api = temporary_api_launched()  # without a Prefect server: the warm stack's, or the database `gpuflow run` uses
     if api:
         api.ready()
@@ -47,11 +51,8 @@ def run(args: argparse.Namespace) -> int:
             client.delete_global_concurrency_limit_by_name(pools.LIMIT_PREFIX + args.pool)
         print(f"quota {args.pool} removed: its runs no longer wait")
     else:
-        from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
         from gpuflow.flows.reconcile.quota_recount import recount
 
-        if api is None:  # a server that outlives this command: one that may hold dead runs' records
-            ask_for_a_pass_if_overdue()
         counts = recount()  # held: what the runs truly hold, once a leak is given back
         rows = [
             (found.pool, found.size, found.counted - found.freed, len(pools.waiting_runs(found.pool)))

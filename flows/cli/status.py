@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
     from gpuflow.flows.local_stack.stack import read_stack
 
-    api_url = PREFECT_API_URL.value() or (read_stack() or {}).get("api_url")
+    configured = PREFECT_API_URL.value()  # a team's server: the warm stack's is this machine's alone
+    api_url = configured or (read_stack() or {}).get("api_url")
     if not api_url:  # each `gpuflow run` had a temporary API of its own, gone with it
         with clusters_of({"local"}) as found:
             rows = add_clusters([], found)
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
 
         with temporary_settings({PREFECT_API_URL: api_url}):
-            ask_for_a_pass_if_overdue()
+            if configured:
+                ask_for_a_pass_if_overdue()
             rows = status()
     if args.json:
         print(json.dumps([asdict(row) for row in rows], indent=2))
