@@ -205,10 +205,12 @@ def test_gpuflow_status_reads_as_a_table():
             "local",
             gpus="1 worker",
             queue="1 of 1 in local",
+            triggered_by="bob",
         ),
     ]
     header, first, second = table(rows).splitlines()
-    assert header.split() == "run id state cluster GPUs $/h spent lease queue MLflow message".split()
+    assert header.split() == "run id state by cluster GPUs $/h spent lease queue MLflow message".split()
+    assert second.index("bob") == header.index("by") and first.split()[3] == "-"  # who triggered it, if anyone said
     assert "$0.50" in first and "$0.01" in first and "alive, renewed 3 s ago" in first
     assert first.split()[:2] == ["digits-mlp-1", "0f1e2d3c"] and second.split()[:2] == ["digits-mlp-1", "9a8b7c6d"]
     assert "Waiting for GPUs" in second and "1 of 1 in local" in second

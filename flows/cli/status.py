@@ -20,7 +20,14 @@ from pathlib import Path
 
 from gpuflow.cluster.backends import flow_run_id_of
 from gpuflow.cluster.cost.spend import HOURLY_METRIC
-from gpuflow.cluster.protocol import FLOW_RUN_TAG, GRACE_TAG, NOTIFIED_TAG, NOTIFY_FAILED_TAG, RENEWED_TAG
+from gpuflow.cluster.protocol import (
+    FLOW_RUN_TAG,
+    GRACE_TAG,
+    NOTIFIED_TAG,
+    NOTIFY_FAILED_TAG,
+    RENEWED_TAG,
+    triggered_by,
+)
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.liveness import age_s
 from gpuflow.cluster.run.mlflow_run import at_most_one_try
@@ -48,6 +55,7 @@ class RunStatus:
     queue: str | None = None  # "2 of 3 in aws-h100" while waiting for the quota
     mlflow: str | None = None
     message: str | None = None  # the run's end message, when its webhook did not get it
+    triggered_by: str | None = None  # the MLflow user that `gpuflow run --deployment` verified
 
 
 def add_parser(commands, name: str) -> None:
@@ -120,16 +128,7 @@ def read_status(now: float | None = None) -> list[RunStatus]:
                 tag.removeprefix(WAIT_TAG_PREFIX) for run in runs for tag in run.tags if tag.startswith(WAIT_TAG_PREFIX)
             }
         }
-    rows = [
-        RunStatus(
-            run.name,
-            str(run.id),
-            run.state.name if run.state else "?",
-            tag_value(run, "backend:"),
-            gpus=gpus_of(run.parameters),
-        )
-        for run in runs
-    ]
+    rows = [row_of(run) for run in runs]
     for row in rows:
         for pool, queue in queues.items():
             if row.flow_run_id in queue and row.state == WAITING:
@@ -142,10 +141,13 @@ def read_status(now: float | None = None) -> list[RunStatus]:
     for row in rows:
         if row.flow_run_id in dead:
             row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id]}", None
-    unclaimed = [
-        RunStatus(run.name, str(run.id), run.state.name, gpus=gpus_of(run.parameters), queue=UNCLAIMED) for run in due
-    ]
-    return rows + unclaimed + add_unsaid(rows, uris, now)
+    return rows + [row_of(run, queue=UNCLAIMED) for run in due] + add_unsaid(rows, uris, now)
+
+
+def row_of(run, **more) -> RunStatus:
+    """A flow run's row, from what Prefect holds of it."""
+    state, backend, who = run.state.name if run.state else "?", tag_value(run, "backend:"), triggered_by(run.tags)
+    return RunStatus(run.name, str(run.id), state, backend, gpus=gpus_of(run.parameters), triggered_by=who, **more)
 
 
 def add_unsaid(rows: list[RunStatus], tracking_uris: list[str], now: float) -> list[RunStatus]:
@@ -273,6 +275,7 @@ def table(rows: list[RunStatus]) -> str:
         ("run", lambda r: r.flow_run),
         ("id", lambda r: r.flow_run_id[:SHORT_ID]),  # two runs of one spec started in the same second differ here
         ("state", lambda r: r.state),
+        ("by", lambda r: r.triggered_by or "-"),
         ("cluster", lambda r: r.cluster or "-"),
         ("GPUs", lambda r: r.gpus or "-"),
         ("$/h", lambda r: money(r.hourly_usd)),
