@@ -62,8 +62,8 @@ def start_api_server(listener: socket.socket, settings_env: dict[str, str]) -> s
             "PREFECT_UI_ENABLED": "0",
             "PREFECT__SERVER_EPHEMERAL": "1",
             "PREFECT__SERVER_FINAL": "1",
-            # a server of this process alone: its usage reports say nothing of a team's, and offline each start logs
-            # an ERROR on the user's console ("Failed to send telemetry"); as the warm stack, unless the user says
+            # a server of this process (or of the warm stack) alone: its usage reports say nothing of a team's, and
+            # offline each start logs an ERROR on the user's console ("Failed to send telemetry"); unless the user says
             "PREFECT_SERVER_ANALYTICS_ENABLED": os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
             **settings_env,
         },

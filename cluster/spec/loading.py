@@ -40,9 +40,10 @@ class SpecError(ValueError):
         shown = [cut(problem, MAX_PROBLEM_CHARS) for problem in problems[:MAX_PROBLEMS_SHOWN]]
         if len(problems) > MAX_PROBLEMS_SHOWN:
             shown.append(f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more problems; fix these first")
-        kinds = {type(problem) for problem in problems}
-        kind = kinds.pop() if len(kinds) == 1 else str  # mixed: the spec's own problems come first
-        heading = kind.heading if issubclass(kind, Refusal) else "invalid experiment spec:"
+        if not all(isinstance(problem, Refusal) for problem in problems):  # the spec's own problems come first
+            heading = "invalid experiment spec:"
+        else:
+            heading = Denied.heading if all(isinstance(p, Denied) for p in problems) else Refusal.heading
         super().__init__(heading + "\n" + "\n".join(f"  - {p}" for p in shown))
 
 

@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpuflow: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        if not refused_by_prefect(exc):
+        if not (refused := refused_by_prefect(exc)):
             raise
-        print(f"gpuflow: {refused_by_prefect(exc)}", file=sys.stderr)
+        print(f"gpuflow: {refused}", file=sys.stderr)
         return 2
 
 

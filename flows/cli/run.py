@@ -178,7 +178,6 @@ def exit_without_prefect(spec, outcome: str, log_file, interrupted: bool = False
 
 
 def run_spec(spec, verbose: bool = False, rerun_of: str | None = None, force: bool = False) -> int:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     stack_mode(), stack_idle_minutes(), reuse_mode()  # a setting gpuflow cannot use is refused before anything starts
     interrupt_on_sigterm()
     started = time.time()

@@ -230,7 +230,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-minutes", type=float, default=30)
     args = parser.parse_args()
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.pop("PREFECT_API_URL", None)  # the stack serves its own API
     stack = Stack(args.idle_minutes)
 
