@@ -11,7 +11,7 @@ from gpuflow.cluster.cost.history import prediction_for
 from gpuflow.cluster.cost.predict import Prediction
 from gpuflow.cluster.data import ensure_data
 from gpuflow.cluster.spec import ExperimentSpec, validate_spec
-from gpuflow.cluster.spec.probes import wait_for_tracking_server
+from gpuflow.cluster.spec.probes import TRACKING_WAIT_S
 from gpuflow.cluster.util.local_store import ready_local_store
 
 
@@ -19,8 +19,8 @@ from gpuflow.cluster.util.local_store import ready_local_store
 def validate(spec: ExperimentSpec) -> tuple[ExperimentSpec, Prediction]:
     """Fails with every problem listed (field, value, fix) before anything is started or billed. Returns the spec
     and the run's time and cost predicted from past runs of its loop on its hardware (logged when its run opens)."""
-    wait_for_tracking_server(spec.tracking_uri, get_run_logger().warning)  # a restart of it is no bad spec
-    spec = resolved(check_infra(validate_spec(spec)), created_at())  # a deadline within hours: from the run's start
+    spec = validate_spec(spec, patience_s=TRACKING_WAIT_S, say=get_run_logger().warning)  # outlives its restart
+    spec = resolved(check_infra(spec), created_at())  # a deadline within hours: from the run's start
     prediction = prediction_for(spec)
     deadline = checked_deadline(spec, prediction)
     # reserves, then refuses here, before any cluster exists

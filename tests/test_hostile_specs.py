@@ -356,6 +356,63 @@ def test_a_run_waits_for_a_tracking_server_that_comes_back_and_one_that_does_not
     assert any(p.startswith("tracking.uri") and "does not answer" in p for p in checked({"tracking": {"uri": uri}}))
 
 
+def test_a_run_outlives_its_tracking_server_killed_between_the_checks(gpuflow_home):
+    """The server answers its health probe, then dies as its users are asked (a kill -9 at the wrong moment), and
+    comes back 2 s later: a run nobody watches waits and checks again; a person is told in a line, no traceback."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from gpuflow.cluster.spec import validate_spec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    servers, dying = [], threading.Event()
+
+    class DiesWhenAsked(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/api/2.0/mlflow/users/current") and dying.is_set():
+                dying.clear()
+                self.close_connection = True  # no answer: the process died with the request open
+                threading.Thread(target=restart, args=(servers[-1],)).start()
+                return
+            self.send_response(200 if self.path == "/health" else 404)  # 404: no users on this server
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def serve():
+        servers.append(ThreadingHTTPServer(("127.0.0.1", port), DiesWhenAsked))
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+
+    def restart(server):
+        server.shutdown()
+        server.server_close()
+        threading.Event().wait(2)
+        serve()
+
+    uri = f"http://127.0.0.1:{port}"
+    spec = parse_spec(with_loop({"workdir": str(REPO), "data": DIGITS_DATA, "tracking": {"uri": uri}}))
+    serve()
+    try:
+        dying.set()
+        with pytest.raises(SpecError) as refused:
+            validate_spec(spec)  # a person at `gpuflow run`: told at once
+        assert f"tracking.uri: the MLflow server at '{uri}' does not answer" in str(refused.value), refused.value
+        while len(servers) < 2:
+            threading.Event().wait(0.1)
+
+        said = []
+        dying.set()
+        assert validate_spec(spec, patience_s=60, say=said.append) is spec  # a run nobody watches: waits, goes on
+        assert len(servers) == 3 and "does not answer" in said[0] and said[-1].endswith("answers again"), said
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
 def test_tracking_uri_of_a_server_that_is_not_http_is_a_clear_error(gpuflow_home):
     with not_http_server() as port:  # as Ray's gRPC servers are
         problems = checked({"tracking": {"uri": f"http://127.0.0.1:{port}"}})

@@ -47,10 +47,13 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     if unwritable:
         problems.append(f"storage.checkpoints: {unwritable}; give a folder or bucket this machine can write")
     down = tracking_server_problem(spec.tracking_uri)
+    if not down:
+        try:
+            problems += tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
+        except ServerSilent as exc:  # it went down between the two questions (killed, restarting)
+            down = tracking_server_problem(spec.tracking_uri) or f"the MLflow server at {shorten(exc.uri)} {exc}"
     if down:
-        problems.append(f"tracking.uri: {down}")
-    else:
-        problems += tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
+        problems.append(Silence(f"tracking.uri: {down}"))
     return importing.problems() + problems
 
 
@@ -60,8 +63,16 @@ def check_entrypoints(spec: ExperimentSpec):
     return entrypoint_check(spec.workdir, {field: value for field, value in entrypoints.items() if value})
 
 
-def validate_spec(spec: ExperimentSpec) -> ExperimentSpec:
+def validate_spec(spec: ExperimentSpec, patience_s: float = 0.0, say=print) -> ExperimentSpec:
+    """Raises SpecError with every problem. With `patience_s` (a run nobody watches: a schedule, the UI), a tracking
+    server that does not answer is waited for that long, saying so, and the checks made again once it answers: the
+    run outlives a restart of it, whenever it strikes. A person at `gpuflow run` is told at once."""
+    deadline = time.monotonic() + patience_s
     problems = check_spec(spec)
+    while any(isinstance(problem, Silence) for problem in problems) and time.monotonic() < deadline:
+        if not wait_for_tracking_server(spec.tracking_uri, say, deadline - time.monotonic()):
+            break
+        problems = check_spec(spec)
     if problems:
         raise SpecError(problems)
     return spec
@@ -163,21 +174,21 @@ def tracking_server_problem(uri: str, timeout_s: float = TRACKING_PROBE_TIMEOUT_
     )
 
 
-def wait_for_tracking_server(uri: str, say, bound_s: float = TRACKING_WAIT_S) -> None:
-    """Waits up to `bound_s` while an http(s) tracking server does not answer, saying so once: a scheduled or served
-    run outlives a restart of it, where a person at `gpuflow run` is told at once. The spec's check then refuses a
-    server still down; what is not an HTTP server is no restart, and is not waited for."""
+def wait_for_tracking_server(uri: str, say, bound_s: float = TRACKING_WAIT_S) -> bool:
+    """Waits up to `bound_s` while an http(s) tracking server does not answer, saying so once; whether it answers.
+    What is not an HTTP server is no restart, and is not waited for."""
     deadline, waited = time.monotonic() + bound_s, False
     while time.monotonic() < deadline:
         why = silence_of(uri)
         if why in (None, NOT_HTTP):
             if waited:
                 say(f"the MLflow server at {shorten(uri)} answers again")
-            return
+            return why is None
         if not waited:
-            say(f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)}): waiting {bound_s:g} s")
+            say(f"the MLflow server at {shorten(uri)} does not answer ({shorten(why, 200)}): waiting {bound_s:.0f} s")
             waited = True
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    return False
 
 
 # -- the tracking user may write ------------------------------------------------------------------------------
@@ -247,11 +258,29 @@ def verified_user(uri: str) -> str | None:
     return answer.json()["user"]["username"] if answer.status_code == 200 else None
 
 
+class Silence(str):
+    """The problem of a tracking server that does not answer: a wrong host or port, or a server restarting."""
+
+
+class ServerSilent(ConnectionError):
+    def __init__(self, uri: str):
+        self.uri = uri
+        super().__init__("stopped answering while its users were checked; start it, or fix the host and port")
+
+
 def mlflow_get(uri: str, endpoint: str, params: dict | None = None):
+    """MLflow's answer, with the credentials its client sends; ServerSilent where nothing answered."""
+    import requests
+    from mlflow.exceptions import MlflowException
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
-    return http_request(get_default_host_creds(uri), endpoint, "GET", params=params, max_retries=0, timeout=10)
+    try:
+        return http_request(get_default_host_creds(uri), endpoint, "GET", params=params, max_retries=0, timeout=10)
+    except MlflowException as exc:  # it wraps the connection's failure, as its context
+        if isinstance(exc.__context__, requests.RequestException):
+            raise ServerSilent(uri) from exc
+        raise
 
 
 def unauthenticated(uri: str) -> Refusal:
