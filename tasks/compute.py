@@ -187,12 +187,16 @@ def teardown(life: Lifecycle) -> float:
 TELEMETRY_PREFIX = "perf/"  # the step timer's figures (cluster/telemetry.py): in each epoch's line and the summary
 
 
+STEP_KEYS = {"epoch", "step"}  # the metrics' x-axis, in the loop's own counting: its epoch 9 is the console's 10/10
+
+
 def metrics_line(metrics: dict, telemetry: bool = True) -> str:
-    """Metrics as a person reads them, `val_accuracy=0.975 epoch=9`; without the telemetry figures on request."""
+    """Metrics as a person reads them, `val_accuracy=0.975 train_loss=0.08`: without the loop's step counter (the
+    console counts epochs from 1), and without the telemetry figures on request."""
     return " ".join(
         f"{key}={value:.4g}" if isinstance(value, (int, float)) else f"{key}={value}"
         for key, value in metrics.items()
-        if telemetry or not key.startswith(TELEMETRY_PREFIX)
+        if key not in STEP_KEYS and (telemetry or not key.startswith(TELEMETRY_PREFIX))
     )
 
 

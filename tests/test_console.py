@@ -64,6 +64,16 @@ def test_an_epoch_record_makes_one_short_line():
     assert without_ray_prefix(logging.makeLogRecord({"msg": line})).msg.startswith("[gpuflow] epoch 2:")
 
 
+def test_the_summary_counts_no_epoch_of_its_own():
+    """The loop's last epoch is its index (9 of a 10-epoch run, as MLflow keeps it): the summary, after a console that
+    said `epoch 10/10`, does not say `epoch=9`."""
+    from gpuflow.tasks.compute import metrics_line
+
+    final = {"train_loss": 0.07516, "val_accuracy": 0.9861, "perf/epoch_s": 0.27, "epoch": 9}
+    assert metrics_line(final) == "train_loss=0.07516 val_accuracy=0.9861 perf/epoch_s=0.27"
+    assert metrics_line({**final, "step": 400}, telemetry=False) == "train_loss=0.07516 val_accuracy=0.9861"
+
+
 def test_prefects_notes_on_hooks_are_hidden_but_a_failing_hook_is_not():
     import logging
 
