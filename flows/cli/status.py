@@ -31,14 +31,16 @@ from gpuflow.cluster.protocol import (
 from gpuflow.cluster.run.lease import stale
 from gpuflow.cluster.run.liveness import age_s
 from gpuflow.cluster.run.mlflow_run import at_most_one_try
+from gpuflow.flows.cli.console import clock
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
 from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import found_dead
 from gpuflow.flows.reconcile.lapsed import DEFAULT_GRACE_S
+from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
 from gpuflow.flows.reconcile.sources import clusters_of, tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
-UNCLAIMED = "due: no serve or worker has picked it up"  # a Scheduled (or Late) run whose time has come
+UNCLAIMED = "no serve or worker has picked it up"  # a Scheduled (or Late) run whose time has come
 
 
 @dataclass
@@ -76,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print("no Prefect server (PREFECT_API_URL) nor warm stack: this machine's clusters only")
     else:
-        from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
-
         with temporary_settings({PREFECT_API_URL: api_url}):
             if configured:
                 ask_for_a_pass_if_overdue()
@@ -141,7 +141,9 @@ def read_status(now: float | None = None) -> list[RunStatus]:
     for row in rows:
         if row.flow_run_id in dead:
             row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id]}", None
-    return rows + [row_of(run, queue=UNCLAIMED) for run in due] + add_unsaid(rows, uris, now)
+    for run in due:  # how long each has waited, and why
+        rows.append(row_of(run, queue=f"due {clock(age_s(now, run.expected_start_time.timestamp()))} ago: {UNCLAIMED}"))
+    return rows + add_unsaid(rows, uris, now)
 
 
 def row_of(run, **more) -> RunStatus:
