@@ -7,7 +7,8 @@ concurrency limits, so every process that talks to the same Prefect server share
 A run holds its cluster's GPUs (nodes × GPUs per node; on the local backend, its workers) from before it provisions
 until its cluster is down, first submitted first served. Its flow run's tags say where it is: `quota:<pool>` from its
 start, `quota-wait:` while it waits (its state stamped "Waiting for GPUs" with its place; a stale stamp is passed
-over), `quota-taking:` while it asks, `quota-held:`, `quota-slots:<n>` and `quota-lease:<id>` while it holds. A spot
+over), `quota-taking:` while it asks, `quota-held:` and `quota-slots:<n>` from when it holds on (kept after: a dead
+run's cluster still up is counted by them), `quota-lease:<id>` while it holds. A spot
 notice's replacement cluster, billing beside the first, holds a second share on a lease of its own (two lease tags,
 the slots tag doubled) until the first is down. The lease, renewed while the run's process lives, lasts as long as
 its cluster may outlive it; the reaper's recount (flows/reconcile/quota_recount.py) gives a dead run's slots back once
