@@ -167,6 +167,34 @@ def next_reaper_run(client, deployment_id):
     return asyncio.run(IntervalSchedule(**schedule.schedule.model_dump()).get_dates(n=1))[0]
 
 
+def test_a_serve_of_another_setup_is_refused_while_another_serves(prefect_server):
+    """Each serve registers its deployments anew: a second serve of other code or another default spec would make
+    every serve run its runs from the second's files. Refused, naming the field, while the first polls; the same
+    setup (another machine of the team), or a deployment nobody serves, is served."""
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.deployments.serve import ServedElsewhere, refuse_a_takeover
+
+    def setup(*overrides):
+        [deployment] = runner_deployments(list(overrides), only=["run-experiment"])
+        deployment.name = "takeover"  # the session's own run-experiment stays as it is
+        return [deployment]
+
+    deployment_id = setup("train.epochs=3")[0].apply()
+    with get_client(sync_client=True) as client:
+        try:
+            client.get_scheduled_flow_runs_for_deployments([deployment_id])  # a serve's poll
+            refuse_a_takeover(setup("train.epochs=3"))
+            with pytest.raises(ServedElsewhere) as refused:
+                refuse_a_takeover(setup("train.epochs=4", "train.lr=0.01"))
+            assert "run-experiment/takeover is served now by another serve" in str(refused.value), refused.value
+            assert "differ in spec.train.epochs, spec.train.lr." in str(refused.value), refused.value
+            client.pause_deployment(deployment_id)  # as a serve that stops pauses what nobody else serves
+            refuse_a_takeover(setup("train.epochs=4"))
+        finally:
+            client.delete_deployment(deployment_id)
+
+
 def test_a_serve_restart_keeps_the_reapers_next_run(prefect_server):
     import time
 

@@ -789,6 +789,7 @@ def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(
 ):
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     from gpuflow.cluster.protocol import TRIGGERED_BY_TAG, triggered_by
     from gpuflow.flows.cli import main
@@ -797,7 +798,14 @@ def test_a_run_started_through_a_deployment_is_recorded_as_its_callers(
     monkeypatch.chdir(REPO)
     assert main(["run", "--deployment", "run-experiment/no-such-name"]) == 2
     assert "no deployment 'run-experiment/no-such-name' on the Prefect server at" in capsys.readouterr().err
-    runner_deployments(only=["run-experiment"])[0].apply()
+    deployment_id = runner_deployments(only=["run-experiment"])[0].apply()
+    # a field its form_policy fixes: refused here, naming it, nothing triggered (the serve would fail the run)
+    assert main(["run", "--deployment", "run-experiment/run-experiment", "--set", "storage.checkpoints=/tmp/x"]) == 2
+    assert "storage.checkpoints: deployment 'run-experiment' fixes this field" in capsys.readouterr().err
+    with get_client(sync_client=True) as client:
+        assert (
+            client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))) == []
+        )
     monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "bob")
     assert main(["run", "--deployment", "run-experiment/run-experiment", "--set", "train.epochs=3"]) == 0
     said = capsys.readouterr().out

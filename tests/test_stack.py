@@ -97,6 +97,8 @@ def test_a_run_on_the_stack_uses_its_api_and_spare_a_kill_9_of_one_stops_its_clu
     stack = stack_record(gpuflow_home)
     spare = spare_pids(gpuflow_home)
     assert spare, "the spare cluster is up"
+    again = gpuflow(stack_env, "up", "--idle-minutes", "30")  # one up keeps its idle time, and says so
+    assert "stops after 5 idle min" in again and "it was up already" in again and stack_record(gpuflow_home) == stack
 
     # The run's Prefect home is another: had it started an API of its own, the flow run would be stored there.
     run_env = {**stack_env, "PREFECT_HOME": str(gpuflow_home / "prefect-of-the-run")}

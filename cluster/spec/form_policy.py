@@ -39,6 +39,16 @@ class FormPolicy:
     rerun_refs: list[str] = field(default_factory=lambda: list(RERUN_REFS))  # what a rerun from the UI may run
 
     def problems(self, spec: ExperimentSpec, spec_file: str | None = None) -> list[str]:
+        found = self.field_problems(spec, spec_file)
+        generate = spec.data.generate if spec.data else None  # a loop that reads its own data has none
+        for path, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
+            problem = entrypoint and not_a_project_function(entrypoint, self.baseline.workdir)
+            if problem:
+                found.append(f"{path}: {problem}")
+        return found
+
+    def field_problems(self, spec: ExperimentSpec, spec_file: str | None = None) -> list[str]:
+        """The fields the policy fixes that the spec changes (what any machine can check: no import)."""
         found = []
         if spec_file and not self.allows("spec_file"):
             found.append(
@@ -55,11 +65,6 @@ class FormPolicy:
                     f"or add {path} to its form_policy.allow in prefect.yaml (allowed: "
                     f"{', '.join(self.allow) or 'nothing'})"
                 )
-        generate = spec.data.generate if spec.data else None  # a loop that reads its own data has none
-        for path, entrypoint in (("train.loop", spec.train.loop), ("data.generate", generate)):
-            problem = entrypoint and not_a_project_function(entrypoint, self.baseline.workdir)
-            if problem:
-                found.append(f"{path}: {problem}")
         return found
 
     def allows(self, path: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from gpuflow.flows.cli import add_overrides
 
@@ -32,9 +33,13 @@ def add_parser(commands, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from gpuflow.flows.deployments.deploy import deploy
-    from gpuflow.flows.deployments.serve import serve
+    from gpuflow.flows.deployments.serve import ServedElsewhere, serve
 
     if args.command == "deploy":
         return deploy(args.only, args.pool, remote=args.remote)
-    serve(args.overrides, args.only, args.limit)
+    try:
+        serve(args.overrides, args.only, args.limit)
+    except ServedElsewhere as exc:
+        print(f"gpuflow serve: {exc}", file=sys.stderr)
+        return 2
     return 0

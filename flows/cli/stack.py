@@ -68,9 +68,12 @@ def up_stack(spec_path: str | None, idle_minutes: float) -> int:
                 ]
             )
         shape, secrets = shape_of(spec), spec.secrets
+    was_up = stack.read_stack() is not None
     record = stack.up(idle_minutes, shape, secrets)
     spare = record.get("spare_shape")
     print(f"gpuflow: warm stack up (stops after {record['idle_minutes']:g} idle min, or `gpuflow down`)")
+    if was_up and record["idle_minutes"] != idle_minutes:
+        print(f"  (it was up already, with its own idle time: `gpuflow down`, then up, for {idle_minutes:g} min)")
     print(f"  Prefect API  {record['api_url']}")
     print(
         "  spare        "

@@ -3,7 +3,9 @@
     gpuflow serve                                  # run-experiment, nightly-digits and reap-clusters
     gpuflow serve --only run-experiment --set tracking.uri=http://127.0.0.1:5000 --limit 1
 
-Several machines may serve the same deployments (each polls the server for their runs). Stopping one pauses only
+Several machines may serve the same deployments (each polls the server for their runs), if they serve the same
+thing: each serve registers them anew, and the last one's entrypoint and default spec would be every serve's, so a
+serve of another project (or of other `--set`s) is refused while another serve polls them. Stopping one pauses only
 the deployments no other serve still polls: a schedule keeps firing while anyone serves it, and one that nobody
 serves is paused rather than left to pile up late runs that would all start at once when a serve comes back.
 """
@@ -26,6 +28,7 @@ SETTLE_S = 3.0  # for this serve's own last poll to reach the server's record
 def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1) -> None:
     """Blocks, polling the Prefect server (PREFECT_API_URL) for runs of these deployments, scheduled or from the UI."""
     deployments = runner_deployments(overrides, only)
+    refuse_a_takeover(deployments)
     # The runs this process starts inherit it: a form_policy compares a run with the spec as served here.
     os.environ[SERVE_OVERRIDES_ENV] = json.dumps(list(overrides))
     reap_on_start(deployments)
@@ -34,6 +37,40 @@ def serve(overrides: list[str] = (), only: list[str] = (), limit: int | None = 1
         prefect_serve(*deployments, limit=limit, pause_on_shutdown=False)
     finally:
         pause_unless_served_elsewhere([f"{d.flow_name}/{d.name}" for d in deployments])
+
+
+class ServedElsewhere(RuntimeError):
+    """A deployment another serve polls now, with another entrypoint or default spec than this serve's."""
+
+
+def refuse_a_takeover(deployments: list) -> None:
+    """Raises ServedElsewhere, naming what differs, for a deployment that another serve polls with other code or
+    another default spec: registered again from here, its runs would start from this serve's files and spec on every
+    serve, where that serve's may not exist."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from gpuflow.cluster.spec.form_policy import differences
+    from gpuflow.flows.deployments.trigger import not_served
+
+    with get_client(sync_client=True) as client:
+        for ours in deployments:
+            name = f"{ours.flow_name}/{ours.name}"
+            try:
+                theirs = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                continue
+            differs = [f"its entrypoint is {theirs.entrypoint!r}, this serve's {ours.entrypoint!r}"] * (
+                ours.entrypoint != theirs.entrypoint
+            )
+            if fields := differences(theirs.parameters, ours.parameters):
+                differs.append(f"its default parameters differ in {', '.join(fields)}")
+            if differs and not_served(theirs) is None:
+                raise ServedElsewhere(
+                    f"deployment {name} is served now by another serve, from another setup: {'; '.join(differs)}. "
+                    "Serve it from the same project and --set's, or stop that serve first (a killed one reads as "
+                    "serving for a minute after its last poll)"
+                )
 
 
 def reap_on_start(deployments: list) -> str | None:

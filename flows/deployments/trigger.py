@@ -18,7 +18,7 @@ import os
 from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.cluster.spec.probes import tracking_access_problems, verified_user
-from gpuflow.flows.deployments.deploy import with_overrides
+from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 
 
 class NoSuchDeployment(LookupError):
@@ -39,7 +39,9 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
                 "those it has (a `gpuflow serve` registers prefect.yaml's as it starts)"
             ) from None
         parameters = with_overrides(deployment.parameters, overrides) if overrides else None
-        user = caller(parse_spec((parameters or deployment.parameters)["spec"]))
+        spec = parse_spec((parameters or deployment.parameters)["spec"])
+        refuse_what_the_form_fixes(name, deployment.parameters["spec"], spec)
+        user = caller(spec)
         flow_run = client.create_flow_run_from_deployment(
             deployment.id, parameters=parameters, tags=[TRIGGERED_BY_PREFECT_TAG_PREFIX + user] if user else []
         )
@@ -51,6 +53,20 @@ def trigger(name: str, overrides: list[str] = ()) -> str:
     if unserved := not_served(deployment):
         print(f"gpuflow: {name} {unserved}: the run waits, Scheduled, until a `gpuflow serve` (or worker) picks it up")
     return str(flow_run.id)
+
+
+def refuse_what_the_form_fixes(name: str, served_spec: dict, spec) -> None:
+    """Raises SpecError for a field the deployment's form_policy fixes (as this project's prefect.yaml declares it),
+    before anything is triggered. The serving machine applies its own policy to the run, and decides: this spares a
+    run that would fail there."""
+    from gpuflow.cluster.spec.form_policy import policy_from
+
+    deployment = name.partition("/")[2]
+    entries = declared(PREFECT_YAML) if PREFECT_YAML.is_file() else []
+    entry = next((item for item in entries if item.get("name") == deployment), None)
+    policy = entry and policy_from(deployment, entry, served_spec)
+    if policy and (problems := policy.field_problems(spec)):
+        raise SpecError(problems)
 
 
 def not_served(deployment) -> str | None:
