@@ -86,11 +86,13 @@ def test_status_shows_a_run_whose_time_has_come_that_nothing_picked_up(prefect_s
             client.create_flow_run(run_experiment_standin, state=Scheduled(scheduled_time=now + offset)).id
             for offset in (timedelta(minutes=-1), timedelta(hours=1))
         )
+        just = client.create_flow_run(run_experiment_standin, state=Scheduled(scheduled_time=now)).id
         try:
             shown = {row.flow_run_id: row for row in status()}
         finally:
-            for flow_run_id in (due, later):
+            for flow_run_id in (due, later, just):
                 client.delete_flow_run(flow_run_id)
+    assert shown[str(just)].queue.endswith(" ago: not picked up yet"), shown[str(just)]  # a serve polls every 10 s
     assert shown[str(due)].state == "Scheduled", shown[str(due)]
     assert shown[str(due)].queue.startswith("due 1:0") and shown[str(due)].queue.endswith(f" ago: {UNCLAIMED}")
     assert str(later) not in shown

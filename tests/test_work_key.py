@@ -169,9 +169,12 @@ def test_no_git_repository_gives_no_key_and_says_why(tmp_path):
 
 
 def test_data_that_cannot_be_read_gives_no_key(project):
-    project[1].unlink()
+    project[1].write_bytes(b"not parquet")
     found = key_of(spec_of(project))
-    assert found.key is None and "data.train" in found.missing
+    assert found.key is None and "data.train" in found.missing and "has no digest" in found.missing, found.missing
+    project[1].unlink()  # the first run of a spec that writes its data: said as such, not as an error
+    found = key_of(spec_of(project))
+    assert found.key is None and "data.train" in found.missing and "is not written yet" in found.missing
 
 
 def test_a_spec_without_data_gives_no_key(project):

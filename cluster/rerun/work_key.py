@@ -149,6 +149,8 @@ def data_digests(spec: ExperimentSpec) -> dict[str, str]:
         if uri:
             try:
                 found[split] = data_digest(uri)
+            except FileNotFoundError as exc:  # the first run of a spec whose data.generate writes it
+                raise Undigestible(f"data.{split} ({uri}) is not written yet: no finished run read it") from exc
             except Exception as exc:
                 why = f"{type(exc).__name__}: {str(exc)[:200]}"
                 raise Undigestible(f"data.{split} ({uri}) has no digest: {why}") from exc

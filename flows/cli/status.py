@@ -41,6 +41,7 @@ from gpuflow.flows.reconcile.sources import clusters_of, tracking_uris_or_local
 
 LIVE_STATES = ["RUNNING", "PENDING", "CANCELLING"]
 UNCLAIMED = "no serve or worker has picked it up"  # a Scheduled (or Late) run whose time has come
+PICKUP_S = 30  # a serve polls every 10 s (PREFECT_RUNNER_POLL_FREQUENCY): a run due for less is not unclaimed yet
 
 
 @dataclass
@@ -82,10 +83,7 @@ def run(args: argparse.Namespace) -> int:
             if configured:
                 ask_for_a_pass_if_overdue()
             rows = status()
-    if args.json:
-        print(json.dumps([asdict(row) for row in rows], indent=2))
-    else:
-        print(table(rows))
+    print(json.dumps([asdict(row) for row in rows], indent=2) if args.json else table(rows))
     return 0
 
 
@@ -142,7 +140,9 @@ def read_status(now: float | None = None) -> list[RunStatus]:
         if row.flow_run_id in dead:
             row.state, row.queue = f"dead, not yet marked Crashed: {dead[row.flow_run_id]}", None
     for run in due:  # how long each has waited, and why
-        rows.append(row_of(run, queue=f"due {clock(age_s(now, run.expected_start_time.timestamp()))} ago: {UNCLAIMED}"))
+        waited = age_s(now, run.expected_start_time.timestamp())
+        why = UNCLAIMED if waited >= PICKUP_S else "not picked up yet"
+        rows.append(row_of(run, queue=f"due {clock(waited)} ago: {why}"))
     return rows + add_unsaid(rows, uris, now)
 
 
