@@ -73,8 +73,9 @@ def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         load_spec(tmp_path / "nope.yaml")
     (tmp_path / "bad.yaml").write_text("name: [unclosed")
-    with pytest.raises(SpecError, match="not valid YAML"):
+    with pytest.raises(SpecError, match="not valid YAML") as refused:
         load_spec(tmp_path / "bad.yaml")
+    assert "in line 1, column" in str(refused.value) and "<unicode string>" not in str(refused.value), refused.value
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     with pytest.raises(SpecError, match="mapping"):
         load_spec(tmp_path / "list.yaml")
@@ -97,6 +98,8 @@ def test_checks_beyond_the_model(fields, field):
     spec = parse_spec({**A_LOOP, "workdir": str(REPO), **fields})
     problems = check_spec(spec)
     assert any(problem.startswith(field) for problem in problems), problems
+    if "nope" in str(fields):  # a module that is not there: the fix, too
+        assert any("dotted path under the workdir" in problem for problem in problems), problems
 
 
 def test_unreadable_data_file_is_refused(tmp_path):

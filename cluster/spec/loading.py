@@ -111,7 +111,8 @@ def load_spec(path: str | Path, overrides: list[str] = ()) -> ExperimentSpec:
     except DuplicateKey as exc:
         raise SpecError([exc.describe(repr(str(path)))]) from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise SpecError([f"spec file: {str(path)!r} is not valid YAML: {cut(str(exc), 300)}"]) from None
+        where = str(exc).replace('"<unicode string>", ', "")  # PyYAML's name for text; the file is named before
+        raise SpecError([f"spec file: {str(path)!r} is not valid YAML: {cut(where, 300)}"]) from None
     except RecursionError:
         raise SpecError([f"spec file: {str(path)!r} is nested too deeply to be a spec; flatten it"]) from None
     if not isinstance(raw, dict):
