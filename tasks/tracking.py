@@ -157,8 +157,9 @@ def register_model(spec: ExperimentSpec, run_id: str) -> str | None:
     client = client_for(spec)
     models = client.search_logged_models([experiment_of(client, run_id)], filter_string=f"source_run_id = '{run_id}'")
     if not models:
-        get_run_logger().warning(
-            "the training loop logged no model (gpuflow.cluster.loop.log_model): nothing to register"
+        get_run_logger().info(  # as the README says a loop may: its last checkpoint is the run's `checkpoint/`
+            "no model to register: the loop logged none (gpuflow.cluster.loop.log_model logs one); the run keeps its "
+            "last checkpoint as artifact 'checkpoint'"
         )
         return None
     import mlflow
