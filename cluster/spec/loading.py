@@ -31,6 +31,11 @@ class Denied(Refusal):
     heading = "permission refused (the spec is fine):"
 
 
+class Silence(str):
+    """The problem of a tracking server that does not answer: a wrong host or port, or a server restarting (a run
+    nobody watches waits for it: probes.validate_spec)."""
+
+
 class SpecError(ValueError):
     """A spec that cannot run: each line names the field, the bad value and the fix; never more than a screenful.
     Credentials a server refused are not called a bad spec."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpuflow.cluster.spec.entrypoints import entrypoint_check
 from gpuflow.cluster.spec.fields import absolute_uri, scheme_of, shorten
-from gpuflow.cluster.spec.loading import Denied, Refusal, SpecError
+from gpuflow.cluster.spec.loading import Denied, Refusal, Silence, SpecError
 from gpuflow.cluster.spec.model import ExperimentSpec
 from gpuflow.cluster.util.http import NOT_HTTP, probe
 
@@ -47,14 +47,21 @@ def check_spec(spec: ExperimentSpec) -> list[str]:
     if unwritable:
         problems.append(f"storage.checkpoints: {unwritable}; give a folder or bucket this machine can write")
     down = tracking_server_problem(spec.tracking_uri)
-    if not down:
-        try:
-            problems += tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
-        except ServerSilent as exc:  # it went down between the two questions (killed, restarting)
-            down = tracking_server_problem(spec.tracking_uri) or f"the MLflow server at {shorten(exc.uri)} {exc}"
-    if down:
-        problems.append(Silence(f"tracking.uri: {down}"))
+    problems += [Silence(f"tracking.uri: {down}")] if down else access_problems(spec)
     return importing.problems() + problems
+
+
+def access_problems(spec: ExperimentSpec) -> list[str]:
+    """The tracking user's problems (tracking_access_problems), or the server's silence where it stopped answering
+    between the questions (killed, restarting)."""
+    try:
+        return tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
+    except ServerSilent:
+        down = tracking_server_problem(spec.tracking_uri) or (
+            f"the MLflow server at {shorten(spec.tracking_uri)} stopped answering as its users were asked; start it, "
+            "or fix the host and port"
+        )
+        return [Silence(f"tracking.uri: {down}")]
 
 
 def check_entrypoints(spec: ExperimentSpec):
@@ -258,14 +265,8 @@ def verified_user(uri: str) -> str | None:
     return answer.json()["user"]["username"] if answer.status_code == 200 else None
 
 
-class Silence(str):
-    """The problem of a tracking server that does not answer: a wrong host or port, or a server restarting."""
-
-
 class ServerSilent(ConnectionError):
-    def __init__(self, uri: str):
-        self.uri = uri
-        super().__init__("stopped answering while its users were checked; start it, or fix the host and port")
+    """Nothing answered a request to the MLflow server (its URI)."""
 
 
 def mlflow_get(uri: str, endpoint: str, params: dict | None = None):

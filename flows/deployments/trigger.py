@@ -17,7 +17,7 @@ import os
 
 from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
 from gpuflow.cluster.spec import SpecError, parse_spec
-from gpuflow.cluster.spec.probes import tracking_access_problems, verified_user
+from gpuflow.cluster.spec.probes import access_problems, verified_user
 from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
 
 
@@ -83,7 +83,7 @@ def not_served(deployment) -> str | None:
 def caller(spec) -> str | None:
     """Who triggers, as the run's MLflow server verified it (raises SpecError, naming the variable or the permission
     to fix, where it refuses); the declared MLFLOW_TRACKING_USERNAME where the store has no users to check."""
-    problems = tracking_access_problems(spec.tracking_uri, spec.experiment_name, spec.name)
+    problems = access_problems(spec)
     if problems:
         raise SpecError(problems)
     return verified_user(spec.tracking_uri) or os.environ.get("MLFLOW_TRACKING_USERNAME")
