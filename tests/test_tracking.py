@@ -97,9 +97,12 @@ def test_what_counts_as_a_metric_and_a_step():
     assert step_of({"epoch": 1.5}) == (None, None) and step_of({}) == (None, None)
 
 
-def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_path):
+@pytest.mark.parametrize("trains", [True, False])
+def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_path, trains):
     """A loss can take the controller's last queued reports with it; their checkpoints are in Ray Train's record
-    (checkpoint_manager_snapshot.json, in Ray 2.60's format), so the resumed attempt logs them before its own."""
+    (checkpoint_manager_snapshot.json, in Ray 2.60's format), so the resumed attempt logs them before its own. One
+    resumed after the last epoch's checkpoint (a deadline's move as training ended) trains nothing: it logs them as
+    it finishes."""
     import ray
 
     from gpuflow.cluster.job.tracking import MlflowTracker
@@ -138,10 +141,11 @@ def test_a_resumed_attempt_logs_the_epochs_its_lost_controller_never_did(tmp_pat
     tracker = MlflowTracker(
         run_id, f"sqlite:///{tmp_path}/mlflow.db", print_progress=False, snapshot_uri=str(tmp_path / SNAPSHOT_FILE)
     )
-    tracker.add({"val_accuracy": 1.0, "epoch": 5}, None)  # the resumed attempt's first report
+    if trains:
+        tracker.add({"val_accuracy": 1.0, "epoch": 5}, None)  # the resumed attempt's first report
     tracker.finish()
     history = client.get_metric_history(run_id, "val_accuracy")
-    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4, 5]
+    assert sorted(m.step for m in history) == [0, 1, 2, 3, 4] + [5] * trains
     assert {m.step: round(m.value, 2) for m in history}[4] == 0.9
 
 

@@ -1,6 +1,7 @@
 """A `ray.train.report` as gpuflow logs it (cluster/job/tracking.py): its numbers as MLflow metric keys, its step,
 its checkpoint's URI; and the reports of the checkpoints Ray Train persisted, which a resumed attempt logs again, and
-a run closed before its job logged them gets from there (`fill_from_checkpoints`)."""
+a run closed before its job logged them gets from there (`fill_from_checkpoints`); a sweep's best trial, on its parent
+run (`record_best`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG, FILLED_TAG
+from gpuflow.cluster.protocol import BEST_RUN_TAG, CHECKPOINT_TAG, CHECKPOINTS_TAG, FILLED_TAG
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE
 
 MAX_METRICS_PER_CALL = 1000  # MLflow's log_batch limit
@@ -155,3 +156,23 @@ def last_checkpoint(snapshot: dict) -> tuple[str, int] | None:
     stepped = [(result["checkpoint_dir_name"], step_of(result.get("metrics", {}))[1]) for result in results]
     stepped = [(name, step) for name, step in stepped if step is not None]
     return max(stepped, key=lambda found: found[1]) if stepped else None
+
+
+def record_best(client, parent_run_id: str | None, metric: str, score: float | None, outcome: dict) -> None:
+    """The parent run says which trial won, with what values and score, and how the sweep went."""
+    if not parent_run_id:
+        return
+    for path, value in outcome["best_values"].items():
+        client.log_param(parent_run_id, f"best.{path}", value)
+    figures = {
+        f"best_{metric}": score,
+        **{
+            f"sweep/{key}": outcome[key]
+            for key in ("trials", "reused_trials", "failed_trials", "stopped_early", "placement_groups_reserved")
+        },
+    }
+    for key, value in figures.items():
+        if value is not None:
+            client.log_metric(parent_run_id, key, float(value))
+    if outcome["best_run_id"]:
+        client.set_tag(parent_run_id, BEST_RUN_TAG, outcome["best_run_id"])

@@ -20,7 +20,7 @@ from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY, TuneReportCallba
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from gpuflow.cluster.backends.base import TRIAL_DRIVER_RESOURCE
-from gpuflow.cluster.job.tracking import record_best
+from gpuflow.cluster.job.reports import record_best
 from gpuflow.cluster.job.trainer import build_trainer
 from gpuflow.cluster.protocol import (
     BACKEND_TAG,

@@ -28,7 +28,7 @@ from gpuflow.cluster.job.reports import (
     step_of,
     uri_of,
 )
-from gpuflow.cluster.protocol import BEST_RUN_TAG, CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
+from gpuflow.cluster.protocol import CHECKPOINT_TAG, TRAINED_TAG, checkpoint_line, epoch_line
 from gpuflow.cluster.util.ray_internals import SNAPSHOT_FILE, ControllerCallback  # end of run: no public hook yet
 
 FINISH_TIMEOUT_S = 120
@@ -51,6 +51,7 @@ class MlflowTracker:
         self._keys_in_run, self._run_info = None, None  # metric keys, experiment, artifact URI: one read (_read_run)
         self._pending: list[tuple[list, list]] = []  # batches MLflow has not taken yet (the server was down)
         self._unreachable = False
+        self._resumed = False  # whether the persisted reports were queued (_start)
 
     def __getstate__(self):  # pickled into Ray Train's controller: threads and clients are made there
         return {**self.__dict__, "_queue": None, "_thread": None, "_client": None}
@@ -70,14 +71,7 @@ class MlflowTracker:
         uri = uri_of(checkpoint) if checkpoint else None
         report = Report(self.reports_seen, step, values, uri, report_time_ms(uri))  # a backfill's time too
         self.reports_seen += 1
-        if self._thread is None:
-            self._queue = queue.Queue()
-            for earlier in persisted_reports(
-                self.snapshot_uri
-            ):  # a resumed attempt: what the lost one may not have logged
-                self._queue.put(earlier)
-            self._thread = threading.Thread(target=self._drain, name="gpuflow-mlflow", daemon=True)
-            self._thread.start()
+        self._start()
         self._queue.put(report)
         if self.print_progress:
             shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
@@ -94,8 +88,21 @@ class MlflowTracker:
             )
         return report
 
+    def _start(self) -> None:
+        """The queue and its thread; queued first (once), what a lost attempt persisted and may not have logged."""
+        if self._thread is None:
+            self._queue = queue.Queue()
+            for earlier in [] if self._resumed else persisted_reports(self.snapshot_uri):
+                self._queue.put(earlier)
+            self._resumed = True
+            self._thread = threading.Thread(target=self._drain, name="gpuflow-mlflow", daemon=True)
+            self._thread.start()
+
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
-        """Logs everything still queued; returns when it is in MLflow (or the timeout passed)."""
+        """Logs everything still queued (an attempt resumed with nothing left to train: the lost one's reports);
+        returns when it is in MLflow (or the timeout passed)."""
+        if not self._resumed:
+            self._start()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout_s)
@@ -222,10 +229,7 @@ class MlflowTracker:
                     artifacts().log_artifacts(folder, "checkpoint")
 
             self._call(upload)
-            print(
-                "[gpuflow] the loop logged no model: its last checkpoint is artifact 'checkpoint' of the run",
-                flush=True,
-            )
+            print("[gpuflow] no model logged: the run's artifact 'checkpoint' is its last checkpoint", flush=True)
 
     def logged_a_model(self) -> bool:
         try:
@@ -275,23 +279,3 @@ def tracking_callbacks(
     snapshot = f"{run_folder.rstrip('/')}/{SNAPSHOT_FILE}" if run_folder else None
     tracker = MlflowTracker(run_id, tracking_uri, snapshot_uri=snapshot)  # pickled once with both: state is shared
     return [ReportToMlflow(tracker, count_workers), FinishTracking(tracker)]
-
-
-def record_best(client, parent_run_id: str | None, metric: str, score: float | None, outcome: dict) -> None:
-    """The parent run says which trial won, with what values and score, and how the sweep went."""
-    if not parent_run_id:
-        return
-    for path, value in outcome["best_values"].items():
-        client.log_param(parent_run_id, f"best.{path}", value)
-    figures = {
-        f"best_{metric}": score,
-        **{
-            f"sweep/{key}": outcome[key]
-            for key in ("trials", "reused_trials", "failed_trials", "stopped_early", "placement_groups_reserved")
-        },
-    }
-    for key, value in figures.items():
-        if value is not None:
-            client.log_metric(parent_run_id, key, float(value))
-    if outcome["best_run_id"]:
-        client.set_tag(parent_run_id, BEST_RUN_TAG, outcome["best_run_id"])
