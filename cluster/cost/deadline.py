@@ -118,7 +118,7 @@ def greedy(s: Situation) -> Choice:
     if kept := kept_by_every_policy(s):
         return kept
     if s.spot_available:
-        return Choice(Decision.SPOT, "spot available")
+        return Choice(Decision.SPOT, "spot, if it can be had")
     return Choice(Decision.WAIT, "no spot: wait")
 
 
@@ -131,7 +131,7 @@ def uniform_progress(s: Situation) -> Choice:
         ahead_s = progress_s - expected_progress_s(s, s.elapsed_s + 2 * s.changeover_s)
         if s.mode is Mode.ON_DEMAND and ahead_s < 0:
             return Choice(Decision.ON_DEMAND, "on on-demand, not ahead by two changeovers: stay")
-        return Choice(Decision.SPOT, "spot available")
+        return Choice(Decision.SPOT, "spot, if it can be had")
     if s.mode is Mode.ON_DEMAND:
         return Choice(Decision.ON_DEMAND, "on on-demand, no spot: stay")
     if progress_s < expected_progress_s(s, s.elapsed_s):
