@@ -13,7 +13,7 @@ from gpuflow.cluster.config import serve_overrides
 from gpuflow.cluster.rerun.for_flow import rerun_cache
 from gpuflow.cluster.spec import ExperimentSpec, SpecError, load_spec, parse_spec
 from gpuflow.cluster.spec.form_policy import FormPolicy, policy_from
-from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
+from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared_entry, with_overrides
 
 
 def spec_from(spec: ExperimentSpec | dict | None, spec_file: str | None = None) -> ExperimentSpec:
@@ -59,9 +59,7 @@ def form_policy_of_this_run(prefect_yaml: Path = PREFECT_YAML) -> FormPolicy | N
     from prefect import runtime
 
     deployment = runtime.deployment.name
-    if not deployment or not Path(prefect_yaml).is_file():
-        return None
-    entry = next((item for item in declared(prefect_yaml) if item.get("name") == deployment), None)
+    entry = declared_entry(deployment, prefect_yaml) if deployment else None
     if entry is None or "form_policy" not in entry:
         return None
     return policy_from(

@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed
 
 from gpuflow.cluster.backends import ClusterHandle, Job, NoCapacity, get_backend
+from gpuflow.cluster.job.reports import STEP_KEYS
 from gpuflow.cluster.protocol import MARK, RESULT_LINE, RESULT_PREFIX, epoch_metrics, parse_line
 from gpuflow.cluster.run.lifecycle import Lifecycle, RunStopped
 from gpuflow.cluster.run.limits import Check, Watchdog
@@ -187,12 +188,9 @@ def teardown(life: Lifecycle) -> float:
 TELEMETRY_PREFIX = "perf/"  # the step timer's figures (cluster/telemetry.py): in each epoch's line and the summary
 
 
-STEP_KEYS = {"epoch", "step"}  # the metrics' x-axis, in the loop's own counting: its epoch 9 is the console's 10/10
-
-
 def metrics_line(metrics: dict, telemetry: bool = True) -> str:
-    """Metrics as a person reads them, `val_accuracy=0.975 train_loss=0.08`: without the loop's step counter (the
-    console counts epochs from 1), and without the telemetry figures on request."""
+    """Metrics as a person reads them, `val_accuracy=0.975 train_loss=0.08`: without the loop's step counter (its
+    epoch 9 is the console's 10/10), and without the telemetry figures on request."""
     return " ".join(
         f"{key}={value:.4g}" if isinstance(value, (int, float)) else f"{key}={value}"
         for key, value in metrics.items()

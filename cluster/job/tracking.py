@@ -51,7 +51,7 @@ class MlflowTracker:
         self._keys_in_run, self._run_info = None, None  # metric keys, experiment, artifact URI: one read (_read_run)
         self._pending: list[tuple[list, list]] = []  # batches MLflow has not taken yet (the server was down)
         self._unreachable = False
-        self._resumed = False  # whether the persisted reports were queued (_start)
+        self._persisted_queued = False  # a lost attempt's persisted reports: queued once (_start)
 
     def __getstate__(self):  # pickled into Ray Train's controller: threads and clients are made there
         return {**self.__dict__, "_queue": None, "_thread": None, "_client": None}
@@ -92,16 +92,17 @@ class MlflowTracker:
         """The queue and its thread; queued first (once), what a lost attempt persisted and may not have logged."""
         if self._thread is None:
             self._queue = queue.Queue()
-            for earlier in [] if self._resumed else persisted_reports(self.snapshot_uri):
-                self._queue.put(earlier)
-            self._resumed = True
+            if not self._persisted_queued:
+                for earlier in persisted_reports(self.snapshot_uri):
+                    self._queue.put(earlier)
+                self._persisted_queued = True
             self._thread = threading.Thread(target=self._drain, name="gpuflow-mlflow", daemon=True)
             self._thread.start()
 
     def finish(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
         """Logs everything still queued (an attempt resumed with nothing left to train: the lost one's reports);
         returns when it is in MLflow (or the timeout passed)."""
-        if not self._resumed:
+        if not self._persisted_queued:
             self._start()
         if self._thread is not None:
             self._queue.put(None)

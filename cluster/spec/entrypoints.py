@@ -149,13 +149,11 @@ def changed(files: dict[str, int]) -> bool:
 def check(workdir: str, field: str, entrypoint: str) -> str | None:
     try:
         function = resolve(entrypoint)
-    except ModuleNotFoundError as exc:
-        return (
-            f"{field}: cannot load {entrypoint!r} from workdir {workdir!r}: {cut(str(exc), 200)}; give "
-            "'module:function' with the module's dotted path under the workdir (or an installed one)"
-        )
     except Exception as exc:  # any import-time error is the user's to see
-        return f"{field}: cannot load {entrypoint!r} from workdir {workdir!r}: {cut(str(exc), 200)}"
+        fix = "; give 'module:function' with the module's dotted path under the workdir (or an installed one)"
+        return f"{field}: cannot load {entrypoint!r} from workdir {workdir!r}: {cut(str(exc), 200)}" + (
+            fix if isinstance(exc, ModuleNotFoundError) else ""
+        )
     arguments, what = ENTRYPOINT_ARGUMENTS[field]
     wrong = python_function_problem(function, what) or signature_problem(function, arguments, what)
     return f"{field}: {entrypoint!r} {wrong}" if wrong else None

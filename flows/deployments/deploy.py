@@ -33,6 +33,12 @@ def declared(prefect_yaml: Path = PREFECT_YAML) -> list[dict]:
         raise SpecError([exc.describe(str(prefect_yaml))]) from None
 
 
+def declared_entry(name: str, prefect_yaml: Path = PREFECT_YAML) -> dict | None:
+    """The prefect.yaml entry of deployment `name` on this machine; None where this folder has none."""
+    entries = declared(prefect_yaml) if Path(prefect_yaml).is_file() else []
+    return next((entry for entry in entries if entry.get("name") == name), None)
+
+
 def runnable(entries: list[dict], only: list[str] = ()) -> tuple[list[dict], list[str]]:
     """The entries to use (all, or those named in `only`), and why any others are skipped."""
     chosen, skipped = [], []

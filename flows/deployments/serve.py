@@ -60,9 +60,9 @@ def refuse_a_takeover(deployments: list) -> None:
                 theirs = client.read_deployment_by_name(name)
             except ObjectNotFound:
                 continue
-            differs = [f"its entrypoint is {theirs.entrypoint!r}, this serve's {ours.entrypoint!r}"] * (
-                ours.entrypoint != theirs.entrypoint
-            )
+            differs = []
+            if ours.entrypoint != theirs.entrypoint:
+                differs.append(f"its entrypoint is {theirs.entrypoint!r}, this serve's {ours.entrypoint!r}")
             if fields := differences(theirs.parameters, ours.parameters):
                 differs.append(f"its default parameters differ in {', '.join(fields)}")
             if differs and not_served(theirs) is None:

@@ -18,7 +18,7 @@ import os
 from gpuflow.cluster.protocol import TRIGGERED_BY_PREFECT_TAG_PREFIX
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.cluster.spec.probes import access_problems, verified_user
-from gpuflow.flows.deployments.deploy import PREFECT_YAML, declared, with_overrides
+from gpuflow.flows.deployments.deploy import declared_entry, with_overrides
 
 
 class NoSuchDeployment(LookupError):
@@ -62,8 +62,7 @@ def refuse_what_the_form_fixes(name: str, served_spec: dict, spec) -> None:
     from gpuflow.cluster.spec.form_policy import policy_from
 
     deployment = name.partition("/")[2]
-    entries = declared(PREFECT_YAML) if PREFECT_YAML.is_file() else []
-    entry = next((item for item in entries if item.get("name") == deployment), None)
+    entry = declared_entry(deployment)
     policy = entry and policy_from(deployment, entry, served_spec)
     if policy and (problems := policy.field_problems(spec)):
         raise SpecError(problems)
