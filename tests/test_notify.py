@@ -3,10 +3,15 @@ whose block does not exist refused before anything starts. Real Prefect (its tes
 receiver; the runs that send them for real are in the fault tests (failing loop, budget, kill -9, recovery)."""
 
 import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 
+import pytest
 from mlflow import MlflowClient
 
 from gpuflow.cluster.protocol import (
@@ -21,6 +26,7 @@ from gpuflow.cluster.run import webhook
 from gpuflow.cluster.run.mlflow_run import runs_of_flow_run
 from gpuflow.cluster.run.webhook import Event, send, send_once, short_reason
 from gpuflow.cluster.spec.notifying import NotifySpec
+from gpuflow.cluster.util.processes import started_at
 from gpuflow.flows.cli import main as gpuflow
 from tests.support.servers import the_one_message, webhook_receiver
 
@@ -249,15 +255,34 @@ def crashed_run_owing_its_message(spec, block: str, **tags: str) -> tuple[object
     return flow_run, client, run_id
 
 
-def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, digits_spec, monkeypatch):
+def a_dead_senders_claim(how: str) -> str:
+    if how == "an hour old":
+        return f"{time.time() - 3600:.3f} dead"
+    # just made, by a process of this host that is gone: a serve stopped while a run's end hook sent
+    sender = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = started_at(sender.pid)
+    sender.wait()
+    return f"{time.time():.3f} dead {socket.gethostname()} {sender.pid} {started}"
+
+
+def test_a_live_senders_claim_holds_for_a_whole_send():
+    """Its process alive (this one), a claim holds until one whole send is over; another host's, by age alone."""
+    now = time.time()
+    here = f"{socket.gethostname()} {os.getpid()} {started_at()}"
+    assert not webhook.may_claim({NOTIFY_SENDING_TAG: f"{now - 60:.3f} live {here}"}, now)
+    assert not webhook.may_claim({NOTIFY_SENDING_TAG: f"{now - 60:.3f} live elsewhere 1 1.0"}, now)
+    assert webhook.may_claim({NOTIFY_SENDING_TAG: f"{now - 3600:.3f} live elsewhere 1 1.0"}, now)
+
+
+@pytest.mark.parametrize("claim", ["an hour old", "just made, its process gone"])
+def test_the_reapers_pass_sends_what_a_dead_sender_did_not_once(prefect_server, digits_spec, monkeypatch, claim):
     from gpuflow.flows.reaper import reap_clusters
 
     quick_retries(monkeypatch, 5)
     with webhook_receiver() as (url, messages):
         assert gpuflow(["notify", "add", "reaped", url]) == 0
-        # its claim is an hour old: the sender died holding it
         flow_run, client, run_id = crashed_run_owing_its_message(
-            digits_spec, "reaped", **{NOTIFY_SENDING_TAG: f"{time.time() - 3600:.3f} dead"}
+            digits_spec, "reaped", **{NOTIFY_SENDING_TAG: a_dead_senders_claim(claim)}
         )
         said_before = client.create_run(
             client.get_run(run_id).info.experiment_id,

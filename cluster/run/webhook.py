@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import socket
 import time
 import urllib.error
 import urllib.parse
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from gpuflow.cluster.protocol import NOTIFIED_TAG, NOTIFY_FAILED_TAG, NOTIFY_SENDING_TAG
+from gpuflow.cluster.util.processes import started_at, still_the_process
 
 log = logging.getLogger(__name__)
 
@@ -171,11 +174,11 @@ def send_once(client, run_id: str, webhook: dict, event: Event, retry_for_s: flo
 
 
 def claim(client, run_id: str) -> bool:
-    """Takes the run's message for this process: nobody delivered it, nobody else holds a live claim (a claim older
-    than one whole send is its dead sender's), and our claim is the one read back."""
+    """Takes the run's message for this process: nobody delivered it, nobody else holds a live claim, and our claim is
+    the one read back."""
     if not may_claim(client.get_run(run_id).data.tags, time.time()):
         return False
-    mine = f"{time.time():.3f} {uuid.uuid4().hex}"
+    mine = f"{time.time():.3f} {uuid.uuid4().hex} {socket.gethostname()} {os.getpid()} {started_at()}"
     try:
         client.set_tag(run_id, NOTIFY_SENDING_TAG, mine)
     except Exception:  # e.g. a rival's claim written at the same instant (a unique key): reading back decides
@@ -185,11 +188,19 @@ def claim(client, run_id: str) -> bool:
 
 
 def may_claim(tags: dict[str, str], now: float) -> bool:
+    """A claim is dead once its sender is: on this host, as soon as its process is gone (a serve stopped while a
+    run's end hook sent); from another host, once older than one whole send."""
     if tags.get(NOTIFIED_TAG):
         return False
     held = tags.get(NOTIFY_SENDING_TAG)
+    if held is None:
+        return True
     try:
-        return held is None or now - float(held.split()[0]) > RETRY_BOUND_S + SEND_TIMEOUT_S
+        claimed_at, _token, *sender = held.split()
+        here = len(sender) == 3 and sender[0] == socket.gethostname() and sender[2] != "None"
+        if here and not still_the_process(int(sender[1]), float(sender[2])):
+            return True
+        return now - float(claimed_at) > RETRY_BOUND_S + SEND_TIMEOUT_S
     except ValueError:  # not a claim of ours
         return True
 
