@@ -40,7 +40,7 @@ from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
 from gpuflow.flows.run_spec import form_policy_of_this_run, hooks_spec, spec_from
 from gpuflow.flows.run_tags import REUSED_TAG_PREFIX, flow_run_ui_url, source_stamp_of, tag_flow_run
-from gpuflow.tasks.compute import metrics_line, provision, teardown, train
+from gpuflow.tasks.compute import LeftCluster, metrics_line, provision, teardown, train
 from gpuflow.tasks.prepare import stage_data, validate
 from gpuflow.tasks.reuse import find_finished_twin, reused_summary
 from gpuflow.tasks.tracking import open_mlflow_run, publish_summary, register_model
@@ -121,26 +121,28 @@ def train_with_recovery(run: ExperimentRun, handle: ClusterHandle, stop_checks: 
     while True:
         replacement = Replacement(capacity, cluster_name_for(flow_run_id_of(handle.name), clusters), job.env, recovery)
         clusters += 1
+        lost = None
         try:
             with replacement:  # on a spot notice, the next cluster is provisioned while this one trains
-                return train(spec, handle, job, life, stop_checks)
+                # return_state: a direct call hands back the State the task chose (MOVED), not its answer
+                trained = train(spec, handle, job, life, stop_checks, return_state=True).result()
+            if not isinstance(trained, LeftCluster):
+                return trained
         except JobFailed as failure:
             ended_at = time.time()
-            moved = replacement.left_for_spot and not life.stopped
-            lost = None if life.stopped or moved else lost_on(run.backend, handle.name, failure)
-            if not (lost or moved):
+            lost = None if life.stopped else lost_on(run.backend, handle.name, failure)
+            if not lost:
                 raise
-            if lost:
-                relaunch_after(run, lost, ended_at, recovery)
-                recovery += 1
-                if handle.info.get("launched", {}).get("spot") == "true":
-                    capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
-            # downs the lost one; the next is priced at the dearest option it may get, until it launches
-            life.relaunching(replacement.name, hourly_cost(capacity.launch_spec))
-            run.record.relaunched(life.meter.attempts)
-            handle = replacement.take() or capacity.provision(life.cluster_name, job)
-            if lost:
-                notify_recovered(run, lost, recovery)
+            relaunch_after(run, lost, ended_at, recovery)
+            recovery += 1
+            if handle.info.get("launched", {}).get("spot") == "true":
+                capacity.spot_lost(lost)  # past compute.spot_fallback_after: on-demand, if the budget allows it
+        # downs the lost (or left) one; the next is priced at the dearest option it may get, until it launches
+        life.relaunching(replacement.name, hourly_cost(capacity.launch_spec))
+        run.record.relaunched(life.meter.attempts)
+        handle = replacement.take() or capacity.provision(life.cluster_name, job)
+        if lost:
+            notify_recovered(run, lost, recovery)
 
 
 def relaunch_after(run: ExperimentRun, lost: str, ended_at: float, recovery: int) -> None:

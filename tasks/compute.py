@@ -6,6 +6,7 @@ import contextvars
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -34,6 +35,14 @@ from gpuflow.cluster.run.monitor import (
 from gpuflow.cluster.spec import ExperimentSpec
 
 NO_CAPACITY = "No capacity"  # a provision task run's state when no option had capacity
+MOVED = "Moved"  # a train task run's state when the run left its cluster on purpose, at a checkpoint
+
+
+@dataclass
+class LeftCluster:
+    """What a train task that ended in a move returns: the cluster the run resumes on."""
+
+    for_cluster: str
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -67,8 +76,10 @@ def provision(spec: ExperimentSpec, cluster_name: str, job: Job | None = None) -
 @task(name="train", cache_policy=NO_CACHE)
 def train(
     spec: ExperimentSpec, handle: ClusterHandle, job: Job, life: Lifecycle, stop_checks: list[Check] = ()
-) -> TrainResult:
-    """Runs the job on the cluster, its log streamed here; a stop check that fires stops the run through `life`."""
+) -> TrainResult | LeftCluster:
+    """Runs the job on the cluster, its log streamed here; a stop check that fires stops the run through `life`. A
+    job ended by the run leaving its cluster (`life.leave`) ends the task Completed, named MOVED: a planned move,
+    not a red task with the job's log."""
     logger = get_run_logger()
     backend = get_backend(spec.compute.backend)
     result = TrainResult()
@@ -145,12 +156,18 @@ def train(
         except Exception as exc:  # the log stream broke (a node gone, its connection cut): judged like a failed job
             if life.stopped or stopped_by_the_job(job.env, life):
                 raise RunStopped(life.stop_reason, life.stop_detail) from exc
-            raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
+            if not life.leaving_for:
+                raise JobFailed(f"lost the training job's log stream: {type(exc).__name__}: {exc}") from exc
+            exit_code = None  # the stream broke as the run left its cluster
         finally:
             bar.close()
     result.train_seconds = time.time() - started
     if life.stopped or (exit_code != 0 and stopped_by_the_job(job.env, life)):
         raise RunStopped(life.stop_reason, life.stop_detail)
+    if exit_code != 0 and life.leaving_for:
+        moved = f"left cluster {handle.name} at its checkpoint for {life.leaving_for}: training resumes there"
+        logger.info(moved)
+        return Completed(name=MOVED, message=moved, data=LeftCluster(life.leaving_for))
     if exit_code != 0:
         raise JobFailed(
             f"training job failed with exit code {exit_code}; the end of its log:\n" + "\n".join(tail), exit_code

@@ -14,7 +14,7 @@ from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
 from gpuflow.tasks.compute import NO_CAPACITY
 from tests.support.repo import A_LOOP, REPO
-from tests.support.runs import flow_logs, mlflow_run_of
+from tests.support.runs import flow_logs, mlflow_run_of, task_runs
 from tests.support.sky_double import FakeSky
 from tests.test_cost import CATALOG, point_skypilot_at
 from tests.test_skypilot import spec_on_the_double
@@ -119,24 +119,11 @@ def test_no_capacity_anywhere_waits_the_bound_then_fails_naming_each_option(capa
         names = [s.name for s in client.read_flow_run_states(state.state_details.flow_run_id)]
     assert "Waiting for capacity" in names  # and in the Prefect state
     # each try's answer is the provision task's result, not its failure: no red task per try while it waits
-    tries = [run.state_name for run in provision_runs(state.state_details.flow_run_id)]
+    tries = [run.state_name for run in task_runs(state.state_details.flow_run_id, "provision")]
     assert len(tries) >= 2 and set(tries) == {NO_CAPACITY}, tries
     assert mlflow_run.info.status == "FAILED"  # not stuck RUNNING
     assert mlflow_run.data.metrics["cost_usd"] < 0.01  # the wait is not billed: no cluster existed
     assert left == []
-
-
-def provision_runs(flow_run_id) -> list:
-    """The flow run's provision task runs, in the order they ran."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    with get_client(sync_client=True) as client:
-        return client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="provision")),
-            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
-        )
 
 
 def test_two_preemptions_then_an_on_demand_relaunch_completes_each_attempt_costed(capacity_flow, sky_prices):

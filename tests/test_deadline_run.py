@@ -15,8 +15,9 @@ from gpuflow.cluster.cost.deadline_run import DeadlineClock, Progress
 from gpuflow.cluster.protocol import ATTEMPT_STARTED_TAG, CHECKPOINT_PERSISTED, SETUP_DONE
 from gpuflow.cluster.spec import SpecError, parse_spec
 from gpuflow.flows.experiment import run_experiment
+from gpuflow.tasks.compute import MOVED
 from tests.support.repo import A_LOOP
-from tests.support.runs import flow_logs, mlflow_run_of
+from tests.support.runs import flow_logs, mlflow_run_of, task_runs
 from tests.support.sky_double import FakeSky
 from tests.test_capacity import sky_prices, spec_file  # noqa: F401  (a fixture)
 from tests.test_skypilot import spec_on_the_double
@@ -199,6 +200,9 @@ def test_on_demand_and_far_ahead_the_run_goes_back_to_spot_at_a_checkpoint(deadl
     metrics = run.data.metrics
     assert metrics["deadline_switches"] == 1 and metrics["spot_seconds"] > 0 and metrics["on_demand_seconds"] > 0
     assert "recoveries" not in metrics and "redone_seconds" not in metrics  # left at a checkpoint: nothing redone
+    # the move is planned: the Prefect UI shows no failed train task, no job log as an error
+    trains = [task.state_name for task in task_runs(state.state_details.flow_run_id, "train")]
+    assert trains == [MOVED, "Completed"], trains
     assert run.info.status == "FINISHED" and left == {}
 
 

@@ -72,6 +72,7 @@ class Lifecycle:
         self.epochs_seen: tuple[int, int] | None = None  # the first epoch reported (past 0 on a continuation), last + 1
         self.epochs_at_checkpoint = 0  # epochs_seen's last when the last checkpoint was persisted
         self._loss_seen_at: float | None = None  # the loss check's first sight of the loss being relaunched
+        self.leaving_for: str | None = None  # the cluster the run is moving to, leaving this one on purpose
         self.ended_at: float | None = None
         self.stop_reason: str | None = None
         self.stop_detail = ""
@@ -161,12 +162,18 @@ class Lifecycle:
         except Exception:  # the relaunch, or the teardown at the end, downs it again
             pass
 
+    def leave(self, for_cluster: str) -> None:
+        """The run leaves its cluster for `for_cluster` (a deadline's move back to spot, at a checkpoint): downing it
+        ends its job, a move and not a loss."""
+        self.leaving_for = for_cluster
+        self.down(self.cluster_name)
+
     def relaunching(self, cluster_name: str, price: Estimate | None = None) -> dict:
         """The lost cluster is downed; from now on the run's cluster is the relaunched one, metered at `price` until
         it launches (from its request: a replacement asked for on a notice bills from then). Returns the attempt
         that ended: its option, price and cost."""
         self.down(self.cluster_name)
-        self.cluster_name, self.live_nodes = cluster_name, None
+        self.cluster_name, self.live_nodes, self.leaving_for = cluster_name, None, None
         return self.meter.relaunched(price, self.replacements.pop(cluster_name, None))
 
     def output(self) -> None:

@@ -38,7 +38,6 @@ class Replacement:
     def __init__(self, capacity: Capacity, name: str, env: dict[str, str], recovery: int):
         self.capacity, self.name, self.quota = capacity, name, capacity.quota
         self.future, self.on_demand = None, capacity.on_demand
-        self.left_for_spot = False  # the run left its on-demand cluster for this one: a move, not a loss
         self._done, self._next_spot_try = threading.Event(), 0.0
         watched = notices_possible(capacity.spec) and relaunches_on_notice(capacity.spec, recovery)
         checks = [notice_check(env)] if watched else []
@@ -91,9 +90,8 @@ class Replacement:
             pass
         if self._done.is_set() or life.stopped:  # the job ended first: the spot cluster goes down with the run
             return
-        self.left_for_spot = True
         log.info(f"deadline: checkpoint persisted: leaving on-demand cluster {life.cluster_name} for {self.name}")
-        life.down(life.cluster_name)
+        life.leave(self.name)
 
     def provision(self, _reason: str, notice: str) -> None:
         # two clusters bill from here: never on one share of the team's quota

@@ -26,6 +26,20 @@ def flow_logs(flow_run_id) -> str:
     return asyncio.run(read())
 
 
+def task_runs(flow_run_id, name: str) -> list:
+    """The flow run's task runs called `name` (provision, train, ...), in the order they ran."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=name)),
+            sort=TaskRunSort.EXPECTED_START_TIME_ASC,
+        )
+
+
 def progress_bars(flow_run_id) -> list[float]:
     """The values of the flow run's progress artifacts, as the Prefect UI shows them."""
     from prefect.client.orchestration import get_client
