@@ -166,3 +166,23 @@ def test_a_server_started_before_prefect_is_stopped_when_the_settings_want_none(
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["None", "0"]
     assert all_gone(gpuflow_home)
+
+
+@pytest.mark.parametrize("recorded", ["its own start", "another start"])
+def test_the_watcher_signals_only_the_process_it_was_given(recorded):
+    """Its owner gone, the watcher stops the server it watches; a pid whose start time is not the one it was given
+    (the server gone, the pid another's since) it leaves alone."""
+    from gpuflow.cluster.util.processes import started_at
+
+    target = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    owner = subprocess.Popen(["true"])
+    owner.wait()
+    started = started_at(target.pid) if recorded == "its own start" else 1.0
+    try:
+        watcher = [sys.executable, "-m", "gpuflow.flows.local_stack.outlive", "--owner", str(owner.pid)]
+        subprocess.run([*watcher, "--kill", str(target.pid), "--kill-started", str(started)], timeout=30, check=True)
+        time.sleep(0.2)
+        assert (target.poll() is None) == (recorded == "another start"), recorded
+    finally:
+        target.kill()
+        target.wait()

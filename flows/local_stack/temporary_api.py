@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from gpuflow.cluster.util.http import probe
+from gpuflow.cluster.util.processes import started_at
 from gpuflow.flows.prefect_internals import refresh_settings, start_api_server
 
 
@@ -150,6 +151,8 @@ def watch(server: subprocess.Popen) -> subprocess.Popen:
             str(os.getpid()),
             "--kill",
             str(server.pid),
+            "--kill-started",
+            str(started_at(server.pid) or 0),  # read while it is our child: its pid is no one else's yet
         ],
         start_new_session=True,
         stdin=subprocess.DEVNULL,
