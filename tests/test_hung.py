@@ -58,3 +58,42 @@ def test_an_unreadable_run_is_never_judged_hung():
     watch.check()
     seen["run"], clock.now = None, clock.now + 3600  # the tracking server is down: no judgement
     assert watch.check() is None
+
+
+def test_a_stack_dump_signals_a_registered_worker_and_never_a_pid_its_worker_left(tmp_path, monkeypatch):
+    """A worker killed hard leaves its stack file: its pid, reused since by another process, is not signalled (the
+    dump's signal would end that process); a live worker writes its stacks."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from gpuflow.cluster.job import stacks
+
+    monkeypatch.setattr(stacks.tempfile, "gettempdir", lambda: str(tmp_path))
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from gpuflow.cluster.job.stacks import registered_for_dumps\n"
+            "registered_for_dumps('run-1'); print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    bystander = subprocess.Popen(["sleep", "60"])  # a pid that a dead worker's file names, with another start
+    try:
+        assert worker.stdout.readline().strip() == "ready"
+        for stale in (f"{bystander.pid}-1.0.txt", f"{bystander.pid}.txt"):  # another start; none recorded
+            (stacks.stacks_folder("run-1") / stale).write_text("")
+        dumped = stacks.dump_stacks_here("run-1")
+        time.sleep(0.2)
+        assert list(dumped) == [str(worker.pid)] and "<module>" in dumped[str(worker.pid)], dumped
+        assert bystander.poll() is None, "the bystander was signalled"
+        assert worker.poll() is None, "a dump leaves the worker training"
+    finally:
+        for process in (worker, bystander):
+            process.kill()
+            process.wait()

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuflow.cluster.util.processes import started_at, still_the_process
+
 STACK_SIGNAL = signal.SIGUSR2
 _dump_files: list = []  # open for the worker's life: faulthandler writes to the file descriptor
 
@@ -48,7 +50,7 @@ def registered_for_dumps(run_id: str) -> Path | None:
     try:
         folder = stacks_folder(run_id)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{os.getpid()}.txt"
+        path = folder / f"{os.getpid()}-{started_at()}.txt"  # with its start: a pid alone is reused once it is gone
         dump = open(path, "w")
     except OSError as exc:
         print(f"[gpuflow] this worker's stacks cannot be dumped if it hangs: {exc}", flush=True)
@@ -63,15 +65,17 @@ def dump_stacks_here(run_id: str, wait_s: float = 3.0) -> dict[str, str]:
     files = list(stacks_folder(run_id).glob("*.txt")) if stacks_folder(run_id).is_dir() else []
     signalled = []
     for path in files:
+        pid, _, started = path.stem.partition("-")
         try:
-            os.kill(int(path.stem), STACK_SIGNAL)
-            signalled.append(path)
+            if still_the_process(int(pid), float(started)):  # a worker killed hard left its file, its pid reusable
+                os.kill(int(pid), STACK_SIGNAL)
+                signalled.append(path)
         except (ProcessLookupError, ValueError, PermissionError):
             continue
     deadline = time.time() + wait_s
     while time.time() < deadline and not all(path.stat().st_size for path in signalled):
         time.sleep(0.1)
-    stacks = {path.stem: path.read_text() for path in signalled}
+    stacks = {path.stem.partition("-")[0]: path.read_text() for path in signalled}
     for path in files:
         path.unlink(missing_ok=True)
     return stacks
