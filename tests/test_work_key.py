@@ -257,3 +257,24 @@ def test_a_sweeps_trial_has_the_key_of_the_same_training_run_alone_and_is_found_
         trial_plan(spec_of(project, compute=two_workers, sweep=drawn), tags, diff, finder(client, experiment), True)
         is None
     )
+
+
+def test_a_sweep_of_eight_points_resubmitted_with_two_more_plans_to_train_only_the_two(project, store):
+    """The plan the flow writes for the job (`sweep/trials.json`): each point trained before is reused, by its key
+    (the real sweep that then trains only its new point is tests/test_sweep.py's)."""
+    client, _ = store
+    experiment = client.create_experiment("eight-then-ten")
+    one_worker = {"backend": "local", "num_nodes": 1, "workers_per_node": 1}
+
+    def sweep_of(rates: list[float]) -> ExperimentSpec:
+        grid = {"train.lr": {"grid": rates}, "train.params.seed": {"grid": [1, 2]}}
+        return spec_of(project, compute=one_worker, sweep={"parameters": grid, "metric": "loss", "mode": "min"})
+
+    tags, (changes, diff) = source_tags(project[0] / "src"), uncommitted_changes(project[0] / "src")
+    first = trial_plan(sweep_of([0.1, 0.2, 0.3, 0.4]), {**tags, **changes}, diff, finder(client, experiment), True)
+    for point in first:  # its eight trials trained: the job tags each with its key
+        a_run(client, experiment, 5000, "FINISHED", {WORK_KEY_TAG: point["key"]})
+    again = trial_plan(sweep_of([0.1, 0.2, 0.3, 0.4, 0.5]), {**tags, **changes}, diff, finder(client, experiment), True)
+    assert len(first) == 8 and len(again) == 10
+    to_train = [point["values"] for point in again if point["reused"] is None]
+    assert to_train == [{"train.lr": 0.5, "train.params.seed": 1}, {"train.lr": 0.5, "train.params.seed": 2}]
