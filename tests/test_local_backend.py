@@ -76,6 +76,30 @@ def test_down_of_a_half_made_cluster(gpuflow_home):
     assert not folder.exists()
 
 
+def test_a_down_never_signals_a_session_that_got_a_recorded_pid_since(gpuflow_home):
+    """A cluster's record names its session and jobs by pid and start time: once they are gone, their pids may be
+    other sessions' (the machine's pids wrap), which a down of the stale record must leave alone."""
+    backend = LocalBackend()
+    folder = backend.root / NAME
+    folder.mkdir(parents=True)
+    others = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]  # each its own session
+    try:
+        record = {
+            "session": others[0].pid,
+            "session_started": 1.0,  # the cluster's session started then: not this one
+            "temp_dir": "/tmp/does-not-exist",
+            "jobs": {str(others[1].pid): {"log": "job.log", "run_name": "r", "started": 1.0}},
+        }
+        (folder / "cluster.json").write_text(json.dumps(record))
+        backend.down(NAME)
+        assert not folder.exists()
+        assert [other.poll() for other in others] == [None, None], "a session that is not the cluster's was killed"
+    finally:
+        for other in others:
+            other.kill()
+            other.wait()
+
+
 def test_status_lists_what_is_there_while_folders_come_and_go(gpuflow_home, monkeypatch):
     """A folder renamed (a spare claimed) or removed (downed) while status lists the clusters is not listed, and the
     listing goes on: the warm stack's idle check lists them every second, and a listing that raised stopped the stack

@@ -36,6 +36,14 @@ def still_the_process(pid: int, started: float | None) -> bool:
     return started is not None and alive(pid) and started_at(pid) == started
 
 
+def ours(session: int, started: float | None) -> bool:
+    """A session recorded as its leader's (pid, start time) is still the one recorded: its leader alive and started
+    then, or gone (no other session can take its id while one of its members lives). A leader alive with another
+    start is a session that got the id since: never signalled. A record without a start time is taken at its word."""
+    leader = started_at(session)
+    return started is None or leader is None or leader == started
+
+
 def in_session(pid: int, session: int) -> bool:
     try:
         return os.getsid(pid) == session and alive(pid)

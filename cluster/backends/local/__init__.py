@@ -26,7 +26,7 @@ from gpuflow.cluster.config import state_dir
 from gpuflow.cluster.protocol import JobEnv
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.util.files import write_atomically
-from gpuflow.cluster.util.processes import alive, session_alive, session_members, stop_sessions
+from gpuflow.cluster.util.processes import alive, ours, session_alive, session_members, started_at, stop_sessions
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class LocalBackend(WarmClusters):
             cluster_name,
             {
                 "session": process.pid,
+                "session_started": started_at(process.pid),  # a pid alone is reused once its process is gone
                 "temp_dir": temp_dir,
                 "launched_at": time.time(),
                 "jobs": {},
@@ -129,10 +130,10 @@ class LocalBackend(WarmClusters):
         spec_file = folder / f"{run_name}.spec.json"
         spec_file.write_text(spec.anchored().model_dump_json())  # the job's folder is not the flow's
         record = self.record(handle.name)
-        waiting = [pid for pid, job in record["jobs"].items() if job["run_name"] is None and self._running(pid)]
+        waiting = [pid for pid, job in record["jobs"].items() if job["run_name"] is None and self._running(pid, job)]
         if waiting:
             [pid] = waiting
-            record["jobs"][pid] = {"log": str(folder / "job.log"), "run_name": run_name}
+            record["jobs"][pid] = {**record["jobs"][pid], "log": str(folder / "job.log"), "run_name": run_name}
             self._write(handle.name, record)
             early_job.hand_over(
                 record["temp_dir"],
@@ -166,7 +167,7 @@ class LocalBackend(WarmClusters):
                 cwd=spec.workdir,
                 env={**ray_env(), **env, **JobEnv(local_cluster_session=record["session"]).to_env()},
             )
-        record["jobs"][str(process.pid)] = {"log": str(log), "run_name": run_name}
+        record["jobs"][str(process.pid)] = {"log": str(log), "run_name": run_name, "started": started_at(process.pid)}
         self._write(handle.name, record)
         self._children[str(process.pid)] = process
         return str(process.pid)
@@ -231,7 +232,9 @@ class LocalBackend(WarmClusters):
         folder = self.root / cluster_name
         record = self.record(cluster_name)
         if record is not None:
-            sessions = [int(pid) for pid in record.get("jobs", {})] + [record["session"]]
+            recorded = [(int(pid), job.get("started")) for pid, job in record.get("jobs", {}).items()]
+            recorded.append((record["session"], record.get("session_started")))
+            sessions = [session for session, started in recorded if ours(session, started)]
             if survivors := stop_sessions(sessions):
                 raise OSError(f"local cluster {cluster_name}: processes {survivors} survive SIGKILL")
             # reap only this cluster's children: this object may also hold other clusters that stay up

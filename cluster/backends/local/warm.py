@@ -14,7 +14,7 @@ from gpuflow.cluster.backends.local import early_job
 from gpuflow.cluster.backends.local.early_job import OWNER_FILE
 from gpuflow.cluster.spec import ExperimentSpec
 from gpuflow.cluster.util.files import write_atomically
-from gpuflow.cluster.util.processes import alive, session_alive, stop_sessions
+from gpuflow.cluster.util.processes import alive, session_alive, started_at, still_the_process, stop_sessions
 
 # The cluster `prewarm` started for this process's next launch (the CLI prewarms, the flow in the same process
 # launches): a hand-over inside one process, so a plain variable.
@@ -49,6 +49,7 @@ class WarmClusters:
             "log": "job.log",
             "run_name": None,
             "environment": early_job.environment_digest(),
+            "started": started_at(process.pid),
         }
         self._write(cluster_name, record)
         self._children[str(process.pid)] = process
@@ -62,7 +63,9 @@ class WarmClusters:
         """Whether a claimed spare's early job (the stack's) waits, started in this process's environment; one started
         in another is stopped: its environment would not be the run's."""
         record = self.record(cluster_name)
-        waiting = {pid: job for pid, job in record["jobs"].items() if job["run_name"] is None and self._running(pid)}
+        waiting = {
+            pid: job for pid, job in record["jobs"].items() if job["run_name"] is None and self._running(pid, job)
+        }
         if any(job.get("environment") == early_job.environment_digest() for job in waiting.values()):
             return True
         stop_sessions([int(pid) for pid in waiting])
@@ -111,9 +114,12 @@ class WarmClusters:
         (self.root / warm).rename(self.root / cluster_name)  # the rename is the claim: one adopter only
         return True
 
-    def _running(self, pid: str) -> bool:
-        """A job process of ours has not exited (a child of ours that exited is a zombie until reaped: not running)."""
-        return self._children[pid].poll() is None if pid in self._children else alive(int(pid))
+    def _running(self, pid: str, job: dict) -> bool:
+        """A job process of ours has not exited (a child of ours that exited is a zombie until reaped: not running);
+        another process's, by its recorded start (its pid may be another process's since)."""
+        if pid in self._children:
+            return self._children[pid].poll() is None
+        return still_the_process(int(pid), job["started"]) if job.get("started") else alive(int(pid))
 
 
 def shape_of(spec: ExperimentSpec) -> dict:
