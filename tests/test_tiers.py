@@ -175,3 +175,25 @@ def test_the_budget_is_checked_at_the_reference_pace_the_controller_measured(tmp
 
     probe = cpu_report.probe_cpu_s()  # the probe times real work on this machine
     assert 0 < probe < 60
+
+
+def test_a_server_group_is_signalled_only_while_it_is_the_servers():
+    """`stop_group` signals a server's process group while the server is not reaped, or a member of its group lives;
+    a group left empty after its leader was reaped may be another session's by now (pids wrap), and is left alone."""
+    import os
+    import signal
+    import subprocess
+
+    from tests.support.servers import ours_to_signal
+
+    alone = subprocess.Popen(["true"], start_new_session=True)
+    assert ours_to_signal(alone), "not reaped yet: its id is still its own"
+    alone.wait()
+    assert not ours_to_signal(alone), "reaped, no member left: its id may be anyone's"
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo started"], start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        assert leader.stdout.readline().strip() == b"started"
+        leader.wait()
+        assert ours_to_signal(leader), "its leader reaped, a member of its group lives"
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)

@@ -69,17 +69,35 @@ def wait_for_http(url: str, process: subprocess.Popen, log: Path, timeout_s: flo
 
 
 def stop_group(process: subprocess.Popen, grace_s: float = 15) -> None:
-    """SIGTERM the process group, then SIGKILL what is left: no server outlives its test."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
+    """SIGTERM the process group, then SIGKILL what is left: no server outlives its test. A group whose leader was
+    reaped and that has no member left is not signalled: its id may be another session's since (pids wrap here in
+    half an hour of a whole matrix), such as the Slurm harness's sshd."""
+    if ours_to_signal(process):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
     try:
         process.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+    if ours_to_signal(process):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=10)
+
+
+def ours_to_signal(process: subprocess.Popen) -> bool:
+    """The process group of `process` (a session leader we started) is still its own: the leader not reaped yet (a
+    zombie keeps its id), or a member of the group alive (no new group can take an id in use)."""
+    import psutil
+
+    if process.returncode is None:
+        return True
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == process.pid:
+                return True
+    return False
 
 
 @contextlib.contextmanager
