@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -10,8 +11,8 @@ import pytest
 from gpuflow.cluster.backends import cluster_name_for, flow_run_id_of
 from gpuflow.cluster.backends.local import LocalBackend, ray_env
 from gpuflow.cluster.spec import parse_spec
-from tests.support.processes import alive
-from tests.support.repo import A_LOOP
+from tests.support.processes import alive, wait_until
+from tests.support.repo import A_LOOP, REPO
 
 NAME = cluster_name_for("0d5f6a0e-1b1c-4c2e-9a55-2f2d1c3b4a59")
 
@@ -209,6 +210,71 @@ def test_a_spare_serves_only_a_run_whose_own_cluster_would_get_the_same_environm
             if name:
                 backend.down(name)
     assert alive(pids) == []
+
+
+SLOW_PRELOAD = """
+import importlib.abc, os, sys, time
+
+class SlowRayTrainTorch(importlib.abc.MetaPathFinder):
+    # An early job's preload, at its slowest: ray.train.torch (torch's import) takes 8 s to find, in the job only
+    def find_spec(self, name, path, target=None):
+        if name == "ray.train.torch" and "--handoff" in sys.argv:
+            with open(os.environ["SLOW_PRELOAD_MARKS"], "a") as marks:
+                marks.write(f"{time.time()} ")
+                marks.flush()
+                time.sleep(8)
+                marks.write(f"{time.time()}\\n")
+        return None
+
+sys.meta_path.insert(0, SlowRayTrainTorch())
+"""
+
+
+@pytest.mark.full
+def test_a_run_handed_to_an_early_job_in_the_middle_of_its_preload_trains_and_is_tracked(
+    gpuflow_home, tmp_path, monkeypatch
+):
+    """The warm path's worst moment, made certain: the run comes while the early job's background import of Ray
+    Train's torch module is at its slowest (held 8 s by an import hook on its path). The job's own imports of the same
+    wait for it (`after_background_imports`): the run trains and every report reaches MLflow."""
+    from mlflow import MlflowClient
+
+    from gpuflow.cluster.config import STARTING_ENVIRONMENT
+
+    hooks, marks = tmp_path / "hooks", tmp_path / "marks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_PRELOAD)
+    for name, value in (("PYTHONPATH", str(hooks)), ("SLOW_PRELOAD_MARKS", str(marks))):
+        monkeypatch.setitem(STARTING_ENVIRONMENT, name, value)  # the shell that left the stack: its early job's
+    tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(tracking_uri)
+    experiment = client.create_experiment("handover", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
+    spec = parse_spec(
+        {
+            "train": {"loop": "tests.loops.plain:epochs_with_checkpoints", "epochs": 2, "params": {"offset": 0.0}},
+            "workdir": str(REPO),
+            "compute": {"workers_per_node": 1},
+            "limits": {"orphan_grace_minutes": 30},  # no flow renews this job's lease
+        }
+    )
+    backend = LocalBackend()
+    handle = backend.launch(spec, NAME)
+    try:
+        backend.start_early_job(NAME, str(REPO))
+        [early] = backend.record(NAME)["jobs"]
+        wait_until(lambda: marks.exists() and marks.read_text(), 120, "the early job's preload at its slowest")
+        handed_at = time.time()
+        env = {"MLFLOW_TRACKING_URI": tracking_uri, "GPUFLOW_MLFLOW_RUN_ID": run_id}
+        job, lines = backend.exec(handle, spec, "handed-over", env), []
+        assert job == early, "the run went to the early job"
+        assert backend.tail_logs(handle, job, lines.append) == 0, "\n".join(lines[-60:])
+    finally:
+        backend.down(NAME)
+    [(slow_from, slow_to)] = [tuple(map(float, line.split())) for line in marks.read_text().splitlines()]
+    assert slow_from < handed_at < slow_to, "handed over while the preload was held"
+    losses = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+    assert losses == [(0, 0.0), (1, 1.0)], losses
 
 
 RACE = """
