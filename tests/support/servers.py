@@ -88,16 +88,10 @@ def stop_group(process: subprocess.Popen, grace_s: float = 15) -> None:
 
 def ours_to_signal(process: subprocess.Popen) -> bool:
     """The process group of `process` (a session leader we started) is still its own: the leader not reaped yet (a
-    zombie keeps its id), or a member of the group alive (no new group can take an id in use)."""
-    import psutil
+    zombie keeps its id), or a member of its session alive (no new group or session can take an id in use)."""
+    from gpuflow.cluster.util.processes import session_members
 
-    if process.returncode is None:
-        return True
-    for pid in psutil.pids():
-        with contextlib.suppress(OSError):
-            if os.getpgid(pid) == process.pid:
-                return True
-    return False
+    return process.returncode is None or bool(session_members(process.pid))
 
 
 @contextlib.contextmanager
