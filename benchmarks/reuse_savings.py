@@ -9,15 +9,17 @@ sweep resubmitted with new points.
     sweep +2    a grid of `--points` learning rates, then the same grid with 2 more: only the 2 new points train
 
 Each case's reusing run is measured against the same run with --force (trains everything). On this machine's CPU the
-cluster's workers stand in for GPUs: worker-seconds = the run's training seconds × its workers. Runs in a gpuflow home
-of its own, with no warm stack, on a clone of the project's last commit (a work key digests the workdir's uncommitted
-changes: a row written into this checkout's README would change it); records a row a case in benchmarks/README.md
-once every run is done.
+cluster's workers stand in for GPUs: worker-seconds = the run's training seconds × its workers; seconds to done = the
+`gpuflow run` command's, its start-up included (a reused run: what a user waits for the answer). Runs in a gpuflow
+home of its own, with no warm stack, on a clone of the project's last commit (a work key digests the workdir's
+uncommitted changes: a row written into this checkout's README would change it); records a row a case in
+benchmarks/README.md once every run is done.
 """
 
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +62,8 @@ def main() -> int:
         print(
             f"{case:10s} reuse: {reused['worker_s']:6.1f} worker-s trained, {reused['cluster_s']:6.1f} cluster-s "
             f"billed; --force: {baseline['worker_s']:6.1f}, {baseline['cluster_s']:6.1f}; saved {saved:.0%}; trials "
-            f"trained: {reused['trials']} (--force: {baseline['trials']})",
+            f"trained: {reused['trials']} (--force: {baseline['trials']}); done in {reused['wall_s']:.1f} s "
+            f"(--force: {baseline['wall_s']:.1f} s)",
             flush=True,
         )
         rows.append(
@@ -73,6 +76,8 @@ def main() -> int:
                 "saved %": round(100 * saved, 1),
                 "trials trained with reuse": reused["trials"],
                 "trials trained with --force": baseline["trials"],
+                "s to done with reuse": round(reused["wall_s"], 1),
+                "s to done with --force": round(baseline["wall_s"], 1),
             }
         )
     from benchmarks.record import record
@@ -96,15 +101,17 @@ class Runs:
         self.count += 1
         log = self.home / f"run-{self.count}.txt"
         command = [str(GPUFLOW), "run", str(SPEC), *self.data, *(arg for item in settings for arg in ("--set", item))]
+        started = time.monotonic()
         with open(log, "w") as out:
             code = subprocess.call(
                 command + (["--force"] if force else []), env=self.env, cwd=REPO, stdout=out, stderr=out
             )
+        wall_s = time.monotonic() - started  # the command's, start-up included: what its user waits
         if code != 0:
             raise SystemExit(f"run {self.count} failed (exit {code}): {log}")
         [new] = [run for run in self.parents(client) if run.info.run_id not in before] or [None]
         if new is None:  # reused: no MLflow run, no cluster
-            return {"worker_s": 0.0, "cluster_s": 0.0, "trials": "—"}
+            return {"worker_s": 0.0, "cluster_s": 0.0, "trials": "—", "wall_s": wall_s}
         metrics = new.data.metrics
         trials = "—"  # a sweep's trials that trained, of all its trials (the others reused a finished trial's run)
         if "sweep/trials" in metrics:
@@ -114,6 +121,7 @@ class Runs:
             "worker_s": metrics["gpuflow.train_seconds"] * WORKERS,
             "cluster_s": metrics["cluster_hours"] * 3600,
             "trials": trials,
+            "wall_s": wall_s,
         }
 
     def parents(self, client) -> list:

@@ -63,8 +63,8 @@ def test_a_schedule_a_minute_away_runs_without_a_click(served, scheduled_run, se
 def test_the_schedule_on_unchanged_code_and_data_reuses_the_last_run_without_a_cluster(tmp_path, mlflow_url):
     """A serve of nightly-digits on a Prefect server of its own (the session's serves it too), reusing finished work
     (GPUFLOW_REUSE=finished; its experiment its own): a run of it trains; then its schedule fires on the same code,
-    data and training, and that run trains nothing (no cluster, no MLflow run of its own), ends Completed in seconds,
-    and links the run it reused."""
+    data and training, and that run trains nothing (no cluster, no MLflow run of its own), ends Completed and links
+    the run it reused. Its seconds are a benchmark's (benchmarks/reuse_savings.py), not a test's."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     from gpuflow.flows.run_tags import REUSED_TAG_PREFIX
@@ -94,9 +94,6 @@ def test_the_schedule_on_unchanged_code_and_data_reuses_the_last_run_without_a_c
     assert REUSED_TAG_PREFIX + trained.info.run_id in again.tags
     assert mlflow_runs_of(mlflow_url, again.id)[1] == [], "no MLflow run of its own"
     assert not {"provision", "open-mlflow-run"} & {task.name.rsplit("-", 1)[0] for task in tasks}, tasks
-    took, trained_in = (run.end_time - run.start_time for run in (again, first))
-    print(f"\nreused in {took.total_seconds():.1f}s, trained in {trained_in.total_seconds():.1f}s")
-    assert took < trained_in / 2, (took, trained_in)
 
 
 def test_a_stopped_serve_pauses_what_nobody_else_serves(prefect_server):
