@@ -155,18 +155,10 @@ def struck_by_another(run, plan, servers=("prefect",)) -> bool:
 
 
 def runs_of_experiments(client) -> list:
-    """Every flow run but the reaper's passes, page by page: the passes beside a long soak number in the hundreds,
-    and a first page of them would hide runs."""
+    """Every flow run but the reaper's passes (hundreds of them beside a long soak)."""
     from prefect.client.schemas.filters import FlowFilter, FlowFilterId
-    from prefect.client.schemas.sorting import FlowRunSort
+
+    from gpuflow.flows.quota.pools import every_flow_run
 
     others = [flow.id for flow in client.read_flows() if flow.name != "reap-clusters"]
-    runs, page = [], 200
-    while others:
-        batch = client.read_flow_runs(
-            flow_filter=FlowFilter(id=FlowFilterId(any_=others)), sort=FlowRunSort.ID_DESC, limit=page, offset=len(runs)
-        )
-        runs += batch
-        if len(batch) < page:
-            break
-    return runs
+    return every_flow_run(client, flow_filter=FlowFilter(id=FlowFilterId(any_=others))) if others else []

@@ -19,6 +19,7 @@ from gpuflow.cluster.run.record import run_url
 from gpuflow.cluster.run.webhook import Event, send, send_once
 from gpuflow.cluster.spec import ExperimentSpec, SpecError
 from gpuflow.cluster.util.local_store import store_exists
+from gpuflow.flows.quota.pools import every_flow_run
 from gpuflow.flows.run_spec import spec_from
 from gpuflow.flows.run_tags import flow_run_ui_url, prefect_link
 
@@ -255,9 +256,7 @@ def notify_owed() -> list[str]:
 
     said = []
     with get_client(sync_client=True) as prefect:
-        for flow_run in prefect.read_flow_runs(
-            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[OWED_TAG])), limit=200
-        ):
+        for flow_run in every_flow_run(prefect, flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[OWED_TAG]))):
             try:
                 spec = spec_from(flow_run.parameters.get("spec"), flow_run.parameters.get("spec_file"))
                 failure = None

@@ -312,6 +312,21 @@ def holder_run(client, pool: str, state, *tags: str):
     return client.create_flow_run(quota_holder, tags=[f"quota:{pool}", "backend:local", *tags], state=state)
 
 
+@pytest.mark.full
+def test_a_queue_longer_than_a_page_of_the_server_is_read_whole(prefect_server):
+    """A Prefect server answers a read with at most 200 flow runs: the 201st waiter of a pool is still in its queue,
+    and first submitted is first."""
+    from prefect.client.orchestration import get_client
+
+    from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, waiting_runs, waiting_state
+
+    pool = f"long-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        made = [holder_run(client, pool, waiting_state("waiting"), WAIT_TAG_PREFIX + pool).id for _ in range(201)]
+        queue = waiting_runs(pool, client)
+    assert [run.id for run in queue] == made
+
+
 def quota_of(pool: str):
     from prefect.client.orchestration import get_client
 

@@ -33,7 +33,7 @@ from gpuflow.cluster.run.liveness import age_s
 from gpuflow.cluster.run.mlflow_run import at_most_one_try
 from gpuflow.flows.cli.console import clock
 from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
-from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, need_of, waiting_runs
+from gpuflow.flows.quota.pools import WAIT_TAG_PREFIX, WAITING, every_flow_run, need_of, waiting_runs
 from gpuflow.flows.reconcile.dead_runs import found_dead
 from gpuflow.flows.reconcile.lapsed import DEFAULT_GRACE_S
 from gpuflow.flows.reconcile.overdue import ask_for_a_pass_if_overdue
@@ -107,18 +107,18 @@ def read_status(now: float | None = None) -> list[RunStatus]:
 
     now = now or time.time()
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
+        runs = every_flow_run(
+            client,
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=LIVE_STATES))),
-            limit=200,
         )
-        due = client.read_flow_runs(  # started from the UI or `--deployment`, or scheduled, with nothing to run it
+        due = every_flow_run(  # started from the UI or `--deployment`, or scheduled, with nothing to run it
+            client,
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["SCHEDULED"])),
                 expected_start_time=FlowRunFilterExpectedStartTime(before_=datetime.fromtimestamp(now, timezone.utc)),
             ),
-            limit=200,
         )
         queues = {
             pool: [str(run.id) for run in waiting_runs(pool, client)]

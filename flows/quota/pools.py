@@ -121,8 +121,8 @@ def waiting_runs(pool: str, client=None) -> list:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
     with contextlib.nullcontext(client) if client else get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[WAIT_TAG_PREFIX + pool])), limit=200
+        runs = every_flow_run(
+            client, flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[WAIT_TAG_PREFIX + pool]))
         )
     now = datetime.now(timezone.utc)
     return sorted(
@@ -160,12 +160,12 @@ def queue_of(client, pool: str, flow_run_id: str) -> tuple:
     from prefect.client.schemas import filters as f
 
     mine = client.read_flow_run(flow_run_id)
-    runs = client.read_flow_runs(
+    runs = every_flow_run(
+        client,
         flow_run_filter=f.FlowRunFilter(
             tags=f.FlowRunFilterTags(all_=[POOL_TAG_PREFIX + pool]),
             state=f.FlowRunFilterState(type=f.FlowRunFilterStateType(any_=["RUNNING"])),
         ),
-        limit=200,
     )
     now = datetime.now(timezone.utc)
 
@@ -197,3 +197,15 @@ def lease_slots(client, need: Need, flow_run_id: str, lease_s: float) -> str | N
             return None
         raise
     return response.json()["lease_id"]
+
+
+def every_flow_run(client, **filters) -> list:
+    """Every flow run `filters` (read_flow_runs' own) select, page by page in a stable order: a Prefect server answers
+    a read with at most its default limit (PREFECT_SERVER_API_DEFAULT_LIMIT, 200 unless its admin changed it) and
+    refuses one that asks for more, so each page is the server's own size; the last read is the empty page."""
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    runs = []
+    while page := client.read_flow_runs(**filters, sort=FlowRunSort.ID_DESC, offset=len(runs)):
+        runs += page
+    return runs

@@ -25,14 +25,15 @@ def dead_without_lease(cluster_run_ids: set[str], tracking_uris: list[str], now:
     from gpuflow.flows.deployments.known_servers import TRACKING_TAG_PREFIX
     from gpuflow.flows.heartbeats import last_heartbeat
     from gpuflow.flows.quota import pools
+    from gpuflow.flows.quota.pools import every_flow_run
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
+        runs = every_flow_run(
+            client,
             flow_filter=FlowFilter(name=FlowFilterName(any_=["run-experiment"])),
             flow_run_filter=FlowRunFilter(
                 state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING", "PENDING", "CANCELLING"]))
             ),
-            limit=200,
         )
         dead, kept = {}, None
         for run in runs:

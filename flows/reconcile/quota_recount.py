@@ -28,6 +28,7 @@ from gpuflow.flows.quota.pools import (
     OVER_BUT_BILLING_LEASE_S,
     SLOTS_TAG_PREFIX,
     TAKING_TAG_PREFIX,
+    every_flow_run,
     need_of,
     quotas,
 )
@@ -182,20 +183,13 @@ def live_runs(client, pool: str) -> list:
         FlowRunFilterTags,
     )
 
-    found, offset = [], 0
-    while True:
-        page = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(
-                tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool, TAKING_TAG_PREFIX + pool]),
-                state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=FINAL)),
-            ),
-            limit=PAGE,
-            offset=offset,
-        )
-        found += page
-        if len(page) < PAGE:
-            return found
-        offset += PAGE
+    return every_flow_run(
+        client,
+        flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(any_=[HELD_TAG_PREFIX + pool, TAKING_TAG_PREFIX + pool]),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=FINAL)),
+        ),
+    )
 
 
 def listed_clusters(listed: Callable[[str | None], set[str] | None], pools: set[str], client) -> dict | None:
