@@ -189,6 +189,27 @@ def test_a_dead_runs_persisted_reports_fill_its_mlflow_run_once(digits_run):
     assert {m.step: m.timestamp for m in client.get_metric_history(lost, "train_loss")} == logged_at
 
 
+def test_a_run_the_flow_stops_keeps_every_persisted_epoch_and_its_last_checkpoint(digits_run):
+    """The flow interrupted (its runner gone, Ctrl-C) downs the cluster, and the job with it, reports still on their
+    way: closing the run KILLED, the flow logs what Ray Train persisted and MLflow lacks, and tags the checkpoint."""
+    from gpuflow.cluster.protocol import CHECKPOINT_TAG, CHECKPOINTS_TAG
+    from gpuflow.cluster.run.lifecycle import Outcome
+    from gpuflow.cluster.run.record import RunRecord
+
+    client, finished = digits_run.mlflow_run()
+    stopped = client.create_run(
+        finished.info.experiment_id, tags={CHECKPOINTS_TAG: finished.data.tags[CHECKPOINTS_TAG]}
+    ).info.run_id
+    record = RunRecord(digits_run.spec, f"stopped-{stopped}")
+    record.run_id = stopped
+    record.close(Outcome("KILLED", "interrupted", "interrupted (SystemExit)"), {})
+    run = client.get_run(stopped)
+    assert (run.info.status, run.data.tags["stopped_by"]) == ("KILLED", "interrupted")
+    epochs = list(range(digits_run.spec.train.epochs))
+    assert sorted(m.step for m in client.get_metric_history(stopped, "val_accuracy")) == epochs
+    assert run.data.tags[CHECKPOINT_TAG] == finished.data.tags[CHECKPOINT_TAG]
+
+
 def test_a_run_of_the_same_work_reuses_the_finished_run_without_a_cluster(digits_run, monkeypatch):
     """The same spec, code and data again: no cluster, no MLflow run of its own, Completed, linking the run it
     reused. A changed learning rate, --force, `reuse: never` or GPUFLOW_REUSE=never train (the decision, read

@@ -194,6 +194,8 @@ class RunRecord:
         """Ends the run; the lease stops only after, so the job never sees a live run without one."""
         if self.run_id and attempts:
             self.log_attempts(attempts)
+        if self.run_id and outcome.status != "FINISHED":
+            keep_what_was_reported(client_for(self.spec), self.run_id)
         if self.run_id:
             metrics = {**{f"{PHASE_METRIC_PREFIX}{key}": value for key, value in self.phases.items()}, **bill}
             metrics.update(deadline_metrics(self.spec, attempts, time.time()))
@@ -238,9 +240,23 @@ def close_runs_of_flow_run(spec: ExperimentSpec, flow_run_id: str, status: str) 
     client = client_for(spec)
     runs = runs_of_flow_run(client, flow_run_id, spec.experiment_name, running=True)
     for run in runs:
+        keep_what_was_reported(client, run.info.run_id)
         client.set_tag(run.info.run_id, CLOSED_BY_TAG, "hook")
         client.set_terminated(run.info.run_id, status)
     return [run.info.run_id for run in runs]
+
+
+def keep_what_was_reported(client, run_id: str) -> None:
+    """Before the flow closes a run it stopped: its job, stopped with the cluster, took its last reports with it
+    (they reach MLflow seconds behind training); what Ray Train persisted with a checkpoint is logged from there
+    (cluster/job/reports.py), once, whoever closes the run."""
+    from gpuflow.cluster.job.reports import fill_from_checkpoints
+
+    try:
+        if filled := fill_from_checkpoints(client, client.get_run(run_id)):
+            log.info(f"MLflow run {run_id}: {filled} metric(s) logged from its persisted checkpoints")
+    except Exception as exc:  # the close goes on; the reaper fills a run its job left orphaned
+        log.warning(f"MLflow run {run_id}: could not log its checkpoints' metrics: {type(exc).__name__}: {exc}")
 
 
 def run_url(spec: ExperimentSpec, run_id: str) -> str:
