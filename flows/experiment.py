@@ -34,7 +34,7 @@ from gpuflow.flows.cancel_watch import CANCEL_POLL_S, cancel_check
 from gpuflow.flows.capacity.replacement import Replacement
 from gpuflow.flows.experiment_run import ExperimentRun
 from gpuflow.flows.local_stack.prefect_api import stop_retrying_if_gone
-from gpuflow.flows.prefect_internals import end_without_heartbeat_wait
+from gpuflow.flows.prefect_internals import end_without_heartbeat_wait, quiet_on_broken_pipe
 from gpuflow.flows.quota.hold import QueueCancelled, QueueTimeout, turn_for_gpus
 from gpuflow.flows.run_logs import attach_gpuflow_loggers
 from gpuflow.flows.run_messages import notify_end, notify_recovered, webhook_for
@@ -186,6 +186,7 @@ def run_experiment(
     """
     started = time.time()
     attach_gpuflow_loggers()  # gpuflow's own lines (the cluster's, the quota's) in this run's logs
+    quiet_on_broken_pipe()  # a served run outlives its runner killed -9: its console goes quiet, not the run
     spec = spec_from(spec, spec_file)  # a bad YAML file fails the run here, naming the field
     if rerun_of:  # the run as it ran: its spec, its code checked out, its data checked; then a run as any other
         spec = prepare_rerun(rerun_of, spec, form_policy_of_this_run(), source_stamp_of)

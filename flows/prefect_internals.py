@@ -19,6 +19,10 @@ Prefect upgrade, check these first.
                             prefect.flow_engine._send_heartbeats: a sync flow run's end joins its heartbeat thread,
                             which sleeps in one-second steps before it sees the stop: up to a second (half on average)
                             after every run. Prefect's async engine does not join it; the sync one is made not to.
+    quiet_on_broken_pipe    rich.console.Console.on_broken_pipe, of the console of each of Prefect's console handlers
+                            (prefect.logging.handlers.PrefectConsoleHandler): rich ends the process (SystemExit(1))
+                            when its output's reader is gone. A served flow run's output goes to its runner: a
+                            runner killed -9 took its runs with it at their next log line. They go quiet instead.
     extra_logger_handlers   the handlers of Prefect's `prefect.extra` logger (logging.yml): what Prefect gives each
                             logger of its extra-loggers setting, for a process that set Prefect up before gpuflow
                             named its loggers there (flows/run_logs.py).
@@ -102,3 +106,29 @@ def end_without_heartbeat_wait() -> None:
 
     if not isinstance(flow_engine._send_heartbeats, functools.partial):
         flow_engine._send_heartbeats = functools.partial(flow_engine._send_heartbeats, join_on_exit=False)
+
+
+def quiet_on_broken_pipe() -> None:
+    """This process's Prefect console handlers, when their output's reader is gone, write nowhere from then on (as
+    rich does before it ends the process) and the process goes on. Idempotent."""
+    import logging
+    import types
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    def go_quiet(console) -> None:
+        console.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, console.file.fileno())  # the stream's later writes (and flushes) go nowhere too
+        except (OSError, ValueError, AttributeError):  # a stream without a descriptor: quiet is enough
+            pass
+        finally:
+            os.close(devnull)
+
+    loggers = [
+        logging.getLogger(),
+        *(lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger)),
+    ]
+    for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}:
+        handler.console.on_broken_pipe = types.MethodType(go_quiet, handler.console)

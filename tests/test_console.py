@@ -188,3 +188,42 @@ def test_registering_a_model_prints_nothing_past_the_quiet_console(prefect_serve
         "INFO mlflow",
     ):  # e.g. "Creating initial MLflow database tables"
         assert noise not in shown and noise not in Path(log_file).read_text(), noise
+
+
+OUTLIVES_ITS_READER = """
+import logging, sys, time
+from prefect.logging.configuration import setup_logging
+setup_logging()
+if sys.argv[1] == "gpuflow":
+    from gpuflow.flows.prefect_internals import quiet_on_broken_pipe
+    quiet_on_broken_pipe()
+print("ready", flush=True)
+time.sleep(1)  # its reader goes meanwhile
+for i in range(50):
+    logging.getLogger("prefect.gpuflow").warning("epoch %d", i)
+open(sys.argv[2], "w").write("went on")
+"""
+
+
+def test_a_flow_process_whose_console_reader_is_killed_goes_on(tmp_path):
+    """A served flow run writes its console to its runner through a pipe: the runner killed -9, the run's next log
+    line meets a broken pipe, on which Prefect's console (rich) ends the process. With gpuflow's flow set up, the
+    console goes quiet and the process goes on; Prefect's own console still ends it (the check can fail)."""
+    import os
+    import subprocess
+    import sys
+
+    went_on = {}
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}  # Prefect's defaults
+    for console in ("gpuflow", "prefect"):
+        marker = tmp_path / f"{console}.txt"
+        process = subprocess.Popen(
+            [sys.executable, "-c", OUTLIVES_ITS_READER, console, str(marker)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        assert process.stdout.readline() == b"ready\n"
+        process.stdout.close()  # the runner gone
+        went_on[console] = (process.wait(timeout=120), marker.exists())
+    assert went_on == {"gpuflow": (0, True), "prefect": (1, False)}
