@@ -33,6 +33,7 @@ command, and `gpuflow run` must start fast.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -119,12 +120,11 @@ def quiet_on_broken_pipe() -> None:
     def go_quiet(console) -> None:
         console.quiet = True
         devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, console.file.fileno())  # the stream's later writes (and flushes) go nowhere too
-        except (OSError, ValueError, AttributeError):  # a stream without a descriptor: quiet is enough
-            pass
-        finally:
-            os.close(devnull)
+        for fd in {1, 2, getattr(console.file, "fileno", lambda: 1)()}:  # each of this process's on a pipe that broke
+            with contextlib.suppress(OSError, ValueError):
+                if reader_gone(fd):
+                    os.dup2(devnull, fd)
+        os.close(devnull)
 
     loggers = [
         logging.getLogger(),
@@ -132,3 +132,15 @@ def quiet_on_broken_pipe() -> None:
     ]
     for handler in {h for lg in loggers for h in lg.handlers if isinstance(h, PrefectConsoleHandler)}:
         handler.console.on_broken_pipe = types.MethodType(go_quiet, handler.console)
+
+
+def reader_gone(fd: int) -> bool:
+    """Whether `fd` is a pipe whose reading end is closed (poll reports POLLERR on its writing end)."""
+    import select
+    import stat
+
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))

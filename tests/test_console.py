@@ -201,6 +201,7 @@ print("ready", flush=True)
 time.sleep(1)  # its reader goes meanwhile
 for i in range(50):
     logging.getLogger("prefect.gpuflow").warning("epoch %d", i)
+print("and a print, as MLflow's client makes one", flush=True)
 open(sys.argv[2], "w").write("went on")
 """
 

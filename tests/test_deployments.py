@@ -96,6 +96,38 @@ def test_the_schedule_on_unchanged_code_and_data_reuses_the_last_run_without_a_c
     assert not {"provision", "open-mlflow-run"} & {task.name.rsplit("-", 1)[0] for task in tasks}, tasks
 
 
+@pytest.mark.full
+def test_a_serve_killed_9_mid_run_leaves_its_run_to_end_whole(tmp_path, mlflow_url):
+    """kill -9 of `gpuflow serve` alone, in the second after an epoch of its run: the run's process (the serve's
+    child, its output the serve's pipe) trains on past its next log line and ends true: Completed, its MLflow run
+    FINISHED with every epoch once, nothing of it left running."""
+    from tests.conftest import served_overrides
+    from tests.support.processes import processes_of, wait_until
+    from tests.support.runs import mlflow_run_of
+    from tests.support.servers import ServedDeployments, gpuflow_serve, prefect_server
+
+    home = tmp_path / "served"
+    with (
+        prefect_server(tmp_path / "prefect") as api_url,
+        gpuflow_serve(api_url, home, served_overrides(mlflow_url, home), ("run-experiment",), only=True) as serve,
+    ):
+        served = ServedDeployments(api_url, mlflow_url, home)
+        deployment = served.deployment("run-experiment")
+        spec = {**deployment.parameters["spec"], "train": {**deployment.parameters["spec"]["train"], "epochs": 12}}
+        with served.client() as client:
+            flow_run = client.create_flow_run_from_deployment(deployment.id, parameters={"spec": spec, "force": True})
+        log = home / "serve.log"
+        wait_until(lambda: "[gpuflow] epoch 1:" in log.read_text(errors="replace"), 300, "epoch 1", interval_s=0.2)
+        serve.kill()
+        serve.wait(30)
+        ended = served.wait_until_final(flow_run.id)
+        wait_until(lambda: processes_of(home) == [], 120, "the run's processes gone", interval_s=1)
+    assert ended.state.is_completed(), ended.state.message
+    client, run = mlflow_run_of(mlflow_url, flow_run.id)
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "val_accuracy")) == list(range(12))
+
+
 def test_a_stopped_serve_pauses_what_nobody_else_serves(prefect_server):
     from prefect import flow
     from prefect.client.orchestration import get_client
