@@ -260,8 +260,13 @@ def test_a_user_without_edit_on_the_experiment_is_refused_naming_the_fix(stack, 
 
 
 def test_a_teammate_runs_and_registers_a_version_once_shared(stack, users, first_run):
-    shared = gpuflow_command(stack, "share", "--user", "bob", user=("alice", users["alice"]))
-    assert shared.returncode == 0 and "bob: EDIT on experiment 'digits-mlp'" in shared.stdout, shared.stderr
+    """`gpuflow share` grants all or nothing (an unknown user among them: nothing, naming them), and again is fine."""
+    alice = ("alice", users["alice"])
+    refused = gpuflow_command(stack, "share", "--user", "bob", "--user", "nobody-here", user=alice)
+    assert refused.returncode == 1 and "nobody-here" in refused.stderr, (refused.stdout, refused.stderr)
+    for _ in range(2):
+        shared = gpuflow_command(stack, "share", "--user", "bob", user=alice)
+        assert shared.returncode == 0 and "bob: EDIT on experiment 'digits-mlp'" in shared.stdout, shared.stderr
     home = stack.home / "served-bob"
     with serving(stack, home, limit=1, user=("bob", users["bob"])):
         [flow_run_id] = submit(stack, 1, train={"epochs": 1})

@@ -18,6 +18,7 @@ import argparse
 import gc
 import importlib
 import sys
+import warnings
 
 from gpuflow.cluster.config import SettingError
 from gpuflow.cluster.spec import SpecError
@@ -90,6 +91,9 @@ def entry() -> None:
     """The `gpuflow` command as a process: main(), then an exit that does not wait on the interpreter's last garbage
     collections. Those walk every object Prefect, MLflow and torch made: about a second after a run's summary
     (benchmarks/overhead.py). Frozen, the objects are skipped; atexit handlers and Prefect's drains run as ever."""
+    # MLflow's users client imports its server's app, which imports a module Starlette deprecates: a warning on every
+    # command of a team's user that they can do nothing about
+    warnings.filterwarnings("ignore", message="starlette.middleware.wsgi is deprecated")
     code = main()
     gc.freeze()
     sys.exit(code)

@@ -65,9 +65,22 @@ def share(spec, users: list[str], permission: str = "EDIT") -> list[str]:
         if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
             raise
     auth = AuthServiceClient(spec.tracking_uri)
-    for user in users:
-        auth.grant_user_permission(user, "experiment", experiment, permission)
-        auth.grant_user_permission(user, "registered_model", spec.name, permission)
+    granted = []  # this call's new grants: taken back if a user is unknown (only an admin may look users up)
+    try:
+        for user in users:
+            for kind, name in (("experiment", experiment), ("registered_model", spec.name)):
+                try:
+                    auth.grant_user_permission(user, kind, name, permission)
+                    granted.append((user, kind, name))
+                except MlflowException as exc:  # shared before: given this permission now, as asked
+                    if exc.error_code not in ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS"):
+                        raise
+                    auth.revoke_user_permission(user, kind, name)
+                    auth.grant_user_permission(user, kind, name, permission)
+    except MlflowException:
+        for user, kind, name in granted:  # all or nothing
+            auth.revoke_user_permission(user, kind, name)
+        raise
     return [
         f"{user}: {permission} on experiment {spec.experiment_name!r} and registered model {spec.name!r} "
         f"at {spec.tracking_uri}"
